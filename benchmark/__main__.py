@@ -1,0 +1,69 @@
+"""Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--backward]``.
+
+Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
+importable peer on the same inputs, prints one table, writes ``<out>/results.json`` and one
+plot per operator (when matplotlib is installed). Needs a CUDA GPU; without one it says so and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def bench_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules([str(BENCH_DIR)])
+                  if m.name.startswith("bench_"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
+    parser.add_argument("--backward", action="store_true", help="also time backward kernels")
+    parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
+                        help="folder for results.json and the plots")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("benchmark: no CUDA GPU on this machine; the benchmarks time GPU kernels, "
+              "so there is nothing to run here.")
+        return 0
+
+    from benchmark import harness
+
+    started = time.perf_counter()
+    ceilings = harness.measure_ceilings(matmul=False)
+    print(f"{harness.environment()}", flush=True)
+    results = []
+    for name in bench_modules():
+        module = importlib.import_module(f"benchmark.{name}")
+        for case in module.cases(quick=args.quick, backward=args.backward):
+            if args.ops and case.op not in args.ops:
+                continue
+            print(f"  {case.op} {case.shape} ...", flush=True)
+            results.extend(harness.run_case(case, ceilings))
+            torch.cuda.empty_cache()
+    rows = harness.summarize(results)
+    print()
+    print(harness.format_table(rows, ceilings))
+    args.out.mkdir(parents=True, exist_ok=True)
+    harness.write_json(args.out / "results.json", results, rows, ceilings)
+    plots = [] if args.no_plot else harness.plot(results, ceilings, args.out)
+    print(f"\nwrote {args.out / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else "")
+          + f" in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

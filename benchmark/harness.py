@@ -1,0 +1,234 @@
+"""Shared benchmark machinery: ceilings, peers, timing, the report table, JSON and plots.
+
+Every figure is a ``triton.testing.do_bench`` median (after warm-up) in one process, so
+gemslib, the peers and the machine's ceilings are measured side by side in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GEMSLIB = "gemslib"
+
+
+@dataclass
+class Case:
+    """One operator at one shape: the implementations to time on the same inputs.
+
+    ``bytes_moved`` is the fewest bytes the operation must move (inputs read once, outputs
+    written once); ``flops`` its arithmetic. ``impls`` maps a name to a zero-argument callable;
+    the key ``"gemslib"`` is ours, every other key is a peer. ``outputs_agree`` compares
+    gemslib's output with torch eager's on these inputs (``None`` when not checkable).
+    """
+
+    op: str
+    shape: str
+    dtype: str
+    bytes_moved: int
+    impls: dict[str, Callable]
+    flops: int = 0
+    outputs_agree: Callable[[], bool] | None = None
+
+
+@dataclass
+class Result:
+    op: str
+    shape: str
+    dtype: str
+    impl: str
+    time_us: float | None
+    gbps: float | None
+    tflops: float | None
+    pct_of_ceiling: float | None
+    error: str | None = None
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float
+    matmul_tflops: float | None = None
+    details: dict = field(default_factory=dict)
+
+
+def median_ms(fn: Callable, warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    import triton.testing
+
+    fn()  # first call: compilation, autotuning, allocator warm-up
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def measure_ceilings(matmul: bool = False, copy_bytes: int = 2 * 2**30) -> Ceilings:
+    """Device-to-device copy bandwidth (bytes read + written) and optionally the bf16 matmul
+    rate at 8192^3 on random data."""
+    src = torch.randn(copy_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    ceilings = Ceilings(copy_gbps=2 * copy_bytes / copy_ms / 1e6,
+                        details={"copy_bytes": copy_bytes, "copy_us": copy_ms * 1e3})
+    del src, dst
+    if matmul:
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        mm_ms = median_ms(lambda: a @ b)
+        ceilings.matmul_tflops = 2 * n**3 / mm_ms / 1e9
+        ceilings.details["matmul_us"] = mm_ms * 1e3
+    return ceilings
+
+
+def optional_peer(module: str):
+    """Import a peer library if it is installed; ``None`` otherwise (or if its import fails)."""
+    try:
+        return importlib.import_module(module)
+    except Exception:  # a broken optional peer must not stop the benchmark
+        return None
+
+
+def compiled(fn: Callable) -> Callable:
+    """``torch.compile`` of ``fn`` with static shapes: the peer a user gets for free."""
+    return torch.compile(fn, dynamic=False)
+
+
+def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
+    results = []
+    for impl, fn in case.impls.items():
+        try:
+            ms = median_ms(fn)
+        except Exception as err:  # a peer that fails at a shape is reported, not fatal
+            results.append(Result(case.op, case.shape, case.dtype, impl, None, None, None, None,
+                                  error=f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"))
+            continue
+        gbps = case.bytes_moved / ms / 1e6 if case.bytes_moved else None
+        tflops = case.flops / ms / 1e9 if case.flops else None
+        if case.flops and ceilings.matmul_tflops:
+            pct = 100 * tflops / ceilings.matmul_tflops
+        else:
+            pct = 100 * gbps / ceilings.copy_gbps if gbps else None
+        results.append(Result(case.op, case.shape, case.dtype, impl, ms * 1e3, gbps, tflops, pct))
+    if case.outputs_agree is not None:
+        agree = case.outputs_agree()
+        if not agree:
+            for result in results:
+                if result.impl == GEMSLIB:
+                    result.error = "output differs from torch eager"
+    return results
+
+
+def summarize(results: list[Result]) -> list[dict]:
+    """One row per (op, shape): gemslib's figures, each peer's time, speedup over the best peer."""
+    rows: dict[tuple, dict] = {}
+    for r in results:
+        row = rows.setdefault((r.op, r.shape, r.dtype),
+                              {"op": r.op, "shape": r.shape, "dtype": r.dtype, "peers": {}})
+        if r.impl == GEMSLIB:
+            row.update(gemslib_us=r.time_us, gbps=r.gbps, tflops=r.tflops,
+                       pct_of_ceiling=r.pct_of_ceiling, error=r.error)
+        else:
+            row["peers"][r.impl] = r.time_us
+    for row in rows.values():
+        timed = {k: v for k, v in row["peers"].items() if v is not None}
+        if timed:
+            best = min(timed, key=timed.get)
+            row["best_peer"], row["best_peer_us"] = best, timed[best]
+            if row.get("gemslib_us"):
+                row["speedup"] = timed[best] / row["gemslib_us"]
+    return list(rows.values())
+
+
+def _fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else format(value, spec)
+
+
+def format_table(rows: list[dict], ceilings: Ceilings) -> str:
+    peers = sorted({p for row in rows for p in row["peers"]})
+    head = ["op", "shape", "gemslib us", "GB/s", "TFLOP/s", "% ceil"] + \
+           [f"{p} us" for p in peers] + ["best peer", "speedup", "note"]
+    body = []
+    for row in rows:
+        body.append([row["op"], f"{row['shape']} {row['dtype']}", _fmt(row.get("gemslib_us"), ".1f"),
+                     _fmt(row.get("gbps"), ".0f"), _fmt(row.get("tflops"), ".0f"),
+                     _fmt(row.get("pct_of_ceiling"), ".1f")]
+                    + [_fmt(row["peers"].get(p), ".1f") for p in peers]
+                    + [row.get("best_peer", "-"), _fmt(row.get("speedup"), ".2f") + "x"
+                       if row.get("speedup") else "-", row.get("error") or ""])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(x).rjust(w) if i > 1 else str(x).ljust(w)
+                       for i, (x, w) in enumerate(zip(line, widths))) for line in [head] + body]
+    lines.insert(1, "-" * len(lines[0]))
+    ceiling = f"ceilings this run: copy {ceilings.copy_gbps:.0f} GB/s (read + write)"
+    if ceilings.matmul_tflops:
+        ceiling += f", bf16 matmul 8192^3 {ceilings.matmul_tflops:.0f} TFLOP/s"
+    return "\n".join([ceiling, *lines])
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_json(path: Path, results: list[Result], rows: list[dict], ceilings: Ceilings) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": environment(), "ceilings": asdict(ceilings),
+                                "summary": rows, "results": [asdict(r) for r in results]},
+                               indent=2))
+
+
+def plot(results: list[Result], ceilings: Ceilings, out_dir: Path) -> list[Path]:
+    """One bar chart per operator: achieved GB/s per shape and implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for op in sorted({r.op for r in results}):
+        mine = [r for r in results if r.op == op and r.gbps]
+        shapes = list(dict.fromkeys(r.shape for r in mine))
+        impls = list(dict.fromkeys(r.impl for r in mine))
+        fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(shapes)), 4))
+        width = 0.8 / max(len(impls), 1)
+        for i, impl in enumerate(impls):
+            values = [next((r.gbps for r in mine if r.shape == s and r.impl == impl), 0)
+                      for s in shapes]
+            ax.bar([x + i * width for x in range(len(shapes))], values, width, label=impl)
+        ax.axhline(ceilings.copy_gbps, color="black", linestyle="--", linewidth=1,
+                   label=f"copy {ceilings.copy_gbps:.0f} GB/s")
+        ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(shapes))], shapes,
+                      fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{op} ({environment()['gpu']})")
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        path = out_dir / f"{op}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def outputs_close(ours: Callable, eager: Callable, rtol: float = 2e-2) -> Callable[[], bool]:
+    """A check that gemslib's output matches torch eager's at the benchmark shape."""
+
+    def check() -> bool:
+        a, b = ours(), eager()
+        a, b = (a if isinstance(a, torch.Tensor) else a[0]), (b if isinstance(b, torch.Tensor) else b[0])
+        return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=1e-2))
+
+    return check

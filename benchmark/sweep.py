@@ -1,0 +1,55 @@
+"""Time candidate launch configs of one operator's kernels: ``python -m benchmark.sweep silu``.
+
+Each ``bench_<op>.py`` may declare ``SWEEP_CANDIDATES`` (kernel name -> list of configs) and
+``sweep_problems()``; every candidate is forced on the kernel and the public call timed. Prints
+the best config per kernel and problem, and writes the table as JSON if ``--out`` is given.
+This is the measurement behind the shipped ``tune_configs/<gpu>.yaml`` entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmark.sweep")
+    parser.add_argument("op", help="operator file name, e.g. silu")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep: no CUDA GPU on this machine; nothing to time.")
+        return 0
+
+    from benchmark.harness import median_ms
+    from gemslib.runtime import LaunchConfig
+
+    module = importlib.import_module(f"benchmark.bench_{args.op}")
+    table = []
+    for kernel, label, bytes_moved, fn in module.sweep_problems():
+        timings = []
+        for raw in module.SWEEP_CANDIDATES[kernel.name]:
+            meta = tuple(sorted((k, v) for k, v in raw.items() if k not in ("num_warps", "num_stages")))
+            config = LaunchConfig(meta, raw.get("num_warps", 4), raw.get("num_stages", 1))
+            with kernel.forced(config):
+                ms = median_ms(fn)
+            timings.append((ms, raw))
+            table.append({"kernel": kernel.name, "problem": label, "config": raw,
+                          "us": ms * 1e3, "gbps": bytes_moved / ms / 1e6})
+        timings.sort(key=lambda item: item[0])
+        best_ms, best = timings[0]
+        runner_up = ", ".join(f"{c} {ms * 1e3:.1f}" for ms, c in timings[1:4])
+        print(f"{kernel.name:<20}{label:<14} best {best} {best_ms * 1e3:.1f} us "
+              f"({bytes_moved / best_ms / 1e6:.0f} GB/s); next: {runner_up}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

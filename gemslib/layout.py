@@ -1,0 +1,97 @@
+"""Memory-layout helpers shared by elementwise kernels.
+
+Elementwise kernels have two paths: a flat one, when every operand has the same
+non-overlapping, dense layout (then storage order is the iteration order), and a strided one
+for everything else, which walks a logical index through up to ``MAX_RANK`` collapsed dims.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_RANK = 4
+
+
+def has_internal_overlap(tensor: torch.Tensor) -> bool:
+    """True when two elements share memory (a stride-0 dim of size > 1), as torch detects it."""
+    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots in some order."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(*tensors: torch.Tensor) -> bool:
+    """All tensors have one shape, one set of strides, and that layout is dense."""
+    first = tensors[0]
+    return is_dense(first) and all(
+        t.shape == first.shape and t.stride() == first.stride() for t in tensors[1:])
+
+
+def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges spanned by ``a`` and ``b`` intersect (conservative)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        start = t.data_ptr()
+        return start, start + (last + 1) * t.element_size()
+
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
+
+
+def collapse_dims(shape: Sequence[int], *strides: Sequence[int]):
+    """Drop size-1 dims and merge neighbours that are contiguous in every operand.
+
+    Returns ``(shape, [strides per operand])`` with at least one dim; the logical
+    (row-major) element order is unchanged.
+    """
+    dims = [(size, [s[i] for s in strides]) for i, size in enumerate(shape) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, dim_strides in dims:
+        if merged:
+            outer_size, outer_strides = merged[-1]
+            if all(o == d * size for o, d in zip(outer_strides, dim_strides)):
+                merged[-1] = (outer_size * size, dim_strides)
+                continue
+        merged.append((size, dim_strides))
+    if not merged:
+        merged = [(1, [0] * len(strides))]
+    return [m[0] for m in merged], [[m[1][k] for m in merged] for k in range(len(strides))]
+
+
+def padded_layout(shape: Sequence[int], *strides: Sequence[int]):
+    """``collapse_dims`` padded at the front to ``MAX_RANK`` dims, or ``None`` if it needs more."""
+    shape, strides = collapse_dims(shape, *strides)
+    if len(shape) > MAX_RANK:
+        return None
+    pad = MAX_RANK - len(shape)
+    return [1] * pad + shape, [[0] * pad + s for s in strides]
+
+
+@triton.jit
+def strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3):
+    """Memory offsets of row-major logical ``index`` in a 4-d layout (int64 arithmetic)."""
+    index = index.to(tl.int64)
+    i3 = index % size3
+    rest = index // size3
+    i2 = rest % size2
+    rest = rest // size2
+    i1 = rest % size1
+    i0 = rest // size1
+    return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3

@@ -1,0 +1,244 @@
+"""The aten override registry.
+
+Each operator file in ``ops/`` and ``fused/`` declares what it implements::
+
+    ATEN_OVERRIDES = (
+        AtenOverride("aten::silu", _aten_silu, unsupported=_why_not_silu),
+        ...
+    )
+    SELF_CHECKS = (SelfCheck(...), ...)
+
+and this module collects those declarations by walking the two packages; the operator's name
+is its file name. :func:`enable` registers a wrapper per aten overload through
+``torch.library.Library("aten", "IMPL")`` under the backend's dispatch key (``CUDA``, or ``CPU``
+under the Triton interpreter). The wrapper asks the declaration whether it supports the call
+and otherwise calls the kernel that was registered before, fetched with
+``torch.library.get_kernel`` at enable time, never the aten op itself (that would recurse).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from gemslib import runtime
+
+log = logging.getLogger("gemslib")
+
+
+@dataclass(frozen=True)
+class AtenOverride:
+    """``impl`` serves aten overload ``aten`` (e.g. ``"aten::silu.out"``) when ``unsupported``,
+    called with the same arguments, returns ``None``; otherwise it returns the reason and the
+    original kernel runs."""
+
+    aten: str
+    impl: Callable
+    unsupported: Callable[..., str | None]
+
+
+@dataclass(frozen=True)
+class SelfCheck:
+    """A small problem for ``python -m gemslib``: ``run(*inputs)`` against ``reference`` in
+    float64. ``make_inputs(device, dtype)`` draws fresh random inputs; ``torch_peer`` is what a
+    user would call without gemslib (timed beside gemslib on a GPU)."""
+
+    name: str
+    make_inputs: Callable[[torch.device, torch.dtype, int], tuple]
+    run: Callable
+    reference: Callable
+    torch_peer: Callable
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Operator:
+    name: str
+    module: object
+    overrides: tuple[AtenOverride, ...]
+    self_checks: tuple[SelfCheck, ...]
+
+
+_OPERATOR_PACKAGES = ("gemslib.ops", "gemslib.fused")
+_operators: dict[str, Operator] | None = None
+
+
+def operators() -> Mapping[str, Operator]:
+    """Every operator file of ``gemslib.ops`` and ``gemslib.fused``, by name."""
+    global _operators
+    if _operators is None:
+        found = {}
+        for package_name in _OPERATOR_PACKAGES:
+            package = importlib.import_module(package_name)
+            for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+                if info.name.startswith("_"):
+                    continue
+                module = importlib.import_module(f"{package_name}.{info.name}")
+                found[info.name] = Operator(
+                    name=info.name, module=module,
+                    overrides=tuple(getattr(module, "ATEN_OVERRIDES", ())),
+                    self_checks=tuple(getattr(module, "SELF_CHECKS", ())))
+        _operators = found
+    return _operators
+
+
+def registered_ops() -> dict[str, tuple[str, ...]]:
+    """Operators that ``enable()`` can switch on, each with the aten overloads it overrides."""
+    return {name: tuple(o.aten for o in op.overrides)
+            for name, op in operators().items() if op.overrides}
+
+
+def _select(ops: Iterable[str] | None, exclude: Iterable[str] | None) -> list[str]:
+    known = registered_ops()
+
+    def check(argument: str, names):
+        if isinstance(names, str):
+            raise TypeError(f"gemslib.enable: {argument} must be a list of operator names, "
+                            f"got the string {names!r}")
+        names = list(names)
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"gemslib.enable: unknown operator(s) {unknown} in {argument}; "
+                             f"registered: {sorted(known)}")
+        return names
+
+    chosen = check("ops", ops) if ops is not None else sorted(known)
+    excluded = set(check("exclude", exclude)) if exclude is not None else set()
+    return [name for name in chosen if name not in excluded]
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+
+_lock = threading.RLock()
+_activations: list["Activation"] = []
+_served_by: dict[str, "Activation"] = {}  # aten overload -> the activation that overrides it
+
+
+def _record(aten: str, served: bool) -> None:
+    for activation in _activations:
+        if activation.record:
+            (activation.calls if served else activation.fallbacks)[aten] += 1
+
+
+def _make_wrapper(override: AtenOverride, original) -> Callable:
+    aten = override.aten
+
+    def wrapper(keyset, *args, **kwargs):
+        reason = override.unsupported(*args, **kwargs)
+        if reason is None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s -> gemslib", aten)
+            _record(aten, True)
+            return override.impl(*args, **kwargs)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s -> torch (%s)", aten, reason)
+        _record(aten, False)
+        return original.call_boxed(keyset, *args, **kwargs)
+
+    wrapper.__name__ = f"gemslib_{aten.replace('::', '_').replace('.', '_')}"
+    return wrapper
+
+
+class Activation:
+    """One ``enable()`` call: the registrations it made, undone by :meth:`close`.
+
+    Usable as a context manager; with ``record=True``, ``calls`` and ``fallbacks`` count per
+    aten overload how often gemslib served a call and how often it handed one to torch.
+    """
+
+    def __init__(self, ops=None, exclude=None, record: bool = False):
+        self.ops = tuple(_select(ops, exclude))
+        self.record = record
+        self.calls: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.aten_overloads: tuple[str, ...] = ()
+        self._library = None
+        key = runtime.dispatch_key()
+        with _lock:
+            library = torch.library.Library("aten", "IMPL")
+            mine = []
+            try:
+                for name in self.ops:
+                    for override in operators()[name].overrides:
+                        if override.aten in _served_by:
+                            continue  # an enclosing enable() already serves it
+                        original = torch.library.get_kernel(override.aten, key)
+                        with warnings.catch_warnings():
+                            # torch warns on every override of an existing kernel: that is the point
+                            warnings.filterwarnings("ignore", message=".*Overriding a previously")
+                            library.impl(override.aten.split("::", 1)[1],
+                                         _make_wrapper(override, original), key, with_keyset=True)
+                        mine.append(override.aten)
+                        _served_by[override.aten] = self
+            except BaseException:
+                library._destroy()
+                for aten in mine:
+                    _served_by.pop(aten, None)
+                raise
+            self._library = library
+            self.aten_overloads = tuple(mine)
+            _activations.append(self)
+
+    @property
+    def active(self) -> bool:
+        return self in _activations
+
+    def close(self) -> None:
+        """Remove exactly the registrations this activation made (idempotent)."""
+        with _lock:
+            if self not in _activations:
+                return
+            self._library._destroy()
+            for aten in self.aten_overloads:
+                if _served_by.get(aten) is self:
+                    del _served_by[aten]
+            _activations.remove(self)
+
+    def __enter__(self) -> "Activation":
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed"
+        return f"<gemslib activation {state}: {list(self.ops)}>"
+
+
+def enable(ops: Iterable[str] | None = None, exclude: Iterable[str] | None = None,
+           record: bool = False) -> Activation:
+    """Override the aten operators of ``ops`` (default: all registered) minus ``exclude``.
+
+    Works as a global switch (``gemslib.enable()`` ... ``gemslib.disable()``) and as a context
+    manager (``with gemslib.enable(): ...``), which restores the dispatcher on exit, also when
+    the block raises. Nested calls add only what is not already overridden.
+    """
+    return Activation(ops=ops, exclude=exclude, record=record)
+
+
+def disable() -> None:
+    """Undo every active ``enable()``, innermost first."""
+    with _lock:
+        for activation in reversed(list(_activations)):
+            activation.close()
+
+
+def is_enabled() -> bool:
+    return bool(_activations)
+
+
+def overridden_aten_ops() -> tuple[str, ...]:
+    """The aten overloads currently served by gemslib."""
+    with _lock:
+        return tuple(sorted(_served_by))

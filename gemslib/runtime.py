@@ -1,0 +1,393 @@
+"""Where gemslib kernels run and with which launch configurations.
+
+Two backends share one code path:
+
+* a CUDA GPU: kernels are compiled by Triton and get their launch configuration from
+  ``tune_configs/<device>.yaml`` (e.g. ``nvidia_h200.yaml``), else ``default.yaml``;
+* the Triton interpreter (``TRITON_INTERPRET=1``): the same kernels run on CPU tensors, one
+  program at a time, and nothing is ever benchmarked (the first candidate config is used).
+
+Config files (schema in ``tune_configs/README.md``) are validated when loaded; a malformed file
+raises :class:`TuneConfigError` naming the file and the key. ``GEMSLIB_TUNE_CONFIG=path`` picks
+a file explicitly. Each kernel is declared once as a :class:`TunedKernel`, which selects the
+bucket matching a call's shape and launches with that bucket's fixed config, or with the best
+of its candidates, measured once per (bucket, dtype, size class) on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import yaml
+
+log = logging.getLogger("gemslib")
+
+CONFIG_ENV = "GEMSLIB_TUNE_CONFIG"
+SCHEMA_VERSION = 1
+_LAUNCH_KEYS = ("num_warps", "num_stages")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Triton decides at decoration time whether @triton.jit builds interpreted functions, so the
+# mode is frozen when gemslib is imported, exactly like the kernels themselves.
+INTERPRETER: bool = _env_flag("TRITON_INTERPRET")
+
+
+def device_type() -> str:
+    """``"cpu"`` under the Triton interpreter, else ``"cuda"``."""
+    return "cpu" if INTERPRETER else "cuda"
+
+
+def dispatch_key() -> str:
+    """The dispatch key gemslib overrides aten operators under: ``CPU`` or ``CUDA``."""
+    return "CPU" if INTERPRETER else "CUDA"
+
+
+def on_kernel_device(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` lives where the kernels can run (CUDA, or CPU when interpreted)."""
+    return tensor.device.type == device_type()
+
+
+def normalize_device_name(name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia_h200"``: lower case, runs of other characters -> ``_``."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def device_name() -> str:
+    """Normalized name of the current device, ``"interpreter"``, or ``"no_gpu"``.
+
+    Initialises CUDA, so it is only called when a kernel is about to run.
+    """
+    if INTERPRETER:
+        return "interpreter"
+    if not torch.cuda.is_available():
+        return "no_gpu"
+    return normalize_device_name(torch.cuda.get_device_name())
+
+
+# --------------------------------------------------------------------------------------------
+# Config files
+# --------------------------------------------------------------------------------------------
+
+
+class TuneConfigError(ValueError):
+    """A tune-config file is malformed or does not fit the kernel it configures."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Meta-parameters (constexpr block sizes) plus Triton's launch options."""
+
+    meta: tuple[tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @property
+    def meta_dict(self) -> dict[str, int]:
+        return dict(self.meta)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Configs for the calls whose shape keys are all <= ``max`` (``None``: every call)."""
+
+    max: Mapping[str, int] | None
+    configs: tuple[LaunchConfig, ...]
+    autotune: bool
+    where: str  # "file: ops.silu.silu_fwd[0]", for error messages
+
+    def matches(self, shape: Mapping[str, int]) -> bool:
+        return self.max is None or all(shape[k] <= v for k, v in self.max.items())
+
+
+@dataclass(frozen=True)
+class TuneConfigFile:
+    path: Path
+    device: str
+    ops: Mapping[str, Mapping[str, tuple[Bucket, ...]]]
+
+
+def _fail(path: Path, where: str, message: str) -> TuneConfigError:
+    return TuneConfigError(f"tune config {path}: {where}: {message}")
+
+
+def _positive_int(path: Path, where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _fail(path, where, f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(path, where, f"expected a mapping of parameters, got {raw!r}")
+    meta = []
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise _fail(path, where, f"parameter names must be strings, got {key!r}")
+        _positive_int(path, f"{where}.{key}", value)
+        if key not in _LAUNCH_KEYS:
+            meta.append((key, value))
+    num_warps = raw.get("num_warps", 4)
+    if num_warps & (num_warps - 1) or num_warps > 32:
+        raise _fail(path, f"{where}.num_warps", f"expected a power of two <= 32, got {num_warps}")
+    return LaunchConfig(meta=tuple(sorted(meta)), num_warps=num_warps,
+                        num_stages=raw.get("num_stages", 1))
+
+
+def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
+    if not isinstance(raw, dict):
+        raise _fail(path, where, f"expected a mapping with 'config' or 'autotune', got {raw!r}")
+    unknown = set(raw) - {"max", "config", "autotune"}
+    if unknown:
+        raise _fail(path, where, f"unknown keys {sorted(unknown)} (allowed: max, config, autotune)")
+    if ("config" in raw) == ("autotune" in raw):
+        raise _fail(path, where, "needs exactly one of 'config' (fixed) or 'autotune' (candidates)")
+    bound = None
+    if "max" in raw:
+        if not isinstance(raw["max"], dict) or not raw["max"]:
+            raise _fail(path, f"{where}.max", f"expected a mapping of shape keys, got {raw['max']!r}")
+        bound = {k: _positive_int(path, f"{where}.max.{k}", v) for k, v in raw["max"].items()}
+    if "config" in raw:
+        configs = (_parse_launch_config(path, f"{where}.config", raw["config"]),)
+    else:
+        candidates = raw["autotune"]
+        if not isinstance(candidates, list) or not candidates:
+            raise _fail(path, f"{where}.autotune", "expected a non-empty list of configs")
+        configs = tuple(_parse_launch_config(path, f"{where}.autotune[{i}]", c)
+                        for i, c in enumerate(candidates))
+    return Bucket(max=bound, configs=configs, autotune="autotune" in raw, where=f"{path}: {where}")
+
+
+def parse_tune_config(path: Path, data: Any) -> TuneConfigFile:
+    """Validate the YAML document ``data`` read from ``path``; see tune_configs/README.md."""
+    if not isinstance(data, dict):
+        raise _fail(path, "<top level>", f"expected a mapping, got {type(data).__name__}")
+    for key in ("schema", "device", "ops"):
+        if key not in data:
+            raise _fail(path, key, "missing")
+    unknown = set(data) - {"schema", "device", "source", "ops"}
+    if unknown:
+        raise _fail(path, "<top level>", f"unknown keys {sorted(unknown)}")
+    if data["schema"] != SCHEMA_VERSION:
+        raise _fail(path, "schema", f"expected {SCHEMA_VERSION}, got {data['schema']!r}")
+    if not isinstance(data["device"], str):
+        raise _fail(path, "device", f"expected a string, got {data['device']!r}")
+    if not isinstance(data["ops"], dict):
+        raise _fail(path, "ops", f"expected a mapping of operators, got {data['ops']!r}")
+    ops: dict[str, dict[str, tuple[Bucket, ...]]] = {}
+    for op, kernels in data["ops"].items():
+        if not isinstance(kernels, dict):
+            raise _fail(path, f"ops.{op}", f"expected a mapping of kernels, got {kernels!r}")
+        ops[op] = {}
+        for kernel, buckets in kernels.items():
+            where = f"ops.{op}.{kernel}"
+            if not isinstance(buckets, list) or not buckets:
+                raise _fail(path, where, "expected a non-empty list of buckets")
+            parsed = tuple(_parse_bucket(path, f"{where}[{i}]", b) for i, b in enumerate(buckets))
+            if parsed[-1].max is not None:
+                raise _fail(path, f"{where}[{len(parsed) - 1}]",
+                            "the last bucket must have no 'max' so that every shape has a config")
+            ops[op][kernel] = parsed
+    return TuneConfigFile(path=path, device=data["device"], ops=ops)
+
+
+def load_tune_config(path: str | os.PathLike) -> TuneConfigFile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TuneConfigError(f"tune config {path}: cannot read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise TuneConfigError(f"tune config {path}: not valid YAML: {err}") from None
+    return parse_tune_config(path, data)
+
+
+def shipped_configs_dir() -> Path:
+    from gemslib import tune_configs
+
+    return Path(tune_configs.__file__).parent
+
+
+_config_lock = threading.Lock()
+_active: tuple[TuneConfigFile, TuneConfigFile] | None = None
+
+
+def config_path() -> Path:
+    """The file in use: ``$GEMSLIB_TUNE_CONFIG``, else ``<device>.yaml``, else ``default.yaml``."""
+    explicit = os.environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit)
+    candidate = shipped_configs_dir() / f"{device_name()}.yaml"
+    return candidate if candidate.is_file() else shipped_configs_dir() / "default.yaml"
+
+
+def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
+    """(file in use, default.yaml); a kernel missing from the first is looked up in the second."""
+    global _active
+    with _config_lock:
+        if _active is None:
+            selected = load_tune_config(config_path())
+            default_path = shipped_configs_dir() / "default.yaml"
+            default = selected if selected.path == default_path else load_tune_config(default_path)
+            _active = (selected, default)
+        return _active
+
+
+def reload_configs() -> None:
+    """Forget loaded files and chosen configs (after changing ``GEMSLIB_TUNE_CONFIG``)."""
+    global _active
+    with _config_lock:
+        _active = None
+    for kernel in KERNELS.values():
+        kernel.clear_cache()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels with tuned launch configs
+# --------------------------------------------------------------------------------------------
+
+KERNELS: dict[str, "TunedKernel"] = {}
+
+
+class TunedKernel:
+    """A Triton kernel whose constexpr ``tunables`` and launch options come from the config files.
+
+    ``shape_keys`` name the sizes a launcher passes to :meth:`launch`; buckets in the YAML are
+    bounded by those names. The entry for kernel ``name`` of operator ``op`` lives under
+    ``ops.<op>.<name>`` in the config file.
+    """
+
+    def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str]):
+        self.op, self.name, self.fn = op, name, fn
+        self.tunables = frozenset(tunables)
+        self.shape_keys = tuple(shape_keys)
+        self._chosen: dict[tuple, LaunchConfig] = {}
+        self._checked: set[str] = set()
+        self._forced: LaunchConfig | None = None
+        KERNELS[f"{op}.{name}"] = self
+
+    def clear_cache(self) -> None:
+        self._chosen.clear()
+        self._checked.clear()
+
+    @contextlib.contextmanager
+    def forced(self, config: LaunchConfig):
+        """Launch every call with ``config`` inside the block (for sweeps and the tuner)."""
+        names = set(config.meta_dict)
+        if names != self.tunables:
+            raise ValueError(f"{self.name}: config parameters {sorted(names)} do not match the "
+                             f"kernel's tunables {sorted(self.tunables)}")
+        previous, self._forced = self._forced, config
+        try:
+            yield
+        finally:
+            self._forced = previous
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        for config_file in active_configs():
+            buckets = config_file.ops.get(self.op, {}).get(self.name)
+            if buckets is not None:
+                return buckets
+        selected, default = active_configs()
+        raise TuneConfigError(f"no launch config for ops.{self.op}.{self.name} in "
+                              f"{selected.path} or {default.path}")
+
+    def _check_bucket(self, bucket: Bucket) -> None:
+        if bucket.where in self._checked:
+            return
+        if bucket.max is not None:
+            unknown = set(bucket.max) - set(self.shape_keys)
+            if unknown:
+                raise TuneConfigError(f"tune config {bucket.where}.max: unknown shape keys "
+                                      f"{sorted(unknown)} (kernel {self.name} has {list(self.shape_keys)})")
+        for config in bucket.configs:
+            names = set(config.meta_dict)
+            if names != self.tunables:
+                raise TuneConfigError(
+                    f"tune config {bucket.where}: parameters {sorted(names)} do not match kernel "
+                    f"{self.name}'s tunables {sorted(self.tunables)}")
+        self._checked.add(bucket.where)
+
+    def select(self, shape: Sequence[int]) -> tuple[int, Bucket]:
+        """The first bucket whose bounds admit ``shape`` (given in ``shape_keys`` order)."""
+        named = dict(zip(self.shape_keys, shape))
+        for index, bucket in enumerate(self.buckets()):
+            self._check_bucket(bucket)
+            if bucket.matches(named):
+                return index, bucket
+        raise AssertionError("unreachable: the last bucket has no bound")
+
+    def launch(self, grid: Callable[[dict], tuple], *args, shape: Sequence[int],
+               restore: Sequence[torch.Tensor] = (), config: LaunchConfig | None = None) -> None:
+        """Launch on ``grid(meta)`` with the config chosen for ``shape``.
+
+        ``restore`` lists tensors the kernel overwrites that are also inputs (in-place calls):
+        they are saved and restored around autotuning runs. ``config`` forces a config (tuner).
+        """
+        if config is None:
+            config = self._forced
+        if config is None:
+            key = tuple(shape)
+            config = self._chosen.get(key)
+            if config is None:
+                config = self._choose(grid, args, shape, restore)
+                if len(self._chosen) < 4096:
+                    self._chosen[key] = config
+        self.run(config, grid, args)
+
+    def config_for(self, shape: Sequence[int]) -> LaunchConfig | None:
+        """The config a call of ``shape`` would use, if already decided (for reports)."""
+        return self._forced or self._chosen.get(tuple(shape))
+
+    def run(self, config: LaunchConfig, grid, args) -> None:
+        meta = config.meta_dict
+        self.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def _choose(self, grid, args, shape, restore) -> LaunchConfig:
+        index, bucket = self.select(shape)
+        if not bucket.autotune or len(bucket.configs) == 1 or INTERPRETER:
+            return bucket.configs[0]
+        dtypes = tuple(a.dtype for a in args if isinstance(a, torch.Tensor))
+        size_class = tuple(1 << max(int(s) - 1, 0).bit_length() for s in shape)
+        key = ("autotune", index, dtypes, size_class)
+        if key not in self._chosen:
+            self._chosen[key] = self._autotune(bucket, grid, args, restore)
+        return self._chosen[key]
+
+    def _autotune(self, bucket: Bucket, grid, args, restore) -> LaunchConfig:
+        import triton.testing
+
+        saved = [t.clone() for t in restore]
+        timings = []
+        for config in bucket.configs:
+            try:
+                ms = triton.testing.do_bench(lambda: self.run(config, grid, args),
+                                             warmup=5, rep=25, return_mode="median")
+            except Exception as err:  # a candidate that does not compile (resources) is skipped
+                log.debug("gemslib autotune %s: %s failed: %s", self.name, config, err)
+                continue
+            finally:
+                for tensor, copy in zip(restore, saved):
+                    tensor.copy_(copy)
+            timings.append((ms, config))
+        if not timings:
+            raise RuntimeError(f"gemslib: no candidate config of {bucket.where} runs on this GPU")
+        best = min(timings, key=lambda item: item[0])[1]
+        log.debug("gemslib autotune %s: picked %s", self.name, best.as_dict())
+        return best

@@ -1,0 +1,1 @@
+"""gemslib.ops: one file per operator (kernels, launcher, aten wrappers, declared overrides)."""

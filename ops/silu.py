@@ -1,0 +1,496 @@
+"""SiLU and SiLU-and-multiply (SwiGLU's activation), forward and backward.
+
+    silu(x)          = x * sigmoid(x) = x / (1 + exp(-x))
+    silu'(x)         = s * (1 + x * (1 - s)),  s = sigmoid(x)
+    silu_and_mul(x)  = silu(gate) * up,  x = [gate | up] on the last dim (vLLM convention):
+                       x (..., 2d) -> out (..., d)
+
+All math in fp32; inputs and outputs fp16, bf16 or fp32. The file reads top-down: kernels,
+launchers, public functions and custom ops, aten overrides, self-checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from gemslib import layout, runtime
+from gemslib.registry import AtenOverride, SelfCheck
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_indices(n_elements, INDEX_64: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK logical element indices and their in-bounds mask."""
+    pid = tl.program_id(0)
+    if INDEX_64:
+        block_start = pid.to(tl.int64) * BLOCK
+    else:
+        block_start = pid * BLOCK
+    index = block_start + tl.arange(0, BLOCK)
+    return index, index < n_elements
+
+
+@triton.jit
+def _silu_fwd_kernel(
+    x_ptr, y_ptr, n_elements,
+    size1, size2, size3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    y_stride0, y_stride1, y_stride2, y_stride3,
+    STRIDED: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """y = silu(x) over ``n_elements``: flat storage order, or a 4-d strided walk."""
+    index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
+    if STRIDED:
+        x_offsets = layout.strided_offsets(index, size1, size2, size3,
+                                           x_stride0, x_stride1, x_stride2, x_stride3)
+        y_offsets = layout.strided_offsets(index, size1, size2, size3,
+                                           y_stride0, y_stride1, y_stride2, y_stride3)
+    else:
+        x_offsets = index
+        y_offsets = index
+    x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
+    y = x / (1.0 + tl.exp(-x))
+    tl.store(y_ptr + y_offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_bwd_kernel(
+    grad_ptr, x_ptr, dx_ptr, n_elements,
+    size1, size2, size3,
+    grad_stride0, grad_stride1, grad_stride2, grad_stride3,
+    x_stride0, x_stride1, x_stride2, x_stride3,
+    dx_stride0, dx_stride1, dx_stride2, dx_stride3,
+    STRIDED: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dx = grad * silu'(x)."""
+    index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
+    if STRIDED:
+        grad_offsets = layout.strided_offsets(index, size1, size2, size3,
+                                              grad_stride0, grad_stride1, grad_stride2, grad_stride3)
+        x_offsets = layout.strided_offsets(index, size1, size2, size3,
+                                           x_stride0, x_stride1, x_stride2, x_stride3)
+        dx_offsets = layout.strided_offsets(index, size1, size2, size3,
+                                            dx_stride0, dx_stride1, dx_stride2, dx_stride3)
+    else:
+        grad_offsets = index
+        x_offsets = index
+        dx_offsets = index
+    grad = tl.load(grad_ptr + grad_offsets, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-x))
+    dx = grad * sig * (1.0 + x * (1.0 - sig))
+    tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fwd_kernel(
+    x_ptr, out_ptr, half_width,
+    x_row_stride, x_col_stride, out_row_stride,
+    BLOCK_N: tl.constexpr,
+):
+    """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; grid (rows, col blocks)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < half_width
+    gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
+    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
+    up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_bwd_kernel(
+    grad_ptr, x_ptr, dx_ptr, half_width,
+    grad_row_stride, x_row_stride, x_col_stride, dx_row_stride,
+    BLOCK_N: tl.constexpr,
+):
+    """d gate = grad * up * silu'(gate),  d up = grad * silu(gate)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < half_width
+    gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
+    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
+    up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)
+    grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = grad * gate * sig
+    dx_ptrs = dx_ptr + row * dx_row_stride + cols
+    tl.store(dx_ptrs, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptrs + half_width, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+SILU_FWD = runtime.TunedKernel("silu", "silu_fwd", _silu_fwd_kernel,
+                               tunables=("BLOCK",), shape_keys=("numel",))
+SILU_BWD = runtime.TunedKernel("silu", "silu_bwd", _silu_bwd_kernel,
+                               tunables=("BLOCK",), shape_keys=("numel",))
+SILU_AND_MUL_FWD = runtime.TunedKernel("silu", "silu_and_mul_fwd", _silu_and_mul_fwd_kernel,
+                                       tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
+SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul_bwd_kernel,
+                                       tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (tensors already validated; outputs allocated by the caller)
+# --------------------------------------------------------------------------------------------
+
+
+def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
+                        out: torch.Tensor) -> torch.Tensor:
+    """Run an elementwise ``kernel(*inputs, out, n, sizes, strides..., STRIDED, INDEX_64)``.
+
+    Operands share one shape. One dense layout common to all of them runs flat; anything else
+    walks strides, and a layout that does not collapse to 4 dims is computed on contiguous
+    copies and copied into ``out`` (rare: 5+ dims that no neighbour merging reduces).
+    """
+    n_elements = out.numel()
+    if n_elements == 0:
+        return out
+    operands = [*inputs, out]
+    if layout.same_dense_layout(*operands):
+        strided, sizes, strides = False, [1, 1, 1], [0] * (4 * len(operands))
+    else:
+        padded = layout.padded_layout(out.shape, *[t.stride() for t in operands])
+        if padded is None:
+            result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            _launch_elementwise(kernel, [t.contiguous() for t in inputs], result)
+            return out.copy_(result)
+        shape4, operand_strides = padded
+        strided, sizes = True, shape4[1:]
+        strides = [s for operand in operand_strides for s in operand]
+    index_64 = n_elements >= _INT32_LIMIT
+    kernel.launch(lambda meta: (triton.cdiv(n_elements, meta["BLOCK"]),),
+                  *operands, n_elements, *sizes, *strides, strided, index_64,
+                  shape=(n_elements,), restore=[t for t in inputs if t is out])
+    return out
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., w) as a 2-d (rows, w) view, copying only if the leading dims do not merge."""
+    width = x.shape[-1]
+    try:
+        return x.view(-1, width)
+    except RuntimeError:
+        return x.reshape(-1, width)
+
+
+def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if out.numel() == 0:
+        return out
+    half_width = x.shape[-1] // 2
+    rows_in, rows_out = _as_rows(x), out.view(-1, half_width)
+    n_rows = rows_in.shape[0]
+    SILU_AND_MUL_FWD.launch(
+        lambda meta: (n_rows, triton.cdiv(half_width, meta["BLOCK_N"])),
+        rows_in, rows_out, half_width, rows_in.stride(0), rows_in.stride(1), rows_out.stride(0),
+        shape=(n_rows, half_width))
+    return out
+
+
+def _launch_silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    half_width = x.shape[-1] // 2
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx
+    rows_in, rows_dx = _as_rows(x), dx.view(-1, 2 * half_width)
+    rows_grad = _as_rows(grad)
+    if rows_grad.stride(-1) != 1:
+        rows_grad = rows_grad.contiguous()
+    n_rows = rows_in.shape[0]
+    SILU_AND_MUL_BWD.launch(
+        lambda meta: (n_rows, triton.cdiv(half_width, meta["BLOCK_N"])),
+        rows_grad, rows_in, rows_dx, half_width, rows_grad.stride(0), rows_in.stride(0),
+        rows_in.stride(1), rows_dx.stride(0), shape=(n_rows, half_width))
+    return dx
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch references (any dtype; tests run them in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def silu_reference(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def silu_backward_reference(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    sig = torch.sigmoid(x)
+    return grad * sig * (1 + x * (1 - sig))
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def silu_and_mul_backward_reference(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    return torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * gate * sig], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions and custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check_float_tensor(function: str, argument: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{function}: {argument} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{function}: {argument} must be a floating-point tensor, got {value.dtype}")
+
+
+def _kernel_runs(*tensors: torch.Tensor) -> bool:
+    """The Triton kernels handle these tensors (else torch computes the result)."""
+    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t) for t in tensors)
+
+
+def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{function}: out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{function}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"{function}: out must be {like.dtype} on {like.device}, "
+                         f"got {out.dtype} on {out.device}")
+    if layout.has_internal_overlap(out):
+        raise ValueError(f"{function}: out has overlapping elements (a stride-0 dim)")
+
+
+def _wants_custom_op(*tensors: torch.Tensor) -> bool:
+    """Route through the torch.ops.gemslib op when autograd or torch.compile needs to see it."""
+    return torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _silu_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if not _kernel_runs(x, out):
+        return out.copy_(F.silu(x))
+    if layout.memory_overlaps(x, out) and not (
+            x.data_ptr() == out.data_ptr() and x.stride() == out.stride()):
+        x = x.clone()  # partial aliasing: read a private copy so no element is read after written
+    return _launch_elementwise(SILU_FWD, [x], out)
+
+
+def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * sigmoid(x)`` elementwise; any shape and strides.
+
+    The result has ``x``'s layout when ``x`` is dense (like ``torch.empty_like``). With ``out``
+    (same shape, dtype and device) nothing is allocated. Differentiable.
+    """
+    _check_float_tensor("gemslib.silu", "x", x)
+    if out is None:
+        if _wants_custom_op(x):
+            return torch.ops.gemslib.silu(x)
+        out = torch.empty_like(x)
+    else:
+        _check_out("gemslib.silu", out, x.shape, x)
+    return _silu_into(x, out)
+
+
+def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    dx = torch.empty_like(x)
+    if not _kernel_runs(grad, x) or grad.dtype != x.dtype or grad.shape != x.shape:
+        return dx.copy_(silu_backward_reference(grad, x))
+    return _launch_elementwise(SILU_BWD, [grad, x], dx)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` split on the last dim.
+
+    x: (..., 2d) with any strides -> (..., d), contiguous (or written into ``out``).
+    Differentiable.
+    """
+    _check_float_tensor("gemslib.silu_and_mul", "x", x)
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError("gemslib.silu_and_mul: x's last dim must be even (x = [gate | up]), "
+                         f"got shape {tuple(x.shape)}")
+    out_shape = (*x.shape[:-1], x.shape[-1] // 2)
+    if out is None:
+        if _wants_custom_op(x):
+            return torch.ops.gemslib.silu_and_mul(x)
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_out("gemslib.silu_and_mul", out, out_shape, x)
+    if not _kernel_runs(x) or layout.memory_overlaps(x, out):
+        return out.copy_(silu_and_mul_reference(x))
+    if out.dim() > 0 and (out.stride(-1) != 1 or not _rows_view_ok(out)):
+        return out.copy_(_launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype,
+                                                                device=x.device)))
+    return _launch_silu_and_mul(x, out)
+
+
+def _rows_view_ok(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
+
+
+def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if not _kernel_runs(grad, x) or grad.dtype != x.dtype:
+        return silu_and_mul_backward_reference(grad, x)
+    return _launch_silu_and_mul_backward(grad, x)
+
+
+@torch.library.custom_op("gemslib::silu", mutates_args=())
+def _silu_op(x: torch.Tensor) -> torch.Tensor:
+    return _silu_into(x, torch.empty_like(x))
+
+
+@_silu_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("gemslib::silu_backward", mutates_args=())
+def _silu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _silu_backward(grad, x)
+
+
+@_silu_backward_op.register_fake
+def _(grad, x):
+    return torch.empty_like(x)
+
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_op_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.gemslib.silu_backward(grad, x)
+
+
+_silu_op.register_autograd(_silu_op_backward, setup_context=_save_input)
+
+
+@torch.library.custom_op("gemslib::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x, out=torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype,
+                                           device=x.device))
+
+
+@_silu_and_mul_op.register_fake
+def _(x):
+    torch._check(x.dim() > 0 and x.shape[-1] % 2 == 0,
+                 lambda: f"gemslib.silu_and_mul: x's last dim must be even, got {tuple(x.shape)}")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("gemslib::silu_and_mul_backward", mutates_args=())
+def _silu_and_mul_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul_backward(grad, x)
+
+
+@_silu_and_mul_backward_op.register_fake
+def _(grad, x):
+    return x.new_empty(x.shape)
+
+
+def _silu_and_mul_op_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.gemslib.silu_and_mul_backward(grad, x)
+
+
+_silu_and_mul_op.register_autograd(_silu_and_mul_op_backward, setup_context=_save_input)
+
+
+# --------------------------------------------------------------------------------------------
+# aten overrides: F.silu forward and backward (autograd's silu_backward) run these kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _unsupported_dtype(*tensors: torch.Tensor) -> str | None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in KERNEL_DTYPES:
+        return f"dtypes {sorted(map(str, dtypes))}"
+    return None
+
+
+def _why_not_silu(self):
+    return _unsupported_dtype(self)
+
+
+def _why_not_silu_(self):
+    return _unsupported_dtype(self) or (
+        "overlapping elements" if layout.has_internal_overlap(self) else None)
+
+
+def _why_not_silu_out(self, *, out):
+    if out.shape != self.shape:
+        return "out needs resizing"
+    if layout.has_internal_overlap(out):
+        return "out has overlapping elements"
+    return _unsupported_dtype(self, out)
+
+
+def _why_not_silu_backward(grad_output, self):
+    if grad_output.shape != self.shape:
+        return "broadcasting"
+    return _unsupported_dtype(grad_output, self)
+
+
+def _aten_silu(self):
+    return _silu_into(self, torch.empty_like(self))
+
+
+def _aten_silu_(self):
+    return _silu_into(self, self)
+
+
+def _aten_silu_out(self, *, out):
+    return _silu_into(self, out)
+
+
+ATEN_OVERRIDES = (
+    AtenOverride("aten::silu", _aten_silu, _why_not_silu),
+    AtenOverride("aten::silu_", _aten_silu_, _why_not_silu_),
+    AtenOverride("aten::silu.out", _aten_silu_out, _why_not_silu_out),
+    AtenOverride("aten::silu_backward", _silu_backward, _why_not_silu_backward),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checks for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _random(shape, device, dtype):
+    return torch.randn(shape, device=device, dtype=torch.float32).mul_(3).to(dtype)
+
+
+_WIDTH = 4099  # odd on purpose: not a multiple of any block
+
+
+SELF_CHECKS = (
+    SelfCheck("silu", lambda device, dtype, rows: (_random((rows, _WIDTH), device, dtype),),
+              run=silu, reference=silu_reference, torch_peer=F.silu),
+    SelfCheck("silu_backward",
+              lambda device, dtype, rows: (_random((rows, _WIDTH), device, dtype),
+                                           _random((rows, _WIDTH), device, dtype)),
+              run=_silu_backward, reference=silu_backward_reference,
+              torch_peer=torch.ops.aten.silu_backward),
+    SelfCheck("silu_and_mul",
+              lambda device, dtype, rows: (_random((rows, 2 * _WIDTH), device, dtype),),
+              run=silu_and_mul, reference=silu_and_mul_reference,
+              torch_peer=lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:]),
+    SelfCheck("silu_and_mul_backward",
+              lambda device, dtype, rows: (_random((rows, _WIDTH), device, dtype),
+                                           _random((rows, 2 * _WIDTH), device, dtype)),
+              run=_silu_and_mul_backward, reference=silu_and_mul_backward_reference,
+              torch_peer=silu_and_mul_backward_reference),
+)

@@ -1,0 +1,48 @@
+"""Test setup: pick the device, and run the kernels in the Triton interpreter without a GPU.
+
+TRITON_INTERPRET must be set before Triton decorates gemslib's kernels, i.e. before gemslib is
+imported, so this happens at the top of the conftest, ahead of every test module.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import gemslib  # noqa: E402  (after the interpreter decision)
+from gemslib import runtime  # noqa: E402
+
+DEVICE = torch.device(runtime.device_type())
+ON_GPU = not runtime.INTERPRETER
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def pytest_report_header(config):
+    where = "CUDA GPU" if ON_GPU else "Triton interpreter on the CPU"
+    return f"gemslib tests on {where}; tune config {runtime.config_path()}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state():
+    """Every test starts and ends with nothing overridden, whatever it did."""
+    gemslib.disable()
+    yield
+    gemslib.disable()
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
+    """Fresh normal samples times ``scale`` (covers silu's saturated tails)."""
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def poisoned(shape, dtype, device=DEVICE):
+    """An output buffer full of NaN, so an element the kernel does not write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
