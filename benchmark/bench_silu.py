@@ -95,7 +95,7 @@ SWEEP_CANDIDATES = {
 def sweep_problems():
     """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
     size = torch.finfo(DTYPE).bits // 8
-    for rows, cols in [(1024, 4096), (4096, 14336), (16384, 14336)]:
+    for rows, cols in [(256, 4096), (4096, 14336), (16384, 14336)]:
         x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
         grad = torch.randn_like(x)
         gate_up = torch.randn(rows, 2 * cols, device="cuda", dtype=DTYPE)

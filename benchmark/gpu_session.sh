@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # One GPU session in one call: install, test, check, sweep, benchmark; logs under $OUT.
-#   bash benchmark/gpu_session.sh [sweep-ops...]
-# Peers come from .whl/ when present (see README, "Benchmarks").
+#   bash benchmark/gpu_session.sh [sweep-ops...]      (SKIP_TESTS=1 skips pytest and the main job)
+# Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gemslib_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python -m pip install -q --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+{
+  python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "Running pip as"
+  python -c "import gemslib.ops.silu, sys; print(sys.executable, gemslib.__file__)" || exit 1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+} > "$OUT/env.log" 2>&1 || { cat "$OUT/env.log"; exit 1; }
+cat "$OUT/env.log"
 status=0
-python -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
-python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
+  python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
+fi
 for op in "$@"; do
-  python -m benchmark.sweep "$op" --out "$OUT/sweep_$op.json" 2>&1 | tee "$OUT/sweep_$op.log"
+  python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
 done
 python -m benchmark --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1
 exit $status

@@ -202,7 +202,7 @@ def plot(results: list[Result], ceilings: Ceilings, out_dir: Path) -> list[Path]
         mine = [r for r in results if r.op == op and r.gbps]
         shapes = list(dict.fromkeys(r.shape for r in mine))
         impls = list(dict.fromkeys(r.impl for r in mine))
-        fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(shapes)), 4))
+        fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(shapes) + 2.5), 4))
         width = 0.8 / max(len(impls), 1)
         for i, impl in enumerate(impls):
             values = [next((r.gbps for r in mine if r.shape == s and r.impl == impl), 0)
@@ -214,7 +214,7 @@ def plot(results: list[Result], ceilings: Ceilings, out_dir: Path) -> list[Path]
                       fontsize=8)
         ax.set_ylabel("GB/s")
         ax.set_title(f"{op} ({environment()['gpu']})")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         path = out_dir / f"{op}.png"
         fig.savefig(path, dpi=110)

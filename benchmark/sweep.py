@@ -26,8 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         print("sweep: no CUDA GPU on this machine; nothing to time.")
         return 0
 
-    from benchmark.harness import median_ms
+    from benchmark.harness import measure_ceilings, median_ms
     from gemslib.runtime import LaunchConfig
+
+    # also warms the GPU up from idle clocks, which otherwise skew the first problems
+    print(f"copy bandwidth {measure_ceilings().copy_gbps:.0f} GB/s", flush=True)
 
     module = importlib.import_module(f"benchmark.bench_{args.op}")
     table = []

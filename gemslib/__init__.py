@@ -9,6 +9,34 @@ Importing gemslib initialises no CUDA context and compiles nothing: kernels comp
 use, and launch configs are read from ``tune_configs/`` when the first kernel runs.
 """
 
+import importlib.util as _importlib_util
+import sys as _sys
+from pathlib import Path as _Path
+
+
+def _map_source_checkout() -> None:
+    """Serve ``gemslib.ops``/``.fused``/``.tune_configs`` from a source checkout.
+
+    Installed (wheel or ``pip install -e .``), these subpackages are found through the install.
+    Imported straight from a checkout (its root on ``sys.path``, nothing installed, or a regular
+    install shadowed by the working directory), they sit beside ``gemslib/`` as ``ops/``,
+    ``fused/`` and ``tune_configs/``; map them the same way the install does.
+    """
+    root = _Path(__file__).resolve().parent.parent
+    for sub, folder in (("ops", "ops"), ("fused", "fused"), ("tune_configs", "tune_configs")):
+        name = f"{__name__}.{sub}"
+        init = root / folder / "__init__.py"
+        if name in _sys.modules or not init.is_file() or _importlib_util.find_spec(name):
+            continue
+        spec = _importlib_util.spec_from_file_location(
+            name, init, submodule_search_locations=[str(init.parent)])
+        module = _importlib_util.module_from_spec(spec)
+        _sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+_map_source_checkout()
+
 from gemslib.registry import disable, enable, is_enabled, registered_ops
 from gemslib.runtime import TuneConfigError
 from gemslib.ops.silu import silu, silu_and_mul

@@ -175,7 +175,7 @@ class Activation:
                         original = torch.library.get_kernel(override.aten, key)
                         with warnings.catch_warnings():
                             # torch warns on every override of an existing kernel: that is the point
-                            warnings.filterwarnings("ignore", message=".*Overriding a previously")
+                            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
                             library.impl(override.aten.split("::", 1)[1],
                                          _make_wrapper(override, original), key, with_keyset=True)
                         mine.append(override.aten)

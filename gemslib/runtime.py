@@ -56,7 +56,7 @@ def dispatch_key() -> str:
 
 def on_kernel_device(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` lives where the kernels can run (CUDA, or CPU when interpreted)."""
-    return tensor.device.type == device_type()
+    return tensor.is_cpu if INTERPRETER else tensor.is_cuda  # attributes: cheap on the hot path
 
 
 def normalize_device_name(name: str) -> str:

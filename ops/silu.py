@@ -93,14 +93,25 @@ def _silu_bwd_kernel(
 
 
 @triton.jit
+def _row_and_columns(half_width, BLOCK_N: tl.constexpr):
+    """A 1-d grid walked row-major: neighbouring programs take neighbouring column blocks of
+    one row, so the grid sweeps memory in order (a 2-d grid with rows on the fast axis jumps
+    a whole row between neighbours and lost ~5% bandwidth on the H200)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_col_blocks = tl.cdiv(half_width, BLOCK_N)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks).to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row, cols
+
+
+@triton.jit
 def _silu_and_mul_fwd_kernel(
     x_ptr, out_ptr, half_width,
     x_row_stride, x_col_stride, out_row_stride,
     BLOCK_N: tl.constexpr,
 ):
-    """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; grid (rows, col blocks)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block)."""
+    row, cols = _row_and_columns(half_width, BLOCK_N)
     mask = cols < half_width
     gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
@@ -116,8 +127,7 @@ def _silu_and_mul_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """d gate = grad * up * silu'(gate),  d up = grad * silu(gate)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row, cols = _row_and_columns(half_width, BLOCK_N)
     mask = cols < half_width
     gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
@@ -146,6 +156,10 @@ SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul
 # --------------------------------------------------------------------------------------------
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # host side: triton.cdiv is a jit function, ~10 us per call from Python
+
+
 def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
                         out: torch.Tensor) -> torch.Tensor:
     """Run an elementwise ``kernel(*inputs, out, n, sizes, strides..., STRIDED, INDEX_64)``.
@@ -158,7 +172,7 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
     if n_elements == 0:
         return out
     operands = [*inputs, out]
-    if layout.same_dense_layout(*operands):
+    if all(t.is_contiguous() for t in operands) or layout.same_dense_layout(*operands):
         strided, sizes, strides = False, [1, 1, 1], [0] * (4 * len(operands))
     else:
         padded = layout.padded_layout(out.shape, *[t.stride() for t in operands])
@@ -170,7 +184,7 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
         strided, sizes = True, shape4[1:]
         strides = [s for operand in operand_strides for s in operand]
     index_64 = n_elements >= _INT32_LIMIT
-    kernel.launch(lambda meta: (triton.cdiv(n_elements, meta["BLOCK"]),),
+    kernel.launch(lambda meta: (_cdiv(n_elements, meta["BLOCK"]),),
                   *operands, n_elements, *sizes, *strides, strided, index_64,
                   shape=(n_elements,), restore=[t for t in inputs if t is out])
     return out
@@ -178,6 +192,8 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., w) as a 2-d (rows, w) view, copying only if the leading dims do not merge."""
+    if x.dim() == 2:
+        return x
     width = x.shape[-1]
     try:
         return x.view(-1, width)
@@ -192,7 +208,7 @@ def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rows_in, rows_out = _as_rows(x), out.view(-1, half_width)
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_FWD.launch(
-        lambda meta: (n_rows, triton.cdiv(half_width, meta["BLOCK_N"])),
+        lambda meta: (n_rows * _cdiv(half_width, meta["BLOCK_N"]),),
         rows_in, rows_out, half_width, rows_in.stride(0), rows_in.stride(1), rows_out.stride(0),
         shape=(n_rows, half_width))
     return out
@@ -209,7 +225,7 @@ def _launch_silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.
         rows_grad = rows_grad.contiguous()
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_BWD.launch(
-        lambda meta: (n_rows, triton.cdiv(half_width, meta["BLOCK_N"])),
+        lambda meta: (n_rows * _cdiv(half_width, meta["BLOCK_N"]),),
         rows_grad, rows_in, rows_dx, half_width, rows_grad.stride(0), rows_in.stride(0),
         rows_in.stride(1), rows_dx.stride(0), shape=(n_rows, half_width))
     return dx
@@ -294,9 +310,10 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         if _wants_custom_op(x):
             return torch.ops.gemslib.silu(x)
-        out = torch.empty_like(x)
-    else:
-        _check_out("gemslib.silu", out, x.shape, x)
+        if not _kernel_runs(x):
+            return F.silu(x)
+        return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
+    _check_out("gemslib.silu", out, x.shape, x)
     return _silu_into(x, out)
 
 
@@ -321,9 +338,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out is None:
         if _wants_custom_op(x):
             return torch.ops.gemslib.silu_and_mul(x)
-        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    else:
-        _check_out("gemslib.silu_and_mul", out, out_shape, x)
+        if not _kernel_runs(x):
+            return silu_and_mul_reference(x)
+        return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
+    _check_out("gemslib.silu_and_mul", out, out_shape, x)
     if not _kernel_runs(x) or layout.memory_overlaps(x, out):
         return out.copy_(silu_and_mul_reference(x))
     if out.dim() > 0 and (out.stride(-1) != 1 or not _rows_view_ok(out)):

@@ -1,0 +1,1 @@
+"""One-off experiments kept as the record behind benchmark/NOTES.md."""

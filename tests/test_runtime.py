@@ -1,0 +1,217 @@
+"""Runtime: device naming, config files (shipped and malformed), bucket selection, overrides."""
+
+import textwrap
+
+import pytest
+import torch
+
+import gemslib
+from conftest import random_tensor
+from gemslib import runtime
+from gemslib.accuracy import assert_close_to_reference
+from gemslib.ops import silu as silu_ops
+from gemslib.runtime import TuneConfigError
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    """Write a YAML document, point GEMSLIB_TUNE_CONFIG at it, and reload; undone afterwards."""
+
+    def write(text: str):
+        path = tmp_path / "custom.yaml"
+        path.write_text(textwrap.dedent(text))
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        runtime.reload_configs()
+        return path
+
+    yield write
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    runtime.reload_configs()
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("NVIDIA H200", "nvidia_h200"),
+    ("NVIDIA H100 80GB HBM3", "nvidia_h100_80gb_hbm3"),
+    ("  AMD Instinct MI300X ", "amd_instinct_mi300x"),
+])
+def test_device_names_normalize(name, expected):
+    assert runtime.normalize_device_name(name) == expected
+
+
+@pytest.mark.parametrize("filename", ["default.yaml", "nvidia_h200.yaml"])
+def test_shipped_configs_cover_every_kernel_with_matching_tunables(filename):
+    path = runtime.shipped_configs_dir() / filename
+    config = runtime.load_tune_config(path)
+    assert config.device == filename.removesuffix(".yaml")
+    declared = {(k.op, k.name): k for k in runtime.KERNELS.values()}
+    listed = {(op, kernel) for op, kernels in config.ops.items() for kernel in kernels}
+    assert listed <= set(declared), f"{filename} configures kernels that do not exist"
+    if filename == "default.yaml":
+        assert listed == set(declared), "default.yaml must configure every kernel"
+    for op, kernel in listed:
+        for bucket in config.ops[op][kernel]:
+            declared[op, kernel]._check_bucket(bucket)
+
+
+def test_config_file_follows_the_device_name():
+    path = runtime.config_path()
+    if runtime.INTERPRETER:
+        assert path.name == "default.yaml"
+    else:
+        own = runtime.shipped_configs_dir() / f"{runtime.device_name()}.yaml"
+        assert path == (own if own.is_file() else runtime.shipped_configs_dir() / "default.yaml")
+
+
+def test_environment_variable_selects_the_file_and_buckets_apply(config_file):
+    path = config_file("""
+        schema: 1
+        device: test
+        ops:
+          silu:
+            silu_fwd:
+              - max: {numel: 100}
+                config: {BLOCK: 32, num_warps: 1}
+              - config: {BLOCK: 128, num_warps: 2, num_stages: 2}
+    """)
+    assert runtime.config_path() == path
+    index, bucket = silu_ops.SILU_FWD.select((100,))
+    assert index == 0 and bucket.configs[0].meta_dict == {"BLOCK": 32}
+    index, bucket = silu_ops.SILU_FWD.select((101,))
+    assert index == 1 and bucket.configs[0].as_dict() == {"BLOCK": 128, "num_warps": 2,
+                                                         "num_stages": 2}
+    # kernels the file leaves out come from default.yaml
+    default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
+    assert silu_ops.SILU_BWD.buckets() == default.ops["silu"]["silu_bwd"]
+    # and the operator still computes the right thing with these configs
+    for numel in (100, 1000):
+        x = random_tensor((numel,), torch.float32)
+        assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()),
+                                  torch.float32)
+        assert silu_ops.SILU_FWD.config_for((numel,)).meta_dict["BLOCK"] == (32 if numel <= 100 else 128)
+
+
+def test_autotune_buckets_time_candidates_on_a_gpu_only(config_file, monkeypatch):
+    """Under the interpreter the first candidate is used untimed; on a GPU the fastest wins."""
+    import triton.testing
+
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):  # the second candidate is "faster"
+        timed.append(fn)
+        return 2.0 if len(timed) == 1 else 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    config_file("""
+        schema: 1
+        device: test
+        ops:
+          silu:
+            silu_fwd:
+              - autotune:
+                  - {BLOCK: 64, num_warps: 2}
+                  - {BLOCK: 256, num_warps: 4}
+    """)
+    x = random_tensor((300,), torch.float32)
+    assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), torch.float32)
+    chosen = silu_ops.SILU_FWD.config_for((300,)).meta_dict
+    if runtime.INTERPRETER:
+        assert timed == [] and chosen == {"BLOCK": 64}
+    else:
+        assert len(timed) == 2 and chosen == {"BLOCK": 256}
+
+
+def test_autotune_restores_in_place_operands(config_file):
+    """Candidates are timed on the real arguments; an in-place call must still apply once."""
+    config_file("""
+        schema: 1
+        device: test
+        ops:
+          silu:
+            silu_fwd:
+              - autotune:
+                  - {BLOCK: 64, num_warps: 2}
+                  - {BLOCK: 128, num_warps: 4}
+    """)
+    x = random_tensor((1000,), torch.float32)
+    expected = silu_ops.silu_reference(x.double())
+    gemslib.silu(x, out=x)
+    assert_close_to_reference(x, expected, torch.float32)
+
+
+MALFORMED = {
+    "not a mapping": ("- 1\n- 2\n", r"<top level>: expected a mapping"),
+    "missing schema": ("device: x\nops: {}\n", r": schema: missing"),
+    "wrong schema": ("schema: 2\ndevice: x\nops: {}\n", r"schema: expected 1, got 2"),
+    "unknown top key": ("schema: 1\ndevice: x\nops: {}\nextra: 1\n", r"unknown keys \['extra'\]"),
+    "kernel not a list": ("schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd: {BLOCK: 1}\n",
+                          r"ops\.silu\.silu_fwd: expected a non-empty list"),
+    "both config and autotune": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
+        "      - {config: {BLOCK: 64}, autotune: [{BLOCK: 64}]}\n",
+        r"ops\.silu\.silu_fwd\[0\]: needs exactly one of"),
+    "bad num_warps": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n      - config: {BLOCK: 64, num_warps: 3}\n",
+        r"ops\.silu\.silu_fwd\[0\]\.config\.num_warps: expected a power of two"),
+    "negative block": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n      - config: {BLOCK: -64}\n",
+        r"ops\.silu\.silu_fwd\[0\]\.config\.BLOCK: expected a positive integer, got -64"),
+    "no catch-all bucket": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
+        "      - {max: {numel: 10}, config: {BLOCK: 64}}\n",
+        r"ops\.silu\.silu_fwd\[0\]: the last bucket must have no 'max'"),
+    "invalid yaml": ("schema: [1\n", r"not valid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_files_name_the_file_and_the_key(tmp_path, case):
+    text, message = MALFORMED[case]
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(TuneConfigError, match=message) as info:
+        runtime.load_tune_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_malformed_file_named_by_the_environment_is_an_error_at_first_use(config_file):
+    path = config_file("schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd: []\n")
+    with pytest.raises(TuneConfigError, match=rf"{path}: ops\.silu\.silu_fwd: expected a non-empty"):
+        gemslib.silu(random_tensor((4,), torch.float32))
+
+
+def test_missing_file_named_by_the_environment_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(runtime.CONFIG_ENV, str(tmp_path / "nope.yaml"))
+    runtime.reload_configs()
+    try:
+        with pytest.raises(TuneConfigError, match="nope.yaml: cannot read"):
+            gemslib.silu(random_tensor((4,), torch.float32))
+    finally:
+        monkeypatch.delenv(runtime.CONFIG_ENV)
+        runtime.reload_configs()
+
+
+def test_parameters_that_do_not_fit_the_kernel_are_errors(config_file):
+    path = config_file("""
+        schema: 1
+        device: test
+        ops:
+          silu:
+            silu_fwd:
+              - config: {BLOCK_SIZE: 64}
+            silu_and_mul_fwd:
+              - max: {width: 64}
+                config: {BLOCK_N: 64}
+              - config: {BLOCK_N: 64}
+    """)
+    with pytest.raises(TuneConfigError, match=rf"{path}: ops\.silu\.silu_fwd\[0\]: parameters "
+                                              r"\['BLOCK_SIZE'\] do not match .*\['BLOCK'\]"):
+        gemslib.silu(random_tensor((4,), torch.float32))
+    with pytest.raises(TuneConfigError, match=r"silu_and_mul_fwd\[0\]\.max: unknown shape keys "
+                                              r"\['width'\]"):
+        gemslib.silu_and_mul(random_tensor((4, 8), torch.float32))
+
+
+def test_forced_config_checks_its_parameters():
+    with pytest.raises(ValueError, match="do not match"):
+        with silu_ops.SILU_FWD.forced(runtime.LaunchConfig((("BLOCK_N", 64),))):
+            pass
