@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session in one call: install, test, check, sweep, benchmark; logs under $OUT.
 #   bash benchmark/gpu_session.sh [sweep-ops...]      (SKIP_TESTS=1 skips pytest and the main job,
-#   FULL=1 adds the full benchmark with backward kernels)
+#   FULL=1 adds the full benchmark with backward kernels, EXPERIMENT=name runs
+#   benchmark/experiments/<name>.py first)
 # Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gemslib_out}
@@ -20,6 +21,9 @@ status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
   python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
+fi
+if [ -n "${EXPERIMENT:-}" ]; then
+  python -m "benchmark.experiments.$EXPERIMENT" 2>&1 | tee "$OUT/experiment.log"
 fi
 for op in "$@"; do
   python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"

@@ -99,15 +99,28 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
-def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
+def run_case(case: Case, ceilings: Ceilings, rounds: int = 3) -> list[Result]:
+    """Time every implementation ``rounds`` times, round-robin, and keep each one's best
+    median: a transient slowdown of the GPU then hits one round, not one implementation."""
+    best: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for _ in range(rounds):
+        for impl, fn in case.impls.items():
+            if impl in failed:
+                continue
+            try:
+                ms = median_ms(fn)
+            except Exception as err:  # a peer that fails at a shape is reported, not fatal
+                failed[impl] = f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"
+                continue
+            best[impl] = min(ms, best.get(impl, float("inf")))
     results = []
-    for impl, fn in case.impls.items():
-        try:
-            ms = median_ms(fn)
-        except Exception as err:  # a peer that fails at a shape is reported, not fatal
+    for impl in case.impls:
+        if impl in failed:
             results.append(Result(case.op, case.shape, case.dtype, impl, None, None, None, None,
-                                  error=f"{type(err).__name__}: {str(err).splitlines()[0][:80]}"))
+                                  error=failed[impl]))
             continue
+        ms = best[impl]
         gbps = case.bytes_moved / ms / 1e6 if case.bytes_moved else None
         tflops = case.flops / ms / 1e9 if case.flops else None
         if case.flops and ceilings.matmul_tflops:
@@ -120,7 +133,7 @@ def run_case(case: Case, ceilings: Ceilings) -> list[Result]:
         if not agree:
             for result in results:
                 if result.impl == GEMSLIB:
-                    result.error = "output differs from torch eager"
+                    result.error = "output differs from the fp32 reference"
     return results
 
 
@@ -223,11 +236,12 @@ def plot(results: list[Result], ceilings: Ceilings, out_dir: Path) -> list[Path]
     return written
 
 
-def outputs_close(ours: Callable, eager: Callable, rtol: float = 2e-2) -> Callable[[], bool]:
-    """A check that gemslib's output matches torch eager's at the benchmark shape."""
+def outputs_close(ours: Callable, reference: Callable, rtol: float = 2e-2) -> Callable[[], bool]:
+    """A check that gemslib's output matches ``reference`` (computed in fp32 from the same
+    inputs: a bf16 eager composition rounds after every op and drifts further than gemslib)."""
 
     def check() -> bool:
-        a, b = ours(), eager()
+        a, b = ours(), reference()
         a, b = (a if isinstance(a, torch.Tensor) else a[0]), (b if isinstance(b, torch.Tensor) else b[0])
         return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=1e-2))
 

@@ -17,6 +17,7 @@ of its candidates, measured once per (bucket, dtype, size class) on the GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -93,9 +94,14 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 1
 
-    @property
+    @functools.cached_property
     def meta_dict(self) -> dict[str, int]:
         return dict(self.meta)
+
+    @functools.cached_property
+    def launch_kwargs(self) -> dict[str, int]:
+        """What the Triton launch takes: meta-parameters plus num_warps and num_stages."""
+        return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def as_dict(self) -> dict[str, int]:
         return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -356,8 +362,7 @@ class TunedKernel:
         return self._forced or self._chosen.get(tuple(shape))
 
     def run(self, config: LaunchConfig, grid, args) -> None:
-        meta = config.meta_dict
-        self.fn[grid(meta)](*args, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
+        self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)
