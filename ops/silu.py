@@ -97,10 +97,10 @@ def _row_and_columns(half_width, BLOCK_N: tl.constexpr):
     """A 1-d grid walked row-major: neighbouring programs take neighbouring column blocks of
     one row, so the grid sweeps memory in order (a 2-d grid with rows on the fast axis jumps
     a whole row between neighbours and lost ~5% bandwidth on the H200)."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)  # int32 division: the int64 one is a long emulated sequence
     n_col_blocks = tl.cdiv(half_width, BLOCK_N)
-    row = pid // n_col_blocks
-    cols = (pid % n_col_blocks).to(tl.int32) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = (pid // n_col_blocks).to(tl.int64)  # int64 from here: row * stride can pass 2**31
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     return row, cols
 
 
