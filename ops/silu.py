@@ -104,15 +104,22 @@ def _row_and_columns(half_width, BLOCK_N: tl.constexpr):
     return row, cols
 
 
+def _even_columns(args) -> bool:
+    return args["half_width"] % args["BLOCK_N"] == 0
+
+
+@triton.heuristics({"EVEN_N": _even_columns})
 @triton.jit
 def _silu_and_mul_fwd_kernel(
     x_ptr, out_ptr, half_width,
     x_row_stride, x_col_stride, out_row_stride,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block)."""
     row, cols = _row_and_columns(half_width, BLOCK_N)
     mask = cols < half_width
+    if EVEN_N:  # no partial block in any row: unpredicated loads and stores
+        mask = None
     gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
     up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)
@@ -120,15 +127,18 @@ def _silu_and_mul_fwd_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.heuristics({"EVEN_N": _even_columns})
 @triton.jit
 def _silu_and_mul_bwd_kernel(
     grad_ptr, x_ptr, dx_ptr, half_width,
     grad_row_stride, x_row_stride, x_col_stride, dx_row_stride,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """d gate = grad * up * silu'(gate),  d up = grad * silu(gate)."""
     row, cols = _row_and_columns(half_width, BLOCK_N)
     mask = cols < half_width
+    if EVEN_N:  # no partial block in any row: unpredicated loads and stores
+        mask = None
     gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
     up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)

@@ -13,7 +13,9 @@ SHAPES = [(1,), (7,), (1023,), (3, 1025), (1, 1), (2, 3, 67), (2, 1, 5, 33), (0,
 if ON_GPU:
     SHAPES += [(4096, 4097), (3, 511, 8191), (1 << 22,)]
 
-SILU_AND_MUL_SHAPES = [(1, 2), (5, 6), (3, 2050), (2, 3, 130), (1, 1, 1, 2), (0, 8), (4, 0)]
+# (3, 512) and (2, 2048): widths that are a multiple of the block, the unmasked kernel variant
+SILU_AND_MUL_SHAPES = [(1, 2), (5, 6), (3, 2050), (2, 3, 130), (1, 1, 1, 2), (0, 8), (4, 0),
+                       (3, 512), (2, 2048)]
 if ON_GPU:
     SILU_AND_MUL_SHAPES += [(4097, 2 * 4099), (2, 1000, 2 * 1376)]
 
@@ -173,7 +175,8 @@ def test_silu_and_mul_propagates_nan_and_inf(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(3, 2 * 517), (2, 3, 10)] + ([(4097, 2 * 4099)] if ON_GPU else []))
+@pytest.mark.parametrize("shape", [(3, 2 * 517), (2, 3, 10), (3, 2 * 1024)]
+                         + ([(4097, 2 * 4099), (64, 2 * 14336)] if ON_GPU else []))
 def test_silu_and_mul_gradient(shape, dtype):
     x = random_tensor(shape, dtype).requires_grad_()
     grad = random_tensor((*shape[:-1], shape[-1] // 2), dtype)
