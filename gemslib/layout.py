@@ -95,3 +95,13 @@ def strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, strid
     i1 = rest % size1
     i0 = rest // size1
     return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
+
+
+@triton.jit
+def element_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3,
+                    STRIDED: tl.constexpr):
+    """Offsets of one operand: ``index`` itself on the flat path, else the strided walk."""
+    offsets = index
+    if STRIDED:
+        offsets = strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3)
+    return offsets

@@ -50,14 +50,10 @@ def _silu_fwd_kernel(
 ):
     """y = silu(x) over ``n_elements``: flat storage order, or a 4-d strided walk."""
     index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
-    if STRIDED:
-        x_offsets = layout.strided_offsets(index, size1, size2, size3,
-                                           x_stride0, x_stride1, x_stride2, x_stride3)
-        y_offsets = layout.strided_offsets(index, size1, size2, size3,
-                                           y_stride0, y_stride1, y_stride2, y_stride3)
-    else:
-        x_offsets = index
-        y_offsets = index
+    x_offsets = layout.element_offsets(index, size1, size2, size3, x_stride0, x_stride1,
+                                       x_stride2, x_stride3, STRIDED)
+    y_offsets = layout.element_offsets(index, size1, size2, size3, y_stride0, y_stride1,
+                                       y_stride2, y_stride3, STRIDED)
     x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
     y = x / (1.0 + tl.exp(-x))
     tl.store(y_ptr + y_offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -74,17 +70,12 @@ def _silu_bwd_kernel(
 ):
     """dx = grad * silu'(x)."""
     index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
-    if STRIDED:
-        grad_offsets = layout.strided_offsets(index, size1, size2, size3,
-                                              grad_stride0, grad_stride1, grad_stride2, grad_stride3)
-        x_offsets = layout.strided_offsets(index, size1, size2, size3,
-                                           x_stride0, x_stride1, x_stride2, x_stride3)
-        dx_offsets = layout.strided_offsets(index, size1, size2, size3,
-                                            dx_stride0, dx_stride1, dx_stride2, dx_stride3)
-    else:
-        grad_offsets = index
-        x_offsets = index
-        dx_offsets = index
+    grad_offsets = layout.element_offsets(index, size1, size2, size3, grad_stride0, grad_stride1,
+                                          grad_stride2, grad_stride3, STRIDED)
+    x_offsets = layout.element_offsets(index, size1, size2, size3, x_stride0, x_stride1,
+                                       x_stride2, x_stride3, STRIDED)
+    dx_offsets = layout.element_offsets(index, size1, size2, size3, dx_stride0, dx_stride1,
+                                        dx_stride2, dx_stride3, STRIDED)
     grad = tl.load(grad_ptr + grad_offsets, mask=mask).to(tl.float32)
     x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-x))

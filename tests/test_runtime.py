@@ -90,6 +90,18 @@ def test_environment_variable_selects_the_file_and_buckets_apply(config_file):
         assert silu_ops.SILU_FWD.config_for((numel,)).meta_dict["BLOCK"] == (32 if numel <= 100 else 128)
 
 
+AUTOTUNE_SILU = """
+    schema: 1
+    device: test
+    ops:
+      silu:
+        silu_fwd:
+          - autotune:
+              - {BLOCK: 64, num_warps: 2}
+              - {BLOCK: 256, num_warps: 4}
+"""
+
+
 def test_autotune_buckets_time_candidates_on_a_gpu_only(config_file, monkeypatch):
     """Under the interpreter the first candidate is used untimed; on a GPU the fastest wins."""
     import triton.testing
@@ -101,16 +113,7 @@ def test_autotune_buckets_time_candidates_on_a_gpu_only(config_file, monkeypatch
         return 2.0 if len(timed) == 1 else 1.0
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
-    config_file("""
-        schema: 1
-        device: test
-        ops:
-          silu:
-            silu_fwd:
-              - autotune:
-                  - {BLOCK: 64, num_warps: 2}
-                  - {BLOCK: 256, num_warps: 4}
-    """)
+    config_file(AUTOTUNE_SILU)
     x = random_tensor((300,), torch.float32)
     assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), torch.float32)
     chosen = silu_ops.SILU_FWD.config_for((300,)).meta_dict
@@ -122,16 +125,7 @@ def test_autotune_buckets_time_candidates_on_a_gpu_only(config_file, monkeypatch
 
 def test_autotune_restores_in_place_operands(config_file):
     """Candidates are timed on the real arguments; an in-place call must still apply once."""
-    config_file("""
-        schema: 1
-        device: test
-        ops:
-          silu:
-            silu_fwd:
-              - autotune:
-                  - {BLOCK: 64, num_warps: 2}
-                  - {BLOCK: 128, num_warps: 4}
-    """)
+    config_file(AUTOTUNE_SILU)
     x = random_tensor((1000,), torch.float32)
     expected = silu_ops.silu_reference(x.double())
     gemslib.silu(x, out=x)
