@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gemslib
 from conftest import DEVICE, DTYPES, ON_GPU, poisoned, random_tensor
@@ -235,3 +237,24 @@ def test_silu_and_mul_traces_under_torch_compile_fullgraph():
     result.sum().backward()
     expected.sum().backward()
     assert_close_to_reference(x.grad, x64.grad, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Property: any layout a view can have gives the reference result
+# ---------------------------------------------------------------------------------------------
+
+@st.composite
+def strided_views(draw):
+    """A random 1-5-d tensor, permuted and sliced with random steps (sizes may be 0 or 1)."""
+    rank = draw(st.integers(1, 5))
+    sizes = draw(st.lists(st.integers(0, 7), min_size=rank, max_size=rank))
+    base = random_tensor([2 * s + 1 for s in sizes], draw(st.sampled_from(DTYPES)))
+    steps = draw(st.lists(st.integers(1, 2), min_size=rank, max_size=rank))
+    view = base[tuple(slice(0, s * step, step) for s, step in zip(sizes, steps))]
+    return view.permute(draw(st.permutations(range(rank))))
+
+
+@settings(max_examples=30, deadline=None)
+@given(strided_views())
+def test_silu_on_any_view(x):
+    assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), x.dtype)
