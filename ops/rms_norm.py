@@ -1,0 +1,523 @@
+"""RMSNorm over the last dim, optionally fused with a residual add; forward and backward.
+
+    rstd      = 1 / sqrt(mean(x**2) + eps)            per row (fp32)
+    rms_norm  = x * rstd * weight                      x (..., N), weight (N,) or None
+    add_rms_norm(x, residual) = (rms_norm(x + residual), x + residual)
+
+    backward, with x_hat = x * rstd and g = grad * weight:
+    dx        = rstd * (g - x_hat * mean(g * x_hat))   per row
+    dweight   = sum over rows of grad * x_hat          (fp32 partial sums per program, no atomics)
+
+Rows that fit one block (N <= BLOCK_N) are read once; wider rows loop over column blocks
+(two passes: the sum of squares, then the normalisation). The file reads top-down: kernels,
+launchers, references, public functions and custom ops, self-checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gemslib import runtime
+from gemslib.registry import SelfCheck
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _one_pass(args) -> bool:
+    return args["n_cols"] <= args["BLOCK_N"]
+
+
+@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rstd_ptr,
+    n_rows, n_cols,
+    x_row_stride, residual_row_stride, out_row_stride, residual_out_row_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    """BLOCK_M rows per program. With a residual, ``residual_out = x + residual`` is stored and
+    normalised; ``residual_out`` may be ``residual`` itself and ``out`` may be ``x`` (in place):
+    every element is read before the same thread writes it."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    row_index = rows.to(tl.int64)[:, None]  # int64: row * stride can pass 2**31
+    x_rows = x_ptr + row_index * x_row_stride
+    out_rows = out_ptr + row_index * out_row_stride
+    residual_rows = residual_ptr + row_index * residual_row_stride
+    residual_out_rows = residual_out_ptr + row_index * residual_out_row_stride
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask[:, None] & (cols < n_cols)
+        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        normed = x * rstd[:, None]
+        if HAS_WEIGHT:
+            normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols < n_cols)
+            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty),
+                         mask=mask)
+            sum_squares += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_squares / n_cols + eps)
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask[:, None] & (cols < n_cols)
+            if HAS_RESIDUAL:  # the sum this program stored in the first pass
+                x = tl.load(residual_out_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            normed = x * rstd[:, None]
+            if HAS_WEIGHT:
+                normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.jit
+def _rms_norm_bwd_kernel(
+    grad_ptr, x_ptr, weight_ptr, rstd_ptr, grad_extra_ptr, dx_ptr, dweight_partial_ptr,
+    n_rows, n_cols, rows_per_program,
+    grad_row_stride, x_row_stride, grad_extra_row_stride, dx_row_stride,
+    HAS_WEIGHT: tl.constexpr, HAS_GRAD_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):
+    """Rows [pid * rows_per_program, ...) one at a time; this program's share of dweight goes
+    to row ``pid`` of the fp32 ``dweight_partial`` (n_programs, n_cols). ``grad_extra`` (the
+    gradient of add_rms_norm's sum output) is added to dx before its single rounding."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    partial_row = dweight_partial_ptr + pid.to(tl.int64) * n_cols
+    first_row = row_start.to(tl.int64)  # pointers advance one row per iteration
+    x_row = x_ptr + first_row * x_row_stride
+    grad_row = grad_ptr + first_row * grad_row_stride
+    dx_row = dx_ptr + first_row * dx_row_stride
+    grad_extra_row = grad_extra_ptr + first_row * grad_extra_row_stride
+    rstd_row = rstd_ptr + first_row
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for _ in range(row_start, row_end):
+            x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_row)
+            x_hat = x * rstd
+            g = grad * weight if HAS_WEIGHT else grad
+            mean_g_xhat = tl.sum(g * x_hat, axis=0) / n_cols
+            dx = rstd * (g - x_hat * mean_g_xhat)
+            if HAS_GRAD_EXTRA:
+                dx += tl.load(grad_extra_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+            dweight += grad * x_hat
+            x_row += x_row_stride
+            grad_row += grad_row_stride
+            dx_row += dx_row_stride
+            grad_extra_row += grad_extra_row_stride
+            rstd_row += 1
+        if HAS_WEIGHT:
+            tl.store(partial_row + cols, dweight, mask=col_mask)
+    else:
+        if HAS_WEIGHT:  # this program's partial row starts at zero; it accumulates in place
+            for col_start in range(0, n_cols, BLOCK_N):
+                cols = col_start + tl.arange(0, BLOCK_N)
+                tl.store(partial_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32),
+                         mask=cols < n_cols)
+        for _ in range(row_start, row_end):
+            rstd = tl.load(rstd_row)
+            dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for col_start in range(0, n_cols, BLOCK_N):
+                cols = col_start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                g = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                dot += g * x
+            mean_g_xhat = tl.sum(dot, axis=0) * rstd / n_cols
+            for col_start in range(0, n_cols, BLOCK_N):
+                cols = col_start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                x_hat = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32) * rstd
+                grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                g = grad
+                if HAS_WEIGHT:
+                    g = grad * tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                    partial = tl.load(partial_row + cols, mask=col_mask, other=0.0)
+                    tl.store(partial_row + cols, partial + grad * x_hat, mask=col_mask)
+                dx = rstd * (g - x_hat * mean_g_xhat)
+                if HAS_GRAD_EXTRA:
+                    dx += tl.load(grad_extra_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+                tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
+            x_row += x_row_stride
+            grad_row += grad_row_stride
+            dx_row += dx_row_stride
+            grad_extra_row += grad_extra_row_stride
+            rstd_row += 1
+
+
+RMS_NORM_FWD = runtime.TunedKernel("rms_norm", "rms_norm_fwd", _rms_norm_fwd_kernel,
+                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
+RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_kernel,
+                                   tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (inputs validated by the public functions)
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., N) as a (rows, N) view with a unit last stride, copying only when it must."""
+    if t.dim() == 2 and t.stride(-1) == 1:
+        return t
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool):
+    """Writes ``out`` (and ``residual_out``); returns rstd (rows,) fp32 or None."""
+    n_rows = math.prod(x.shape[:-1])
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if want_rstd else None
+    if x.numel() == 0:
+        return rstd.fill_(float("nan")) if want_rstd else None  # a mean over no columns
+    x_rows, out_rows = _rows(x), out.view(-1, out.shape[-1])
+    n_cols = x_rows.shape[1]
+    residual_rows = _rows(residual) if residual is not None else x_rows
+    residual_out_rows = residual_out.view(-1, n_cols) if residual_out is not None else out_rows
+    RMS_NORM_FWD.launch(
+        lambda meta: (_cdiv(n_rows, meta["BLOCK_M"]),),
+        x_rows, residual_rows, weight if weight is not None else x_rows, out_rows,
+        residual_out_rows, rstd if want_rstd else x_rows,
+        n_rows, n_cols, x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0),
+        residual_out_rows.stride(0), eps, residual is not None, weight is not None, want_rstd,
+        shape=(n_rows, n_cols),
+        restore=[t for t in (x, residual) if t is not None and (t is out or t is residual_out)])
+    return rstd
+
+
+@functools.lru_cache(maxsize=8)
+def _program_slots(device_index: int) -> int:
+    """How many backward programs to run: enough to fill the GPU, few enough partial rows."""
+    if runtime.INTERPRETER:
+        return 4
+    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_backward(grad, x, weight, rstd, grad_extra=None):
+    """(dx, dweight or None) for ``rms_norm(x, weight)`` given the forward's rstd; dx includes
+    ``grad_extra`` when given."""
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return dx, torch.zeros_like(weight) if weight is not None else None
+    x_rows, grad_rows = _rows(x), _rows(grad)
+    n_rows, n_cols = x_rows.shape
+    slots = _program_slots(x.device.index or 0)
+    rows_per_program = _cdiv(n_rows, slots)
+    n_programs = _cdiv(n_rows, rows_per_program)
+    partial = torch.empty((n_programs, n_cols) if weight is not None else (1,),
+                          dtype=torch.float32, device=x.device)
+    dx_rows = dx.view(-1, n_cols)
+    extra_rows = _rows(grad_extra) if grad_extra is not None else grad_rows
+    RMS_NORM_BWD.launch(
+        lambda meta: (n_programs,),
+        grad_rows, x_rows, weight if weight is not None else x_rows, rstd, extra_rows, dx_rows,
+        partial, n_rows, n_cols, rows_per_program, grad_rows.stride(0), x_rows.stride(0),
+        extra_rows.stride(0), dx_rows.stride(0), weight is not None, grad_extra is not None,
+        shape=(n_rows, n_cols))
+    dweight = partial.sum(dim=0).to(weight.dtype) if weight is not None else None
+    return dx, dweight
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch references (tests run them in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(x, weight=None, eps=1e-6):
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return normed * weight if weight is not None else normed
+
+
+def add_rms_norm_reference(x, residual, weight=None, eps=1e-6):
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions and custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(function: str, x, weight, residual=None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{function}: x must have at least one dim (normalised over the last)")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{function}: residual must be a torch.Tensor, got {type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(f"{function}: residual must have x's shape {tuple(x.shape)}, "
+                             f"got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"{function}: residual must be {x.dtype} on {x.device}, "
+                             f"got {residual.dtype} on {residual.device}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"{function}: weight must be a torch.Tensor or None, got {type(weight).__name__}")
+        if weight.shape != (x.shape[-1],):
+            raise ValueError(f"{function}: weight must have shape ({x.shape[-1]},) to match x's "
+                             f"last dim, got {tuple(weight.shape)}")
+        if weight.device != x.device:
+            raise ValueError(f"{function}: weight must be on {x.device}, got {weight.device}")
+        if not weight.is_floating_point():
+            raise TypeError(f"{function}: weight must be floating-point, got {weight.dtype}")
+
+
+def _kernel_runs(*tensors) -> bool:
+    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t)
+               for t in tensors if t is not None)
+
+
+def _wants_custom_op(*tensors) -> bool:
+    return torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def _upcast_reference(fn, *tensors, eps):
+    """Torch's own arithmetic for what the kernels do not take (float64, other devices):
+    float64 stays float64, anything else is computed in fp32, like the kernels."""
+    work = [t if t is None or t.dtype == torch.float64 else t.float() for t in tensors]
+    return fn(*work, eps=eps)
+
+
+def _forward(x, weight, eps, want_rstd):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = _launch_forward(x, None, weight.contiguous() if weight is not None else None, eps,
+                           out, None, want_rstd)
+    return out, rstd
+
+
+def _kernel_takes(x, *others) -> bool:
+    return _kernel_runs(x, *others) and all(t is None or t.dtype == x.dtype for t in others)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last dim of ``x`` (..., N).
+
+    weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
+    Differentiable (dx and dweight).
+    """
+    _check_inputs("gemslib.rms_norm", x, weight)
+    if _wants_custom_op(x, weight):
+        return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
+    if not _kernel_takes(x, weight):
+        return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
+    return _forward(x, weight, eps, want_rstd=False)[0]
+
+
+def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
+    """Kernel (or torch for what it does not take) without autograd; ``out``/``residual_out``
+    may be ``x``/``residual`` (in place)."""
+    if not _kernel_takes(x, residual, weight):
+        normed, total = _upcast_reference(add_rms_norm_reference, x, residual, weight, eps=eps)
+    elif out is not None and not all(t.stride(-1) == 1 and _viewable(t) for t in (out, residual_out)):
+        normed, total = _add_rms_norm(x, residual, weight, eps)  # layouts the kernel cannot write
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _launch_forward(x, residual, weight.contiguous() if weight is not None else None, eps,
+                        out, residual_out, want_rstd=False)
+        return out, residual_out
+    if out is None:
+        return normed.to(x.dtype), total.to(x.dtype)
+    residual_out.copy_(total)
+    return out.copy_(normed), residual_out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual, weight), x + residual)`` in one pass over the data.
+
+    x, residual: (..., N) of one dtype; weight (N,) or None. With ``inplace=True`` (as LLM
+    servers use it) the sum is written into ``residual`` and the normalised result into ``x``,
+    and those two tensors are returned. Differentiable when not in place.
+    """
+    _check_inputs("gemslib.add_rms_norm", x, weight, residual)
+    if inplace:
+        if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
+            raise RuntimeError("gemslib.add_rms_norm: inplace=True cannot be used on tensors "
+                               "that require grad")
+        return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
+    if _wants_custom_op(x, residual, weight):
+        normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
+        return normed, total
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
+
+
+def _forward_with_rstd(x, weight, eps):
+    if not _kernel_takes(x, weight):
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1) + eps).reshape(-1)
+        out = _upcast_reference(rms_norm_reference, x, weight, eps=eps)
+        return out.to(x.dtype).contiguous(), rstd
+    return _forward(x, weight, eps, want_rstd=True)
+
+
+def _backward(grad, x, weight, rstd, grad_extra=None):
+    if not _kernel_takes(x, grad, weight, grad_extra):
+        x32, g32 = x.float(), grad.float()
+        rstd_col = rstd.reshape(*x.shape[:-1], 1)
+        x_hat = x32 * rstd_col
+        g = g32 * weight.float() if weight is not None else g32
+        dx = rstd_col * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        if grad_extra is not None:
+            dx = dx + grad_extra.float()
+        dweight = (g32 * x_hat).reshape(-1, x.shape[-1]).sum(0) if weight is not None else None
+        return dx.to(x.dtype), dweight.to(weight.dtype) if weight is not None else None
+    return _launch_backward(grad, x, weight.contiguous() if weight is not None else None, rstd,
+                            grad_extra)
+
+
+@torch.library.custom_op("gemslib::rms_norm_forward", mutates_args=())
+def _rms_norm_forward_op(x: torch.Tensor, weight: torch.Tensor | None,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, rstd) with rstd (rows,) fp32, what the backward needs."""
+    return _forward_with_rstd(x, weight, eps)
+
+
+@_rms_norm_forward_op.register_fake
+def _(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+        (rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("gemslib::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                          rstd: torch.Tensor, grad_extra: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [+ grad_extra], dweight); dweight is empty when there is no weight."""
+    dx, dweight = _backward(grad, x, weight, rstd, grad_extra)
+    return dx, dweight if dweight is not None else x.new_empty((0,))
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad, x, weight, rstd, grad_extra=None):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight) if weight is not None else x.new_empty((0,)))
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_norm_grad(ctx, grad_out, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = torch.ops.gemslib.rms_norm_backward(grad_out.contiguous(), x, weight, rstd)
+    return dx, (dweight if weight is not None else None), None
+
+
+_rms_norm_forward_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+@torch.library.custom_op("gemslib::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(output[1], weight)
+
+
+def _add_rms_norm_grad(ctx, grad_normed, grad_total):
+    total, weight = ctx.saved_tensors
+    # the forward kept no rstd (it serves inference); one cheap pass recomputes it
+    _, rstd = torch.ops.gemslib.rms_norm_forward(total, weight, ctx.eps)
+    d_total, dweight = torch.ops.gemslib.rms_norm_backward(
+        grad_normed.contiguous(), total, weight, rstd,
+        grad_total.contiguous() if grad_total is not None else None)
+    return d_total, d_total, (dweight if weight is not None else None), None
+
+
+_add_rms_norm_op.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checks for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _inputs(device, dtype, rows, width=4099):
+    x = torch.randn(rows, width, device=device, dtype=torch.float32).mul_(2).to(dtype)
+    weight = torch.randn(width, device=device, dtype=torch.float32).to(dtype)
+    return x, weight
+
+
+SELF_CHECKS = (
+    SelfCheck("rms_norm", lambda device, dtype, rows: _inputs(device, dtype, rows),
+              run=rms_norm, reference=rms_norm_reference,
+              torch_peer=lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6)),
+    SelfCheck("add_rms_norm",
+              lambda device, dtype, rows: (*_inputs(device, dtype, rows)[:1],
+                                           *_inputs(device, dtype, rows)),
+              run=lambda x, r, w: add_rms_norm(x, r, w)[0],
+              reference=lambda x, r, w: add_rms_norm_reference(x, r, w)[0],
+              torch_peer=lambda x, r, w: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6)),
+)
