@@ -41,10 +41,11 @@ from gemslib.registry import disable, enable, is_enabled, registered_ops
 from gemslib.runtime import TuneConfigError
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.silu import silu, silu_and_mul
+from gemslib.ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
 
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
-    "rms_norm", "add_rms_norm", "silu", "silu_and_mul",
+    "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
 ]

@@ -66,12 +66,19 @@ def test_exception_inside_the_block_restores_the_dispatcher():
 
 def test_nested_enable_restores_each_level():
     before = dispatch_tables()
+    others = tuple(a for name, atens in gemslib.registered_ops().items() if name != "silu"
+                   for a in atens)
+    others_before = dispatch_tables(others)
     with gemslib.enable(ops=["silu"]) as outer:
         inside_outer = dispatch_tables()
-        with gemslib.enable() as inner:
+        with gemslib.enable(ops=["silu"]) as inner:
             assert inner.aten_overloads == ()  # the outer block already serves silu
             assert dispatch_tables() == inside_outer
+        with gemslib.enable() as inner:
+            assert set(inner.aten_overloads) == set(others)  # only what was not on yet
+            assert dispatch_tables() == inside_outer
         assert dispatch_tables() == inside_outer and outer.active
+        assert dispatch_tables(others) == others_before
     assert dispatch_tables() == before
 
 
@@ -86,7 +93,8 @@ def test_disable_inside_a_block_then_leaving_it():
 def test_allow_list_and_exclude():
     before = dispatch_tables()
     with gemslib.enable(exclude=["silu"]) as activation:
-        assert activation.ops == () and dispatch_tables() == before
+        assert "silu" not in activation.ops and dispatch_tables() == before
+        assert set(activation.ops) == set(gemslib.registered_ops()) - {"silu"}
     with gemslib.enable(ops=["silu"]) as activation:
         assert activation.ops == ("silu",)
         assert "gemslib" in backend_entry("aten::silu")

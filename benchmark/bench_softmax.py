@@ -1,0 +1,83 @@
+"""softmax and log_softmax (bf16, last dim) against torch eager, torch.compile and FlagGems.
+
+    python -m benchmark --ops softmax log_softmax [--backward]
+
+Bytes moved: read x and write y (2*M*N); the backward reads dy and y and writes dx (3*M*N).
+Wide rows (vocabulary sizes) take an online pass, which reads x twice: its floor is 3*M*N
+bytes, but the table counts the 2*M*N a single-read kernel would need, as the peers' do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gemslib
+from benchmark.harness import Case, compiled, optional_peer, outputs_close
+from gemslib.ops import softmax as softmax_ops
+
+QUICK_SHAPES = [(16384, 4096), (1024, 131072), (512, 262144)]
+EXTRA_SHAPES = [(4096, 4096), (2048, 50257), (1, 131072), (65536, 1024), (8192, 32000)]
+DTYPE = torch.bfloat16
+
+
+def _torch_softmax(x):
+    return torch.softmax(x, -1)
+
+
+def _torch_log_softmax(x):
+    return torch.log_softmax(x, -1)
+
+
+def _grads(fn, x):
+    leaf = x.clone().requires_grad_()
+    out = fn(leaf)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True)
+
+
+def cases(quick: bool = False, backward: bool = False):
+    flag_gems = optional_peer("flag_gems")
+    size = torch.finfo(DTYPE).bits // 8
+    for rows, cols in QUICK_SHAPES + ([] if quick else EXTRA_SHAPES):
+        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+        for op, ours, theirs in (("softmax", gemslib.softmax, _torch_softmax),
+                                 ("log_softmax", gemslib.log_softmax, _torch_log_softmax)):
+            impls = {"gemslib": lambda ours=ours: ours(x, -1),
+                     "torch eager": lambda theirs=theirs: theirs(x),
+                     "torch.compile": (lambda f: lambda: f(x))(compiled(theirs))}
+            if flag_gems:
+                peer = getattr(flag_gems, op, None)
+                if peer is not None:
+                    impls["FlagGems"] = lambda peer=peer: peer(x, -1)
+            yield Case(op, f"{rows}x{cols}", "bf16", 2 * x.numel() * size, impls,
+                       outputs_agree=outputs_close(impls["gemslib"],
+                                                   lambda theirs=theirs: theirs(x.float())))
+            if backward:
+                impls = {"gemslib": _grads(lambda t, ours=ours: ours(t, -1), x),
+                         "torch eager": _grads(theirs, x),
+                         "torch.compile": _grads(compiled(theirs), x)}
+                yield Case(f"{op}_backward", f"{rows}x{cols}", "bf16", 3 * x.numel() * size, impls)
+        del x
+
+
+SWEEP_CANDIDATES = {
+    "softmax_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+                    for m, n in ((1, 4096), (1, 8192), (2, 4096), (1, 16384))
+                    for w in (4, 8, 16)],
+    "softmax_bwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+                    for m, n in ((1, 4096), (1, 8192), (2, 4096))
+                    for w in (4, 8, 16)],
+}
+
+
+def sweep_problems():
+    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
+    size = torch.finfo(DTYPE).bits // 8
+    for rows, cols in QUICK_SHAPES:
+        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+        y = softmax_ops.softmax(x, -1)
+        grad = torch.randn_like(x)
+        label = f"{rows}x{cols}"
+        yield softmax_ops.SOFTMAX_FWD, label, 2 * x.numel() * size, lambda: gemslib.softmax(x, -1)
+        yield (softmax_ops.SOFTMAX_BWD, label, 3 * x.numel() * size,
+               lambda: softmax_ops._backward(grad, y, 1, False, y.dtype))

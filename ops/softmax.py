@@ -1,0 +1,422 @@
+"""softmax and log_softmax over any dim, forward and backward.
+
+    softmax(x)_i     = exp(x_i - m) / s,       m = max_j x_j,  s = sum_j exp(x_j - m)
+    log_softmax(x)_i = x_i - m - log(s)
+    softmax backward:     dx = y * (dy - sum_j dy_j * y_j)
+    log_softmax backward: dx = dy - exp(y) * sum_j dy_j
+
+Rows that fit one block are read once. Wider rows (vocabulary-sized) take an online pass for
+the statistics, a running max and a rescaled running sum per lane, then a second pass that
+writes the outputs: two reads and one write. exp is computed as exp2 with log2(e) folded in.
+NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
+A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
+strided kernel). The file reads top-down: kernels, launchers, public functions and custom ops,
+aten overrides, self-checks.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from gemslib import layout, runtime
+from gemslib.registry import AtenOverride, SelfCheck
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def _one_pass(args) -> bool:
+    return args["n_cols"] <= args["BLOCK_N"]
+
+
+@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows[:, None] < n_rows
+    row_index = rows.to(tl.int64)[:, None]
+    x_rows = x_ptr + row_index * x_row_stride
+    y_rows = y_ptr + row_index * y_row_stride
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask & (cols < n_cols)
+        x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        shifted = (x - tl.max(x, axis=1)[:, None]) * LOG2E  # log2 units
+        exps = tl.exp2(shifted)
+        row_sum = tl.sum(exps, axis=1)[:, None]
+        if LOG:
+            y = (shifted - tl.log2(row_sum)) / LOG2E
+        else:
+            y = exps / row_sum
+        tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
+        lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            x = tl.load(x_rows + cols, mask=row_mask & (cols < n_cols),
+                        other=-float("inf")).to(tl.float32)
+            new_max = tl.maximum(lane_max, x)
+            # a lane that has seen only -inf keeps a zero sum; (-inf) - (-inf) would make it
+            # NaN. A NaN or +inf input does make the sum NaN, and with it the row, as in torch.
+            seen_only_neg_inf = new_max == -float("inf")
+            rescale = tl.where(seen_only_neg_inf, 0.0, tl.exp2((lane_max - new_max) * LOG2E))
+            term = tl.where(seen_only_neg_inf, 0.0, tl.exp2((x - new_max) * LOG2E))
+            lane_sum = lane_sum * rescale + term
+            lane_max = new_max
+        row_max = tl.max(lane_max, axis=1)[:, None]
+        row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * LOG2E), axis=1)[:, None]
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask & (cols < n_cols)
+            x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            shifted = (x - row_max) * LOG2E
+            if LOG:
+                y = (shifted - tl.log2(row_sum)) / LOG2E
+            else:
+                y = tl.exp2(shifted) / row_sum
+            tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.jit
+def _softmax_bwd_kernel(
+    grad_ptr, y_ptr, dx_ptr, n_rows, n_cols, grad_row_stride, y_row_stride, dx_row_stride,
+    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows[:, None] < n_rows
+    row_index = rows.to(tl.int64)[:, None]
+    grad_rows = grad_ptr + row_index * grad_row_stride
+    y_rows = y_ptr + row_index * y_row_stride
+    dx_rows = dx_ptr + row_index * dx_row_stride
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_mask & (cols < n_cols)
+        grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = grad - tl.exp(y) * tl.sum(grad, axis=1)[:, None]
+        else:
+            dx = y * (grad - tl.sum(grad * y, axis=1)[:, None])
+        tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        lane_dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask & (cols < n_cols)
+            grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                lane_dot += grad
+            else:
+                lane_dot += grad * tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        row_dot = tl.sum(lane_dot, axis=1)[:, None]
+        for col_start in range(0, n_cols, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
+            mask = row_mask & (cols < n_cols)
+            grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                dx = grad - tl.exp(y) * row_dot
+            else:
+                dx = y * (grad - row_dot)
+            tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+SOFTMAX_FWD = runtime.TunedKernel("softmax", "softmax_fwd", _softmax_fwd_kernel,
+                                  tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
+SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
+                                  tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: any dim, any layout -> (rows, n) with a unit last stride
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
+    rank = max(x.dim(), 1)
+    if not -rank <= dim < rank:
+        raise IndexError(f"{function}: dim {dim} is out of range for a tensor of {x.dim()} dims")
+    return dim % rank
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., n) as (rows, n) with a unit last stride, copying only when it must."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: torch.Tensor,
+                 log: bool) -> None:
+    """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous."""
+    if out.numel() == 0:
+        return
+    rows = [_as_rows(t) for t in inputs]
+    out_rows = out.view(-1, out.shape[-1])
+    n_rows, n_cols = out_rows.shape
+    kernel.launch(lambda meta: (_cdiv(n_rows, meta["BLOCK_M"]),),
+                  *rows, out_rows, n_rows, n_cols, *[r.stride(0) for r in rows],
+                  out_rows.stride(0), log, shape=(n_rows, n_cols))
+
+
+def _to_last(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t if t.dim() == 0 or dim == t.dim() - 1 else t.movedim(dim, -1)
+
+
+def _from_last(t: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+    return t if ndim == 0 or dim == ndim - 1 else t.movedim(-1, dim).contiguous()
+
+
+def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """Kernel path: x's dtype in KERNEL_DTYPES, on the kernel device; returns a new tensor."""
+    moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
+    out = torch.empty(moved.shape, dtype=out_dtype, device=x.device)
+    _launch_rows(SOFTMAX_FWD, [moved], out, log)
+    return out.reshape(()) if x.dim() == 0 else _from_last(out, dim, x.dim())
+
+
+def _backward(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """Kernel path: dx from the forward's output ``y`` and the incoming gradient."""
+    scalar = y.dim() == 0
+    if scalar:
+        grad, y = grad.reshape(1, 1), y.reshape(1, 1)
+    moved_y = _to_last(y, dim)
+    dx = torch.empty(moved_y.shape, dtype=out_dtype, device=y.device)
+    _launch_rows(SOFTMAX_BWD, [_to_last(grad, dim), moved_y], dx, log)
+    return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch references (tests run them in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def softmax_reference(x, dim=-1):
+    return torch.softmax(x, dim)
+
+
+def log_softmax_reference(x, dim=-1):
+    return torch.log_softmax(x, dim)
+
+
+def softmax_backward_reference(grad, y, dim=-1):
+    return y * (grad - (grad * y).sum(dim, keepdim=True))
+
+
+def log_softmax_backward_reference(grad, y, dim=-1):
+    return grad - torch.exp(y) * grad.sum(dim, keepdim=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions and custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check(function: str, x, dim) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{function}: dim must be an int, got {type(dim).__name__}")
+    return _normalize_dim(function, x, dim)
+
+
+def _kernel_runs(*tensors) -> bool:
+    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t) for t in tensors)
+
+
+def _wants_custom_op(x) -> bool:
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad)
+
+
+def _softmax_any(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """Kernel where it runs, torch otherwise; no autograd."""
+    if not _kernel_runs(x):
+        return (torch.log_softmax if log else torch.softmax)(x, dim)
+    return _forward(x, dim, log, x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim``; same shape and dtype as x.
+
+    Statistics in fp32; rows of any width (vocabulary-sized ones in an online pass).
+    Differentiable.
+    """
+    dim = _check("gemslib.softmax", x, dim)
+    if _wants_custom_op(x):
+        return torch.ops.gemslib.softmax(x, dim, False)
+    return _softmax_any(x, dim, log=False)
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
+    dim = _check("gemslib.log_softmax", x, dim)
+    if _wants_custom_op(x):
+        return torch.ops.gemslib.softmax(x, dim, True)
+    return _softmax_any(x, dim, log=True)
+
+
+def _backward_any(grad, y, dim, log, out_dtype):
+    if not _kernel_runs(grad, y) or grad.dtype != y.dtype:
+        reference = log_softmax_backward_reference if log else softmax_backward_reference
+        compute = torch.float64 if torch.float64 in (grad.dtype, y.dtype) else torch.float32
+        return reference(grad.to(compute), y.to(compute), dim).to(out_dtype)
+    return _backward(grad, y, dim, log, out_dtype)
+
+
+@torch.library.custom_op("gemslib::softmax", mutates_args=())
+def _softmax_op(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """softmax (log=False) or log_softmax (log=True) of x along dim, contiguous."""
+    return _softmax_any(x, dim, log).contiguous()
+
+
+@_softmax_op.register_fake
+def _(x, dim, log):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("gemslib::softmax_backward", mutates_args=())
+def _softmax_backward_op(grad: torch.Tensor, y: torch.Tensor, dim: int,
+                         log: bool) -> torch.Tensor:
+    return _backward_any(grad, y, dim, log, y.dtype).contiguous()
+
+
+@_softmax_backward_op.register_fake
+def _(grad, y, dim, log):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.dim, ctx.log = inputs[1], inputs[2]
+    ctx.save_for_backward(output)
+
+
+def _softmax_grad(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return torch.ops.gemslib.softmax_backward(grad, y, ctx.dim, ctx.log), None, None
+
+
+_softmax_op.register_autograd(_softmax_grad, setup_context=_softmax_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# aten overrides: what F.softmax / F.log_softmax and their autograd reach on every backend
+# --------------------------------------------------------------------------------------------
+
+
+def _why_not_forward(self, dim, half_to_float, out=None):
+    if self.dtype not in KERNEL_DTYPES:
+        return f"dtype {self.dtype}"
+    if half_to_float and self.dtype == torch.float32:
+        return "half_to_float on a float32 input (torch raises)"
+    if out is not None:
+        expected = torch.float32 if half_to_float else self.dtype
+        if out.shape != self.shape or out.dtype != expected or layout.has_internal_overlap(out):
+            return "out needs resizing, another dtype, or has overlapping elements"
+        if layout.memory_overlaps(self, out):
+            return "out overlaps the input"
+    return None
+
+
+def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
+    if grad_output.dtype not in KERNEL_DTYPES or grad_output.dtype != output.dtype:
+        return f"dtypes {grad_output.dtype}, {output.dtype}"
+    if input_dtype not in KERNEL_DTYPES or grad_output.shape != output.shape:
+        return f"input dtype {input_dtype} or shapes differ"
+    if out is not None and (out.shape != output.shape or out.dtype != input_dtype
+                            or layout.has_internal_overlap(out)):
+        return "grad_input needs resizing, another dtype, or has overlapping elements"
+    return None
+
+
+def _aten_forward(log: bool):
+    def forward(self, dim, half_to_float):
+        dim = _normalize_dim("softmax", self, dim)
+        return _forward(self, dim, log, torch.float32 if half_to_float else self.dtype)
+
+    def forward_out(self, dim, half_to_float, *, out):
+        return out.copy_(forward(self, dim, half_to_float))
+
+    return forward, forward_out
+
+
+def _aten_backward(log: bool):
+    def backward(grad_output, output, dim, input_dtype):
+        dim = _normalize_dim("softmax backward", output, dim)
+        return _backward(grad_output, output, dim, log, input_dtype)
+
+    def backward_out(grad_output, output, dim, input_dtype, *, out):
+        return out.copy_(backward(grad_output, output, dim, input_dtype))
+
+    return backward, backward_out
+
+
+def _why_not_backward_out(grad_output, output, dim, input_dtype, *, grad_input):
+    return _why_not_backward(grad_output, output, dim, input_dtype, grad_input)
+
+
+def _backward_out_grad_input(log):
+    _, backward_out = _aten_backward(log)
+    return lambda grad_output, output, dim, input_dtype, *, grad_input: backward_out(
+        grad_output, output, dim, input_dtype, out=grad_input)
+
+
+_softmax_fwd, _softmax_fwd_out = _aten_forward(log=False)
+_log_softmax_fwd, _log_softmax_fwd_out = _aten_forward(log=True)
+_softmax_bwd, _ = _aten_backward(log=False)
+_log_softmax_bwd, _log_softmax_bwd_out = _aten_backward(log=True)
+
+ATEN_OVERRIDES = (
+    AtenOverride("aten::_softmax", _softmax_fwd, _why_not_forward),
+    AtenOverride("aten::_softmax.out", _softmax_fwd_out, _why_not_forward),
+    AtenOverride("aten::_softmax_backward_data", _softmax_bwd, _why_not_backward),
+    AtenOverride("aten::_softmax_backward_data.out", _backward_out_grad_input(log=False),
+                 _why_not_backward_out),
+    AtenOverride("aten::_log_softmax", _log_softmax_fwd, _why_not_forward),
+    AtenOverride("aten::_log_softmax.out", _log_softmax_fwd_out, _why_not_forward),
+    AtenOverride("aten::_log_softmax_backward_data", _log_softmax_bwd, _why_not_backward),
+    AtenOverride("aten::_log_softmax_backward_data.out", _log_softmax_bwd_out, _why_not_backward),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checks for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _logits(device, dtype, rows, width=5003):
+    return (torch.randn(rows, width, device=device, dtype=torch.float32) * 4).to(dtype)
+
+
+SELF_CHECKS = (
+    SelfCheck("softmax", lambda device, dtype, rows: (_logits(device, dtype, rows),),
+              run=softmax, reference=softmax_reference,
+              torch_peer=lambda x: torch.softmax(x, -1)),
+    SelfCheck("log_softmax", lambda device, dtype, rows: (_logits(device, dtype, rows),),
+              run=log_softmax, reference=log_softmax_reference,
+              torch_peer=lambda x: torch.log_softmax(x, -1)),
+)

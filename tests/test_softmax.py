@@ -1,0 +1,168 @@
+"""softmax / log_softmax: accuracy, any dim, special values, gradients, aten overrides."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from conftest import DEVICE, DTYPES, ON_GPU, random_tensor
+from gemslib.accuracy import assert_close_to_reference
+from gemslib.ops import softmax as softmax_ops
+
+FUNCTIONS = {"softmax": (gemslib.softmax, torch.softmax),
+             "log_softmax": (gemslib.log_softmax, torch.log_softmax)}
+
+# (shape, dim): one-block rows, rows wider than the block (online pass), non-last dims, 1-wide,
+# 1-long, 0-d and empty tensors
+CASES = [((3, 7), -1), ((17, 128), 1), ((5, 1000), -1), ((2, 3, 600), 1), ((4, 5, 6), 0),
+         ((1, 9000), -1), ((3, 20000), 1), ((6, 1), -1), ((1, 9), 0), ((), 0), ((0, 5), -1),
+         ((4, 0), 1)]
+if ON_GPU:
+    CASES += [((4096, 4096), -1), ((64, 131072), -1), ((8, 262144), -1), ((2048, 50257), -1),
+              ((1024, 3, 64), 0)]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", CASES)
+def test_matches_reference(shape, dim, dtype, name):
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor(shape, dtype, scale=4.0)
+    result = ours(x, dim)
+    assert result.shape == x.shape and result.dtype == dtype
+    width = x.shape[dim] if x.dim() else 1
+    assert_close_to_reference(result, reference(x.double(), dim), dtype, reduction_len=width)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_views(name):
+    ours, reference = FUNCTIONS[name]
+    base = random_tensor((8, 300), torch.float32, scale=4.0)
+    for view in (base[:, 20:220], base.t(), base[::2, ::3], base.view(2, 4, 300).transpose(0, 1)):
+        for dim in range(view.dim()):
+            assert_close_to_reference(ours(view, dim), reference(view.double(), dim),
+                                      torch.float32, reduction_len=view.shape[dim])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("width", [50, 9000])  # one block, and the online pass
+def test_special_values_behave_as_in_torch(name, width):
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor((5, width), torch.float32)
+    x[1, 5] = float("nan")          # a NaN row is all NaN
+    x[2] = -float("inf")            # an all -inf row is NaN (torch divides 0 by 0)
+    x[3, 7] = float("inf")          # +inf: inf - inf is NaN
+    x[4, : width // 2] = -float("inf")  # -inf entries are just zero probability
+    result, expected = ours(x, -1), reference(x.double(), -1)
+    assert torch.equal(torch.isnan(result), torch.isnan(expected))
+    assert_close_to_reference(result, expected, torch.float32, reduction_len=width)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", [((3, 7), -1), ((5, 1000), 1), ((2, 30, 4), 1),
+                                       ((2, 9000), -1), ((), 0)])
+def test_gradients(shape, dim, dtype, name):
+    ours, _ = FUNCTIONS[name]
+    x = random_tensor(shape, dtype, scale=2.0).requires_grad_()
+    grad = random_tensor(shape, dtype)
+    y = ours(x, dim)
+    y.backward(grad)
+    # the backward works from the forward's output, rounded to the dtype, as torch's does
+    backward = (softmax_ops.log_softmax_backward_reference if name == "log_softmax"
+                else softmax_ops.softmax_backward_reference)
+    expected = backward(grad.double(), y.detach().double(), dim if shape else 0)
+    width = shape[dim] if shape else 1
+    assert_close_to_reference(x.grad, expected, dtype, reduction_len=width)
+
+
+def test_bad_input_names_the_argument():
+    x = random_tensor((3, 4), torch.float32)
+    with pytest.raises(IndexError, match="dim 2 is out of range for a tensor of 2 dims"):
+        gemslib.softmax(x, 2)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        gemslib.log_softmax(x, 1.0)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        gemslib.softmax(torch.ones(3, dtype=torch.int64, device=DEVICE))
+
+
+def test_float64_falls_back_to_torch():
+    x = torch.randn(4, 9, dtype=torch.float64, device=DEVICE)
+    assert torch.equal(gemslib.softmax(x, 0), torch.softmax(x, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# aten overrides
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_functional_calls_run_gemslib_both_ways(dtype):
+    x = random_tensor((6, 70), dtype, scale=3.0).requires_grad_()
+    grad = random_tensor((6, 70), dtype)
+    with gemslib.enable(ops=["softmax"], record=True) as activation:
+        y = F.softmax(x, dim=-1)
+        (y * grad).sum().backward()
+        log_y = F.log_softmax(x.detach().requires_grad_(), dim=0)
+        log_y.backward(grad)
+    assert activation.calls == {"aten::_softmax": 1, "aten::_softmax_backward_data": 1,
+                                "aten::_log_softmax": 1, "aten::_log_softmax_backward_data": 1}
+    x64 = x.detach().double()
+    assert_close_to_reference(y, torch.softmax(x64, -1), dtype, reduction_len=70)
+    # the backward works from the forward's output, rounded to the dtype
+    expected_grad = softmax_ops.softmax_backward_reference(grad.double(), y.detach().double(), -1)
+    assert_close_to_reference(x.grad, expected_grad, dtype, reduction_len=70)
+    assert_close_to_reference(log_y, torch.log_softmax(x64, 0), dtype, reduction_len=6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_to_float(dtype):
+    x = random_tensor((5, 33), dtype, scale=3.0)
+    with gemslib.enable(record=True) as activation:
+        y = F.softmax(x, dim=-1, dtype=torch.float32)  # torch folds the cast into half_to_float?
+        z = torch.ops.aten._softmax(x, 1, True)
+        w = torch.ops.aten._log_softmax(x, 1, True)
+    assert z.dtype == torch.float32 and w.dtype == torch.float32 and y.dtype == torch.float32
+    assert activation.calls["aten::_softmax"] >= 1 and activation.calls["aten::_log_softmax"] == 1
+    assert_close_to_reference(z, torch.softmax(x.double(), 1), torch.float32, reduction_len=33)
+    assert_close_to_reference(w, torch.log_softmax(x.double(), 1), torch.float32, reduction_len=33)
+
+
+def test_out_variants_and_fallbacks():
+    x = random_tensor((4, 12), torch.float32)
+    out = torch.full((4, 12), float("nan"), device=DEVICE)
+    grad_input = torch.full((4, 12), float("nan"), device=DEVICE)
+    with gemslib.enable(record=True) as activation:
+        torch.ops.aten._softmax.out(x, 1, False, out=out)
+        torch.ops.aten._softmax_backward_data.out(x, out, 1, torch.float32, grad_input=grad_input)
+        torch.ops.aten._log_softmax(x.double(), 1, False)   # float64: torch's kernel
+        with pytest.raises(RuntimeError):                    # torch's own error is kept
+            torch.ops.aten._softmax(x, 1, True)
+    assert activation.calls == {"aten::_softmax.out": 1, "aten::_softmax_backward_data.out": 1}
+    assert activation.fallbacks == {"aten::_log_softmax": 1, "aten::_softmax": 1}
+    expected = torch.softmax(x.double(), 1)
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=12)
+    assert_close_to_reference(grad_input, softmax_ops.softmax_backward_reference(
+        x.double(), expected, 1), torch.float32, reduction_len=12)
+
+
+def test_custom_ops_pass_opcheck():
+    x = random_tensor((3, 5, 40), torch.float32).requires_grad_()
+    for dim in (1, 2):
+        for log in (False, True):
+            torch.library.opcheck(torch.ops.gemslib.softmax, (x, dim, log))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    def scores(x):
+        return gemslib.softmax(x, -1) * 2.0 + gemslib.log_softmax(x, 0)
+
+    compiled = torch.compile(scores, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    x = random_tensor((6, 32), torch.float32).requires_grad_()
+    result = compiled(x)
+    x64 = x.detach().double().requires_grad_()
+    expected = torch.softmax(x64, -1) * 2.0 + torch.log_softmax(x64, 0)
+    assert_close_to_reference(result, expected, torch.float32, reduction_len=32)
+    result.sum().backward()
+    expected.sum().backward()
+    assert_close_to_reference(x.grad, x64.grad, torch.float32, reduction_len=32)
