@@ -40,6 +40,7 @@ _map_source_checkout()
 from gemslib.registry import disable, enable, is_enabled, registered_ops
 from gemslib.runtime import TuneConfigError
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
+from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import silu, silu_and_mul
 from gemslib.ops.softmax import log_softmax, softmax
 
@@ -48,4 +49,5 @@ __version__ = "0.1.0"
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
+    "apply_rotary",
 ]

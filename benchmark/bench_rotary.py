@@ -1,0 +1,90 @@
+"""apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems.
+
+    python -m benchmark --ops rotary [--backward]
+
+Bytes moved: q and k read and written once (2 * (q + k) elements); cos and sin are small.
+The eager peer is the Hugging Face formulation, ``x * cos + rotate_half(x) * sin`` with cos and
+sin expanded to the full head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gemslib
+from benchmark.harness import Case, compiled, optional_peer, outputs_close
+from gemslib.ops import rotary as rotary_ops
+
+# (batch, seq, q heads, kv heads, head dim)
+QUICK_SHAPES = [(8, 4096, 32, 8, 128), (1, 4096, 32, 8, 128)]
+EXTRA_SHAPES = [(1, 4096, 40, 8, 128), (16, 1, 32, 8, 128), (4, 2048, 64, 8, 64)]
+DTYPE = torch.bfloat16
+
+
+def _rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _eager_rotary(q, k, cos_full, sin_full):
+    cos, sin = cos_full[:, None, :], sin_full[:, None, :]  # (S, 1, D) over (B, S, H, D)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _grads(fn, q, k):
+    leaves = (q.clone().requires_grad_(), k.clone().requires_grad_())
+    outs = fn(*leaves)
+    grads = [torch.randn_like(o) for o in outs]
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+
+def cases(quick: bool = False, backward: bool = False):
+    flag_gems = optional_peer("flag_gems")
+    liger = optional_peer("liger_kernel.ops.rope")
+    size = torch.finfo(DTYPE).bits // 8
+    for batch, seq, q_heads, kv_heads, head_dim in QUICK_SHAPES + ([] if quick else EXTRA_SHAPES):
+        q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE)
+        k = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        angles = torch.rand(seq, head_dim // 2, device="cuda") * 6.3
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        cos_full, sin_full = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_dim}"
+        impls = {"gemslib": lambda: gemslib.apply_rotary(q, k, cos, sin),
+                 "torch eager": lambda: _eager_rotary(q, k, cos_full, sin_full),
+                 "torch.compile": (lambda f: lambda: f(q, k, cos_full, sin_full))(
+                     compiled(_eager_rotary))}
+        if liger:  # Liger takes (B, H, S, D) views and full-width (1, S, D) cos/sin
+            impls["Liger-Kernel"] = lambda: liger.LigerRopeFunction.apply(
+                q.transpose(1, 2), k.transpose(1, 2), cos_full[None], sin_full[None])
+        if flag_gems:
+            impls["FlagGems"] = lambda: flag_gems.apply_rotary_pos_emb(q, k, cos, sin)
+        bytes_moved = 2 * (q.numel() + k.numel()) * size
+        yield Case("rotary", shape, "bf16", bytes_moved, impls,
+                   outputs_agree=outputs_close(
+                       lambda: gemslib.apply_rotary(q, k, cos, sin)[0],
+                       lambda: rotary_ops.rotary_reference(q.float(), k.float(), cos.float(),
+                                                           sin.float())[0]))
+        if backward:
+            impls = {"gemslib": _grads(lambda a, b: gemslib.apply_rotary(a, b, cos, sin), q, k),
+                     "torch eager": _grads(lambda a, b: _eager_rotary(a, b, cos_full, sin_full), q, k),
+                     "torch.compile": _grads(
+                         (lambda f: lambda a, b: f(a, b, cos_full, sin_full))(compiled(_eager_rotary)),
+                         q, k)}
+            yield Case("rotary_backward", shape, "bf16", bytes_moved, impls)
+        del q, k
+
+
+SWEEP_CANDIDATES = {
+    "rotary": [{"BLOCK_H": h, "num_warps": w} for h in (1, 2, 4, 8, 16) for w in (1, 2, 4, 8)],
+}
+
+
+def sweep_problems():
+    size = torch.finfo(DTYPE).bits // 8
+    for batch, seq, q_heads, kv_heads, head_dim in QUICK_SHAPES:
+        q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE)
+        k = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE)
+        angles = torch.rand(seq, head_dim // 2, device="cuda") * 6.3
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        yield (rotary_ops.ROTARY, f"B{batch} S{seq}", 2 * (q.numel() + k.numel()) * size,
+               lambda: gemslib.apply_rotary(q, k, cos, sin))

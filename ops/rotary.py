@@ -1,0 +1,329 @@
+"""Rotary position embedding for q and k in one launch, forward and backward.
+
+For each token at position p and each head, the first ``rot_dim`` features are rotated in
+``rot_dim / 2`` planes by the angles whose cosines and sines are ``cos[p]`` and ``sin[p]``
+(each (rot_dim / 2,)); features past ``rot_dim`` pass through (partial rotary):
+
+    out_a = x_a * cos - x_b * sin
+    out_b = x_b * cos + x_a * sin
+
+with (x_a, x_b) = (x[i], x[i + rot_dim/2]) in the NeoX/Llama layout (``interleaved=False``)
+and (x[2i], x[2i + 1]) in the GPT-J layout (``interleaved=True``). The backward is the inverse
+rotation (sin -> -sin) of the incoming gradients.
+
+q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
+stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
+kernel, launcher, reference, public function and custom ops, self-checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemslib import runtime
+from gemslib.registry import SelfCheck
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, cos, sin,
+    half, head_dim,
+    INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
+):
+    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
+    heads = head_start + tl.arange(0, BLOCK_H)[:, None]
+    pairs = tl.arange(0, BLOCK_R)[None, :]
+    mask = (heads < n_heads) & (pairs < half)
+    if INTERLEAVED:
+        first, second = 2 * pairs, 2 * pairs + 1
+    else:
+        first, second = pairs, pairs + half
+    x_heads = x_ptr + heads * x_head_stride
+    out_heads = out_ptr + heads * out_head_stride
+    x_a = tl.load(x_heads + first, mask=mask, other=0.0).to(tl.float32)
+    x_b = tl.load(x_heads + second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_heads + first, (x_a * cos - x_b * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_heads + second, (x_b * cos + x_a * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    if COPY_REST:  # out of place with partial rotary: the features past rot_dim pass through
+        rest = 2 * half + tl.arange(0, BLOCK_REST)[None, :]
+        rest_mask = (heads < n_heads) & (rest < head_dim)
+        tl.store(out_heads + rest, tl.load(x_heads + rest, mask=rest_mask), mask=rest_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
+    seq_len, n_q_heads, n_k_heads, half, head_dim,
+    q_batch_stride, q_seq_stride, q_head_stride,
+    k_batch_stride, k_seq_stride, k_head_stride,
+    q_out_batch_stride, q_out_seq_stride, q_out_head_stride,
+    k_out_batch_stride, k_out_seq_stride, k_out_head_stride,
+    cos_stride, sin_stride, positions_batch_stride, positions_seq_stride,
+    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid (tokens, head blocks of q then of k): one token's angles, BLOCK_H heads."""
+    token = tl.program_id(0)
+    head_block = tl.program_id(1)
+    batch = (token // seq_len).to(tl.int64)
+    seq = (token % seq_len).to(tl.int64)
+    if HAS_POSITIONS:
+        position = tl.load(positions_ptr + batch * positions_batch_stride
+                           + seq * positions_seq_stride).to(tl.int64)
+    else:
+        position = seq
+    pairs = tl.arange(0, BLOCK_R)[None, :]
+    cos = tl.load(cos_ptr + position * cos_stride + pairs, mask=pairs < half, other=1.0)
+    sin = tl.load(sin_ptr + position * sin_stride + pairs, mask=pairs < half, other=0.0)
+    cos = cos.to(tl.float32)
+    sin = sin.to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if head_block < n_q_blocks:
+        _rotate_heads(q_ptr + batch * q_batch_stride + seq * q_seq_stride,
+                      q_out_ptr + batch * q_out_batch_stride + seq * q_out_seq_stride,
+                      q_head_stride, q_out_head_stride, head_block * BLOCK_H, n_q_heads,
+                      cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+    else:
+        _rotate_heads(k_ptr + batch * k_batch_stride + seq * k_seq_stride,
+                      k_out_ptr + batch * k_out_batch_stride + seq * k_out_seq_stride,
+                      k_head_stride, k_out_head_stride, (head_block - n_q_blocks) * BLOCK_H,
+                      n_k_heads, cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H,
+                      BLOCK_R, BLOCK_REST)
+
+
+ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel,
+                             tunables=("BLOCK_H",), shape_keys=("tokens", "heads", "head_dim"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse: bool) -> None:
+    q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
+    batch, seq_len, n_q_heads, head_dim = q4.shape
+    n_k_heads = k4.shape[2]
+    half = cos.shape[1]
+    n_tokens = batch * seq_len
+    if n_tokens == 0 or (n_q_heads + n_k_heads) == 0 or head_dim == 0:
+        return
+    if positions is not None:
+        positions2 = positions.view(1, -1) if positions.dim() == 1 else positions
+        position_strides = positions2.stride()
+    else:
+        position_strides = (0, 0)
+    copy_rest = 2 * half < head_dim and q_out.data_ptr() != q.data_ptr()
+    block_r = triton.next_power_of_2(max(half, 1))
+    block_rest = triton.next_power_of_2(max(head_dim - 2 * half, 1))
+    strides = [s for t in (q4, k4, q_out4, k_out4) for s in (t.stride(0), t.stride(1), t.stride(2))]
+    ROTARY.launch(
+        lambda meta: (n_tokens, _cdiv(n_q_heads, meta["BLOCK_H"]) + _cdiv(n_k_heads, meta["BLOCK_H"])),
+        q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
+        seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
+        cos.stride(0), sin.stride(0), *position_strides,
+        positions is not None, interleaved, inverse, copy_rest, block_r, block_rest,
+        shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
+        restore=[t for t in (q, k) if t is q_out or t is k_out])
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch reference (tests run it in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def _angles(x, cos, sin, positions):
+    """cos/sin gathered per token, shaped to broadcast over heads: (..., 1, half)."""
+    seq_len = x.shape[-3]
+    if positions is None:
+        positions = torch.arange(seq_len, device=x.device)
+    return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+
+
+def rotary_reference(q, k, cos, sin, positions=None, interleaved=False):
+    def rotate(x):
+        cos_t, sin_t = _angles(x, cos, sin, positions)
+        half = cos.shape[1]
+        rotated, rest = x[..., : 2 * half], x[..., 2 * half:]
+        if interleaved:
+            x_a, x_b = rotated[..., 0::2], rotated[..., 1::2]
+        else:
+            x_a, x_b = rotated[..., :half], rotated[..., half:]
+        out_a, out_b = x_a * cos_t - x_b * sin_t, x_b * cos_t + x_a * sin_t
+        if interleaved:
+            out = torch.stack([out_a, out_b], dim=-1).flatten(-2)
+        else:
+            out = torch.cat([out_a, out_b], dim=-1)
+        return torch.cat([out, rest], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+# --------------------------------------------------------------------------------------------
+# Public function and custom ops
+# --------------------------------------------------------------------------------------------
+
+
+def _check(q, k, cos, sin, positions) -> None:
+    name = "gemslib.apply_rotary"
+    for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+    if q.dim() not in (3, 4) or k.dim() != q.dim():
+        raise ValueError(f"{name}: q and k must both be (B, S, H, D) or (T, H, D), got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on the "
+                         "token dims and the head dim")
+    if q.dtype != k.dtype or q.device != k.device:
+        raise ValueError(f"{name}: k must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device}")
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2), got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if 2 * cos.shape[1] > q.shape[-1]:
+        raise ValueError(f"{name}: rot_dim = 2 * cos.shape[1] = {2 * cos.shape[1]} exceeds the head "
+                         f"dim {q.shape[-1]}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"{name}: cos and sin must be on {q.device}, got {cos.device} and {sin.device}")
+    if positions is not None:
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or \
+                positions.dtype == torch.bool:
+            raise TypeError(f"{name}: positions must be an integer tensor, got "
+                            f"{getattr(positions, 'dtype', type(positions).__name__)}")
+        expected = tuple(q.shape[:-2])
+        if tuple(positions.shape) != expected:
+            raise ValueError(f"{name}: positions must have shape {expected} (the token dims of q), "
+                             f"got {tuple(positions.shape)}")
+        if positions.device != q.device:
+            raise ValueError(f"{name}: positions must be on {q.device}, got {positions.device}")
+    elif q.shape[-3] > cos.shape[0]:
+        raise ValueError(f"{name}: {q.shape[-3]} positions need cos/sin with at least that many "
+                         f"rows, got {cos.shape[0]}")
+
+
+def _kernel_runs(q, k, cos, sin) -> bool:
+    return (q.dtype in KERNEL_DTYPES and runtime.on_kernel_device(q)
+            and cos.dtype in KERNEL_DTYPES and sin.dtype in KERNEL_DTYPES
+            and cos.stride(-1) == 1 and sin.stride(-1) == 1)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
+    """Kernel (or torch) into q_out/k_out, which may be q/k themselves."""
+    if not _kernel_runs(q, k, cos, sin):
+        sign = -1 if inverse else 1
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_rot, k_rot = rotary_reference(q.to(work), k.to(work), cos.to(work), sign * sin.to(work),
+                                        positions, interleaved)
+        q_out.copy_(q_rot)
+        k_out.copy_(k_rot)
+        return q_out, k_out
+    _launch(_unit_last(q), _unit_last(k), q_out, k_out, cos, sin, positions, interleaved, inverse)
+    return q_out, k_out
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor | None = None, interleaved: bool = False,
+                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by the angles of their tokens' positions; returns (q_rot, k_rot).
+
+    q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; cos, sin (max_position, rot_dim/2);
+    positions (B, S) or (T,) integers, default arange(S) for every sequence. With
+    ``inplace=True`` q and k are overwritten and returned. Differentiable when not in place.
+    """
+    _check(q, k, cos, sin, positions)
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            raise RuntimeError("gemslib.apply_rotary: inplace=True cannot be used on tensors "
+                               "that require grad")
+        if q.stride(-1) != 1 or k.stride(-1) != 1:
+            raise ValueError("gemslib.apply_rotary: inplace=True needs q and k with a unit last "
+                             "stride")
+        return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q, k, cos, sin))):
+        return torch.ops.gemslib.rotary(q, k, cos, sin, positions, interleaved, False)
+    return _rotary(q, k, cos, sin, positions, interleaved, False, torch.empty_like(q),
+                   torch.empty_like(k))
+
+
+@torch.library.custom_op("gemslib::rotary", mutates_args=())
+def _rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None, interleaved: bool,
+               inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation (inverse=True: by the negated angles, the backward) into new tensors."""
+    return _rotary(q, k, cos, sin, positions, interleaved, inverse, torch.empty_like(q),
+                   torch.empty_like(k))
+
+
+@_rotary_op.register_fake
+def _(q, k, cos, sin, positions, interleaved, inverse):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rotary_setup(ctx, inputs, output):
+    _, _, cos, sin, positions, interleaved, inverse = inputs
+    ctx.interleaved, ctx.inverse = interleaved, inverse
+    ctx.save_for_backward(cos, sin, positions)
+
+
+def _rotary_grad(ctx, grad_q, grad_k):
+    cos, sin, positions = ctx.saved_tensors
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
+                                  "implemented (they are usually fixed buffers)")
+    dq, dk = torch.ops.gemslib.rotary(grad_q.contiguous(), grad_k.contiguous(), cos, sin,
+                                      positions, ctx.interleaved, not ctx.inverse)
+    return dq, dk, None, None, None, None, None
+
+
+_rotary_op.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checks for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _rotary_inputs(device, dtype, rows):
+    seq_len, head_dim = max(rows // 4, 1), 128
+    q = torch.randn(2, seq_len, 8, head_dim, device=device, dtype=torch.float32).to(dtype)
+    k = torch.randn(2, seq_len, 2, head_dim, device=device, dtype=torch.float32).to(dtype)
+    angles = torch.randn(seq_len, head_dim // 2, device=device) * 3
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+SELF_CHECKS = (
+    SelfCheck("apply_rotary", _rotary_inputs,
+              run=lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply_rotary(q, k, cos, sin)]),
+              reference=lambda q, k, cos, sin: torch.cat(
+                  [t.flatten() for t in rotary_reference(q, k, cos, sin)]),
+              torch_peer=lambda q, k, cos, sin: torch.cat(
+                  [t.flatten() for t in rotary_reference(q, k, cos, sin)])),
+)

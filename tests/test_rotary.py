@@ -1,0 +1,148 @@
+"""apply_rotary: layouts, GQA, partial rotary, positions, in place, gradients, custom op."""
+
+import pytest
+import torch
+
+import gemslib
+from conftest import DEVICE, DTYPES, ON_GPU, random_tensor
+from gemslib.accuracy import assert_close_to_reference
+from gemslib.ops import rotary as rotary_ops
+
+# (q shape, k heads, rot_dim / 2, positions kind)
+CASES = [
+    ((2, 5, 4, 16), 2, 8, None),          # (B, S, H, D), GQA, full rotary, default positions
+    ((2, 5, 4, 16), 4, 6, "batch"),       # partial rotary (12 of 16), explicit (B, S) positions
+    ((7, 3, 10), 1, 4, "tokens"),         # (T, H, D), MQA, odd head dim split 8 + 2
+    ((1, 9, 3, 8), 3, 4, None),
+    ((3, 1, 1, 2), 1, 1, "batch"),        # 1 token, 1 head, D = 2
+    ((0, 4, 2, 8), 2, 4, None),           # empty
+]
+if ON_GPU:
+    CASES += [((4, 1024, 32, 128), 8, 64, None), ((1, 4096, 40, 128), 8, 32, "batch")]
+
+
+def _inputs(q_shape, k_heads, half, positions_kind, dtype, max_position=40):
+    q = random_tensor(q_shape, dtype, scale=1.0)
+    k = random_tensor((*q_shape[:-2], k_heads, q_shape[-1]), dtype, scale=1.0)
+    angles = torch.rand(max_position, half, device=DEVICE) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = None
+    if positions_kind is not None:
+        positions = torch.randint(0, max_position, q_shape[:-2], device=DEVICE)
+    return q, k, cos, sin, positions
+
+
+def _reference(q, k, cos, sin, positions, interleaved):
+    return rotary_ops.rotary_reference(q.double(), k.double(), cos.double(), sin.double(),
+                                       positions, interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_shape,k_heads,half,positions_kind", CASES)
+def test_matches_reference(q_shape, k_heads, half, positions_kind, dtype, interleaved):
+    q, k, cos, sin, positions = _inputs(q_shape, k_heads, half, positions_kind, dtype)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions, interleaved)
+    expected_q, expected_k = _reference(q, k, cos, sin, positions, interleaved)
+    assert_close_to_reference(q_rot, expected_q, dtype, msg="q")
+    assert_close_to_reference(k_rot, expected_k, dtype, msg="k")
+    q_copy, k_copy = q.clone(), k.clone()
+    result = gemslib.apply_rotary(q_copy, k_copy, cos, sin, positions, interleaved, inplace=True)
+    assert result[0] is q_copy and result[1] is k_copy
+    torch.testing.assert_close(q_copy, q_rot, rtol=0, atol=0)
+    torch.testing.assert_close(k_copy, k_rot, rtol=0, atol=0)
+
+
+def test_transposed_head_major_views_need_no_copy():
+    q = random_tensor((2, 4, 6, 16), torch.float32).transpose(1, 2)  # (B, H, S, D) storage
+    k = random_tensor((2, 2, 6, 16), torch.float32).transpose(1, 2)
+    angles = torch.rand(6, 8, device=DEVICE) * 6.3
+    q_rot, k_rot = gemslib.apply_rotary(q, k, angles.cos(), angles.sin())
+    assert q_rot.stride() == q.stride()
+    expected_q, expected_k = _reference(q, k, angles.cos(), angles.sin(), None, False)
+    assert_close_to_reference(q_rot, expected_q, torch.float32)
+    assert_close_to_reference(k_rot, expected_k, torch.float32)
+    gemslib.apply_rotary(q, k, angles.cos(), angles.sin(), inplace=True)
+    assert_close_to_reference(q, expected_q, torch.float32)
+
+
+def test_a_slice_of_a_fused_qkv_projection():
+    qkv = random_tensor((3, 5, 4 + 2 + 2, 16), torch.float32)
+    q, k = qkv[:, :, :4], qkv[:, :, 4:6]
+    angles = torch.rand(5, 8, device=DEVICE) * 6.3
+    expected_q, expected_k = _reference(q, k, angles.cos(), angles.sin(), None, True)
+    gemslib.apply_rotary(q, k, angles.cos(), angles.sin(), interleaved=True, inplace=True)
+    assert_close_to_reference(qkv[:, :, :4], expected_q, torch.float32)
+    assert_close_to_reference(qkv[:, :, 4:6], expected_k, torch.float32)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_are_the_inverse_rotation(dtype, interleaved):
+    q, k, cos, sin, positions = _inputs((2, 5, 4, 16), 2, 6, "batch", dtype)
+    q.requires_grad_()
+    k.requires_grad_()
+    grad_q, grad_k = random_tensor(q.shape, dtype), random_tensor(k.shape, dtype)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions, interleaved)
+    torch.autograd.backward([q_rot, k_rot], [grad_q, grad_k])
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref_q, ref_k = rotary_ops.rotary_reference(q64, k64, cos.double(), sin.double(), positions,
+                                               interleaved)
+    torch.autograd.backward([ref_q, ref_k], [grad_q.double(), grad_k.double()])
+    assert_close_to_reference(q.grad, q64.grad, dtype, msg="dq")
+    assert_close_to_reference(k.grad, k64.grad, dtype, msg="dk")
+
+
+def test_bad_input_names_the_argument():
+    q, k, cos, sin, _ = _inputs((2, 5, 4, 16), 2, 8, None, torch.float32)
+    with pytest.raises(ValueError, match="must agree on the token dims and the head dim"):
+        gemslib.apply_rotary(q, k[:, :4], cos, sin)
+    with pytest.raises(ValueError, match="rot_dim = 2 \\* cos.shape\\[1\\] = 20 exceeds the head dim 16"):
+        gemslib.apply_rotary(q, k, torch.ones(40, 10, device=DEVICE), torch.ones(40, 10, device=DEVICE))
+    with pytest.raises(ValueError, match="cos and sin must both be"):
+        gemslib.apply_rotary(q, k, cos, sin[:, :4])
+    with pytest.raises(TypeError, match="positions must be an integer tensor"):
+        gemslib.apply_rotary(q, k, cos, sin, torch.zeros(2, 5, device=DEVICE))
+    with pytest.raises(ValueError, match=r"positions must have shape \(2, 5\)"):
+        gemslib.apply_rotary(q, k, cos, sin, torch.zeros(5, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="5 positions need cos/sin with at least that many rows"):
+        gemslib.apply_rotary(q, k, cos[:3], sin[:3])
+    with pytest.raises(ValueError, match="k must be torch.float32"):
+        gemslib.apply_rotary(q, k.half(), cos, sin)
+    with pytest.raises(RuntimeError, match="inplace=True cannot be used"):
+        gemslib.apply_rotary(q.clone().requires_grad_(), k, cos, sin, inplace=True)
+
+
+def test_float64_falls_back_to_torch():
+    q, k, cos, sin, positions = _inputs((2, 3, 2, 8), 1, 4, "batch", torch.float64)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions)
+    expected_q, expected_k = _reference(q, k, cos, sin, positions, False)
+    torch.testing.assert_close(q_rot, expected_q)
+    torch.testing.assert_close(k_rot, expected_k)
+
+
+def test_custom_op_passes_opcheck():
+    q, k, cos, sin, positions = _inputs((2, 5, 4, 16), 2, 6, "batch", torch.float32)
+    for interleaved in (False, True):
+        torch.library.opcheck(torch.ops.gemslib.rotary,
+                              (q.requires_grad_(), k.requires_grad_(), cos, sin, positions,
+                               interleaved, False))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    q, k, cos, sin, positions = _inputs((2, 5, 4, 16), 2, 8, "batch", torch.float32)
+
+    def attention_inputs(q, k):
+        q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions)
+        return (q_rot * 2.0).sum() + (k_rot * k_rot).sum()
+
+    compiled = torch.compile(attention_inputs, fullgraph=True,
+                             backend="inductor" if ON_GPU else "aot_eager")
+    q.requires_grad_()
+    k.requires_grad_()
+    compiled(q, k).backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref_q, ref_k = rotary_ops.rotary_reference(q64, k64, cos.double(), sin.double(), positions)
+    ((ref_q * 2.0).sum() + (ref_k * ref_k).sum()).backward()
+    assert_close_to_reference(q.grad, q64.grad, torch.float32)
+    assert_close_to_reference(k.grad, k64.grad, torch.float32)
