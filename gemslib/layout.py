@@ -55,6 +55,33 @@ def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., n) as a 2-d (rows, n) tensor with a unit last stride: a view where the leading
+    dims merge, a copy otherwise."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def viewable_as_rows(t: torch.Tensor) -> bool:
+    """Whether ``t.view(-1, t.shape[-1])`` exists (so a kernel can write into t's memory)."""
+    try:
+        t.view(-1, t.shape[-1])
+        return True
+    except RuntimeError:
+        return False
+
+
+def fits_one_block(args) -> bool:
+    """Triton heuristic for row kernels: the whole row (``n_cols``) fits one ``BLOCK_N`` block."""
+    return args["n_cols"] <= args["BLOCK_N"]
+
+
 def collapse_dims(shape: Sequence[int], *strides: Sequence[int]):
     """Drop size-1 dims and merge neighbours that are contiguous in every operand.
 

@@ -60,6 +60,27 @@ def on_kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cpu if INTERPRETER else tensor.is_cuda  # attributes: cheap on the hot path
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_runs(*tensors: torch.Tensor | None) -> bool:
+    """The Triton kernels take these tensors (``None`` entries ignored): a kernel dtype, on the
+    kernel device. Anything else is computed by torch."""
+    return all(t.dtype in KERNEL_DTYPES and on_kernel_device(t) for t in tensors if t is not None)
+
+
+def wants_custom_op(*tensors: torch.Tensor | None) -> bool:
+    """Route a public call through its ``torch.ops.gemslib`` op, because autograd or
+    torch.compile has to see it; otherwise the launcher is called directly (less host time)."""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors))
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a jit function: ~10 us per call from Python)."""
+    return -(-a // b)
+
+
 def normalize_device_name(name: str) -> str:
     """``"NVIDIA H200"`` -> ``"nvidia_h200"``: lower case, runs of other characters -> ``_``."""
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")

@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gemslib import runtime
+from gemslib import layout, runtime
 from gemslib.registry import SelfCheck
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -33,11 +33,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------
 
 
-def _one_pass(args) -> bool:
-    return args["n_cols"] <= args["BLOCK_N"]
 
-
-@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rstd_ptr,
@@ -96,7 +93,7 @@ def _rms_norm_fwd_kernel(
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
-@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _rms_norm_bwd_kernel(
     grad_ptr, x_ptr, weight_ptr, rstd_ptr, grad_extra_ptr, dx_ptr, dweight_partial_ptr,
@@ -193,20 +190,8 @@ RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_ker
 # --------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t (..., N) as a (rows, N) view with a unit last stride, copying only when it must."""
-    if t.dim() == 2 and t.stride(-1) == 1:
-        return t
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-1])
 
 
 def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool):
@@ -215,12 +200,12 @@ def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if want_rstd else None
     if x.numel() == 0:
         return rstd.fill_(float("nan")) if want_rstd else None  # a mean over no columns
-    x_rows, out_rows = _rows(x), out.view(-1, out.shape[-1])
+    x_rows, out_rows = layout.as_rows(x), out.view(-1, out.shape[-1])
     n_cols = x_rows.shape[1]
-    residual_rows = _rows(residual) if residual is not None else x_rows
+    residual_rows = layout.as_rows(residual) if residual is not None else x_rows
     residual_out_rows = residual_out.view(-1, n_cols) if residual_out is not None else out_rows
     RMS_NORM_FWD.launch(
-        lambda meta: (_cdiv(n_rows, meta["BLOCK_M"]),),
+        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
         x_rows, residual_rows, weight if weight is not None else x_rows, out_rows,
         residual_out_rows, rstd if want_rstd else x_rows,
         n_rows, n_cols, x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0),
@@ -244,15 +229,15 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return dx, torch.zeros_like(weight) if weight is not None else None
-    x_rows, grad_rows = _rows(x), _rows(grad)
+    x_rows, grad_rows = layout.as_rows(x), layout.as_rows(grad)
     n_rows, n_cols = x_rows.shape
     slots = _program_slots(x.device.index or 0)
-    rows_per_program = _cdiv(n_rows, slots)
-    n_programs = _cdiv(n_rows, rows_per_program)
+    rows_per_program = runtime.cdiv(n_rows, slots)
+    n_programs = runtime.cdiv(n_rows, rows_per_program)
     partial = torch.empty((n_programs, n_cols) if weight is not None else (1,),
                           dtype=torch.float32, device=x.device)
     dx_rows = dx.view(-1, n_cols)
-    extra_rows = _rows(grad_extra) if grad_extra is not None else grad_rows
+    extra_rows = layout.as_rows(grad_extra) if grad_extra is not None else grad_rows
     RMS_NORM_BWD.launch(
         lambda meta: (n_programs,),
         grad_rows, x_rows, weight if weight is not None else x_rows, rstd, extra_rows, dx_rows,
@@ -311,14 +296,8 @@ def _check_inputs(function: str, x, weight, residual=None):
             raise TypeError(f"{function}: weight must be floating-point, got {weight.dtype}")
 
 
-def _kernel_runs(*tensors) -> bool:
-    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t)
-               for t in tensors if t is not None)
 
 
-def _wants_custom_op(*tensors) -> bool:
-    return torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 def _upcast_reference(fn, *tensors, eps):
@@ -336,7 +315,7 @@ def _forward(x, weight, eps, want_rstd):
 
 
 def _kernel_takes(x, *others) -> bool:
-    return _kernel_runs(x, *others) and all(t is None or t.dtype == x.dtype for t in others)
+    return runtime.kernel_runs(x, *others) and all(t is None or t.dtype == x.dtype for t in others)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
@@ -346,7 +325,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     Differentiable (dx and dweight).
     """
     _check_inputs("gemslib.rms_norm", x, weight)
-    if _wants_custom_op(x, weight):
+    if runtime.wants_custom_op(x, weight):
         return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
     if not _kernel_takes(x, weight):
         return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
@@ -358,7 +337,7 @@ def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
     may be ``x``/``residual`` (in place)."""
     if not _kernel_takes(x, residual, weight):
         normed, total = _upcast_reference(add_rms_norm_reference, x, residual, weight, eps=eps)
-    elif out is not None and not all(t.stride(-1) == 1 and _viewable(t) for t in (out, residual_out)):
+    elif out is not None and not all(t.stride(-1) == 1 and layout.viewable_as_rows(t) for t in (out, residual_out)):
         normed, total = _add_rms_norm(x, residual, weight, eps)  # layouts the kernel cannot write
     else:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
@@ -387,18 +366,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
             raise RuntimeError("gemslib.add_rms_norm: inplace=True cannot be used on tensors "
                                "that require grad")
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
-    if _wants_custom_op(x, residual, weight):
+    if runtime.wants_custom_op(x, residual, weight):
         normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
         return normed, total
     return _add_rms_norm(x, residual, weight, eps)
 
 
-def _viewable(t: torch.Tensor) -> bool:
-    try:
-        t.view(-1, t.shape[-1])
-        return True
-    except RuntimeError:
-        return False
 
 
 def _forward_with_rstd(x, weight, eps):

@@ -25,7 +25,7 @@ import triton.language as tl
 from gemslib import runtime
 from gemslib.registry import SelfCheck
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,8 +113,6 @@ ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel,
 # --------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +137,7 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_rest = triton.next_power_of_2(max(head_dim - 2 * half, 1))
     strides = [s for t in (q4, k4, q_out4, k_out4) for s in (t.stride(0), t.stride(1), t.stride(2))]
     ROTARY.launch(
-        lambda meta: (n_tokens, _cdiv(n_q_heads, meta["BLOCK_H"]) + _cdiv(n_k_heads, meta["BLOCK_H"])),
+        lambda meta: (n_tokens, runtime.cdiv(n_q_heads, meta["BLOCK_H"]) + runtime.cdiv(n_k_heads, meta["BLOCK_H"])),
         q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
         seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
         cos.stride(0), sin.stride(0), *position_strides,

@@ -19,7 +19,7 @@ import triton.language as tl
 from gemslib import layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
 
@@ -157,8 +157,6 @@ SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul
 # --------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # host side: triton.cdiv is a jit function, ~10 us per call from Python
 
 
 def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
@@ -185,31 +183,22 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
         strided, sizes = True, shape4[1:]
         strides = [s for operand in operand_strides for s in operand]
     index_64 = n_elements >= _INT32_LIMIT
-    kernel.launch(lambda meta: (_cdiv(n_elements, meta["BLOCK"]),),
+    kernel.launch(lambda meta: (runtime.cdiv(n_elements, meta["BLOCK"]),),
                   *operands, n_elements, *sizes, *strides, strided, index_64,
                   shape=(n_elements,), restore=[t for t in inputs if t is out])
     return out
 
 
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x (..., w) as a 2-d (rows, w) view, copying only if the leading dims do not merge."""
-    if x.dim() == 2:
-        return x
-    width = x.shape[-1]
-    try:
-        return x.view(-1, width)
-    except RuntimeError:
-        return x.reshape(-1, width)
 
 
 def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     half_width = x.shape[-1] // 2
-    rows_in, rows_out = _as_rows(x), out.view(-1, half_width)
+    rows_in, rows_out = layout.as_rows(x), out.view(-1, half_width)
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_FWD.launch(
-        lambda meta: (n_rows * _cdiv(half_width, meta["BLOCK_N"]),),
+        lambda meta: (n_rows * runtime.cdiv(half_width, meta["BLOCK_N"]),),
         rows_in, rows_out, half_width, rows_in.stride(0), rows_in.stride(1), rows_out.stride(0),
         shape=(n_rows, half_width))
     return out
@@ -220,13 +209,13 @@ def _launch_silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx
-    rows_in, rows_dx = _as_rows(x), dx.view(-1, 2 * half_width)
-    rows_grad = _as_rows(grad)
+    rows_in, rows_dx = layout.as_rows(x), dx.view(-1, 2 * half_width)
+    rows_grad = layout.as_rows(grad)
     if rows_grad.stride(-1) != 1:
         rows_grad = rows_grad.contiguous()
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_BWD.launch(
-        lambda meta: (n_rows * _cdiv(half_width, meta["BLOCK_N"]),),
+        lambda meta: (n_rows * runtime.cdiv(half_width, meta["BLOCK_N"]),),
         rows_grad, rows_in, rows_dx, half_width, rows_grad.stride(0), rows_in.stride(0),
         rows_in.stride(1), rows_dx.stride(0), shape=(n_rows, half_width))
     return dx
@@ -269,9 +258,6 @@ def _check_float_tensor(function: str, argument: str, value) -> None:
         raise TypeError(f"{function}: {argument} must be a floating-point tensor, got {value.dtype}")
 
 
-def _kernel_runs(*tensors: torch.Tensor) -> bool:
-    """The Triton kernels handle these tensors (else torch computes the result)."""
-    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t) for t in tensors)
 
 
 def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> None:
@@ -286,14 +272,10 @@ def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> N
         raise ValueError(f"{function}: out has overlapping elements (a stride-0 dim)")
 
 
-def _wants_custom_op(*tensors: torch.Tensor) -> bool:
-    """Route through the torch.ops.gemslib op when autograd or torch.compile needs to see it."""
-    return torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def _silu_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    if not _kernel_runs(x, out):
+    if not runtime.kernel_runs(x, out):
         return out.copy_(F.silu(x))
     if layout.memory_overlaps(x, out) and not (
             x.data_ptr() == out.data_ptr() and x.stride() == out.stride()):
@@ -309,9 +291,9 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """
     _check_float_tensor("gemslib.silu", "x", x)
     if out is None:
-        if _wants_custom_op(x):
+        if runtime.wants_custom_op(x):
             return torch.ops.gemslib.silu(x)
-        if not _kernel_runs(x):
+        if not runtime.kernel_runs(x):
             return F.silu(x)
         return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
     _check_out("gemslib.silu", out, x.shape, x)
@@ -320,7 +302,7 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(x)
-    if not _kernel_runs(grad, x) or grad.dtype != x.dtype or grad.shape != x.shape:
+    if not runtime.kernel_runs(grad, x) or grad.dtype != x.dtype or grad.shape != x.shape:
         return dx.copy_(silu_backward_reference(grad, x))
     return _launch_elementwise(SILU_BWD, [grad, x], dx)
 
@@ -337,30 +319,24 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
                          f"got shape {tuple(x.shape)}")
     out_shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
-        if _wants_custom_op(x):
+        if runtime.wants_custom_op(x):
             return torch.ops.gemslib.silu_and_mul(x)
-        if not _kernel_runs(x):
+        if not runtime.kernel_runs(x):
             return silu_and_mul_reference(x)
         return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
     _check_out("gemslib.silu_and_mul", out, out_shape, x)
-    if not _kernel_runs(x) or layout.memory_overlaps(x, out):
+    if not runtime.kernel_runs(x) or layout.memory_overlaps(x, out):
         return out.copy_(silu_and_mul_reference(x))
-    if out.dim() > 0 and (out.stride(-1) != 1 or not _rows_view_ok(out)):
+    if out.dim() > 0 and (out.stride(-1) != 1 or not layout.viewable_as_rows(out)):
         return out.copy_(_launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype,
                                                                 device=x.device)))
     return _launch_silu_and_mul(x, out)
 
 
-def _rows_view_ok(t: torch.Tensor) -> bool:
-    try:
-        t.view(-1, t.shape[-1])
-        return True
-    except RuntimeError:
-        return False
 
 
 def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if not _kernel_runs(grad, x) or grad.dtype != x.dtype:
+    if not runtime.kernel_runs(grad, x) or grad.dtype != x.dtype:
         return silu_and_mul_backward_reference(grad, x)
     return _launch_silu_and_mul_backward(grad, x)
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from gemslib import layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
 LOG2E = 1.4426950408889634
 
 
@@ -33,11 +33,8 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------------
 
 
-def _one_pass(args) -> bool:
-    return args["n_cols"] <= args["BLOCK_N"]
 
-
-@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_fwd_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
@@ -90,7 +87,7 @@ def _softmax_fwd_kernel(
             tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.heuristics({"ONE_PASS": _one_pass})
+@triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_bwd_kernel(
     grad_ptr, y_ptr, dx_ptr, n_rows, n_cols, grad_row_stride, y_row_stride, dx_row_stride,
@@ -147,8 +144,6 @@ SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
 # --------------------------------------------------------------------------------------------
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
@@ -158,14 +153,6 @@ def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
     return dim % rank
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., n) as (rows, n) with a unit last stride, copying only when it must."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.reshape(-1, t.shape[-1])
 
 
 def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: torch.Tensor,
@@ -173,10 +160,10 @@ def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: t
     """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous."""
     if out.numel() == 0:
         return
-    rows = [_as_rows(t) for t in inputs]
+    rows = [layout.as_rows(t) for t in inputs]
     out_rows = out.view(-1, out.shape[-1])
     n_rows, n_cols = out_rows.shape
-    kernel.launch(lambda meta: (_cdiv(n_rows, meta["BLOCK_M"]),),
+    kernel.launch(lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
                   *rows, out_rows, n_rows, n_cols, *[r.stride(0) for r in rows],
                   out_rows.stride(0), log, shape=(n_rows, n_cols))
 
@@ -245,17 +232,13 @@ def _check(function: str, x, dim) -> int:
     return _normalize_dim(function, x, dim)
 
 
-def _kernel_runs(*tensors) -> bool:
-    return all(t.dtype in KERNEL_DTYPES and runtime.on_kernel_device(t) for t in tensors)
 
 
-def _wants_custom_op(x) -> bool:
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and x.requires_grad)
 
 
 def _softmax_any(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """Kernel where it runs, torch otherwise; no autograd."""
-    if not _kernel_runs(x):
+    if not runtime.kernel_runs(x):
         return (torch.log_softmax if log else torch.softmax)(x, dim)
     return _forward(x, dim, log, x.dtype)
 
@@ -267,7 +250,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Differentiable.
     """
     dim = _check("gemslib.softmax", x, dim)
-    if _wants_custom_op(x):
+    if runtime.wants_custom_op(x):
         return torch.ops.gemslib.softmax(x, dim, False)
     return _softmax_any(x, dim, log=False)
 
@@ -275,13 +258,13 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
     dim = _check("gemslib.log_softmax", x, dim)
-    if _wants_custom_op(x):
+    if runtime.wants_custom_op(x):
         return torch.ops.gemslib.softmax(x, dim, True)
     return _softmax_any(x, dim, log=True)
 
 
 def _backward_any(grad, y, dim, log, out_dtype):
-    if not _kernel_runs(grad, y) or grad.dtype != y.dtype:
+    if not runtime.kernel_runs(grad, y) or grad.dtype != y.dtype:
         reference = log_softmax_backward_reference if log else softmax_backward_reference
         compute = torch.float64 if torch.float64 in (grad.dtype, y.dtype) else torch.float32
         return reference(grad.to(compute), y.to(compute), dim).to(out_dtype)
