@@ -311,9 +311,17 @@ _softmax_op.register_autograd(_softmax_grad, setup_context=_softmax_setup)
 # --------------------------------------------------------------------------------------------
 
 
+def _not_last_dim(t: torch.Tensor, dim: int) -> bool:
+    """A reduction over a non-last dim: gemslib would move it last with a copy, which torch's
+    strided kernel avoids, so the override leaves those calls to torch for now."""
+    return t.dim() > 1 and dim % t.dim() != t.dim() - 1
+
+
 def _why_not_forward(self, dim, half_to_float, out=None):
     if self.dtype not in KERNEL_DTYPES:
         return f"dtype {self.dtype}"
+    if _not_last_dim(self, dim):
+        return "reduction over a non-last dim"
     if half_to_float and self.dtype == torch.float32:
         return "half_to_float on a float32 input (torch raises)"
     if out is not None:
@@ -328,6 +336,8 @@ def _why_not_forward(self, dim, half_to_float, out=None):
 def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
     if grad_output.dtype not in KERNEL_DTYPES or grad_output.dtype != output.dtype:
         return f"dtypes {grad_output.dtype}, {output.dtype}"
+    if _not_last_dim(output, dim):
+        return "reduction over a non-last dim"
     if input_dtype not in KERNEL_DTYPES or grad_output.shape != output.shape:
         return f"input dtype {input_dtype} or shapes differ"
     if out is not None and (out.shape != output.shape or out.dtype != input_dtype

@@ -101,18 +101,23 @@ def test_functional_calls_run_gemslib_both_ways(dtype):
     x = random_tensor((6, 70), dtype, scale=3.0).requires_grad_()
     grad = random_tensor((6, 70), dtype)
     with gemslib.enable(ops=["softmax"], record=True) as activation:
+        log_last = F.log_softmax(x.detach().requires_grad_(), dim=-1)
+        log_last.backward(grad)
         y = F.softmax(x, dim=-1)
         (y * grad).sum().backward()
         log_y = F.log_softmax(x.detach().requires_grad_(), dim=0)
         log_y.backward(grad)
     assert activation.calls == {"aten::_softmax": 1, "aten::_softmax_backward_data": 1,
                                 "aten::_log_softmax": 1, "aten::_log_softmax_backward_data": 1}
+    # a reduction over a non-last dim stays with torch (gemslib would need a copy)
+    assert activation.fallbacks == {"aten::_log_softmax": 1, "aten::_log_softmax_backward_data": 1}
     x64 = x.detach().double()
     assert_close_to_reference(y, torch.softmax(x64, -1), dtype, reduction_len=70)
     # the backward works from the forward's output, rounded to the dtype
     expected_grad = softmax_ops.softmax_backward_reference(grad.double(), y.detach().double(), -1)
     assert_close_to_reference(x.grad, expected_grad, dtype, reduction_len=70)
     assert_close_to_reference(log_y, torch.log_softmax(x64, 0), dtype, reduction_len=6)
+    assert_close_to_reference(log_last, torch.log_softmax(x64, -1), dtype, reduction_len=70)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
