@@ -126,7 +126,9 @@ def _rms_norm_bwd_kernel(
             grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_row)
             x_hat = x * rstd
-            g = grad * weight if HAS_WEIGHT else grad
+            g = grad
+            if HAS_WEIGHT:
+                g = grad * weight
             mean_g_xhat = tl.sum(g * x_hat, axis=0) / n_cols
             dx = rstd * (g - x_hat * mean_g_xhat)
             if HAS_GRAD_EXTRA:
