@@ -3,6 +3,8 @@
 Each ``bench_<op>.py`` may declare ``SWEEP_CANDIDATES`` (kernel name -> list of configs) and
 ``sweep_problems()``; every candidate is forced on the kernel and the public call timed. Prints
 the best config per kernel and problem, and writes the table as JSON if ``--out`` is given.
+Each candidate's output is compared with the shipped config's before it is timed; a candidate
+that fails or disagrees is reported and left out.
 This is the measurement behind the shipped ``tune_configs/<gpu>.yaml`` entries.
 """
 
@@ -15,6 +17,10 @@ import sys
 from pathlib import Path
 
 import torch
+
+
+def _first_tensor(output):
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,10 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for kernel, label, bytes_moved, fn in module.sweep_problems():
         timings = []
+        expected = _first_tensor(fn()).float()  # with the shipped config
         for raw in module.SWEEP_CANDIDATES[kernel.name]:
             meta = tuple(sorted((k, v) for k, v in raw.items() if k not in ("num_warps", "num_stages")))
             config = LaunchConfig(meta, raw.get("num_warps", 4), raw.get("num_stages", 1))
             with kernel.forced(config):
+                try:
+                    result = _first_tensor(fn()).float()
+                except Exception as err:  # e.g. out of shared memory: not a candidate here
+                    print(f"  {kernel.name} {label} {raw}: does not run ({type(err).__name__})")
+                    continue
+                if not torch.allclose(result, expected, rtol=1e-2, atol=1e-2, equal_nan=True):
+                    print(f"  {kernel.name} {label} {raw}: WRONG RESULT, skipped", flush=True)
+                    continue
                 ms = median_ms(fn)
             timings.append((ms, raw))
             table.append({"kernel": kernel.name, "problem": label, "config": raw,
