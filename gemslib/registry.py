@@ -38,11 +38,13 @@ log = logging.getLogger("gemslib")
 class AtenOverride:
     """``impl`` serves aten overload ``aten`` (e.g. ``"aten::silu.out"``) when ``unsupported``,
     called with the same arguments, returns ``None``; otherwise it returns the reason and the
-    original kernel runs."""
+    original kernel runs. ``fallback`` computes unsupported calls where the backend has no
+    kernel of its own for the op (e.g. ``_fused_rms_norm_backward`` on torch's CPU build)."""
 
     aten: str
     impl: Callable
     unsupported: Callable[..., str | None]
+    fallback: Callable | None = None
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,13 @@ def _record(aten: str, served: bool) -> None:
             (activation.calls if served else activation.fallbacks)[aten] += 1
 
 
-def _make_wrapper(override: AtenOverride, original) -> Callable:
+def _make_wrapper(override: AtenOverride, original, use_fallback: bool) -> Callable:
     aten = override.aten
+    if use_fallback:
+        def original_call(keyset, *args, **kwargs):
+            return override.fallback(*args, **kwargs)
+    else:
+        original_call = original.call_boxed
 
     def wrapper(keyset, *args, **kwargs):
         reason = override.unsupported(*args, **kwargs)
@@ -143,7 +150,7 @@ def _make_wrapper(override: AtenOverride, original) -> Callable:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s -> torch (%s)", aten, reason)
         _record(aten, False)
-        return original.call_boxed(keyset, *args, **kwargs)
+        return original_call(keyset, *args, **kwargs)
 
     wrapper.__name__ = f"gemslib_{aten.replace('::', '_').replace('.', '_')}"
     return wrapper
@@ -172,12 +179,16 @@ class Activation:
                     for override in operators()[name].overrides:
                         if override.aten in _served_by:
                             continue  # an enclosing enable() already serves it
-                        original = torch.library.get_kernel(override.aten, key)
+                        use_fallback = override.fallback is not None and not \
+                            torch._C._dispatch_has_kernel_for_dispatch_key(override.aten, key)
+                        original = None if use_fallback else torch.library.get_kernel(
+                            override.aten, key)
                         with warnings.catch_warnings():
                             # torch warns on every override of an existing kernel: that is the point
                             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
                             library.impl(override.aten.split("::", 1)[1],
-                                         _make_wrapper(override, original), key, with_keyset=True)
+                                         _make_wrapper(override, original, use_fallback), key,
+                                         with_keyset=True)
                         mine.append(override.aten)
                         _served_by[override.aten] = self
             except BaseException:

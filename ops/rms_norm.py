@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from gemslib import layout, runtime
-from gemslib.registry import SelfCheck
+from gemslib.registry import AtenOverride, SelfCheck
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
@@ -472,6 +472,76 @@ def _add_rms_norm_grad(ctx, grad_normed, grad_total):
 
 
 _add_rms_norm_op.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# aten overrides: what F.rms_norm reaches (aten::rms_norm is CompositeImplicitAutograd and calls
+# _fused_rms_norm, whose derivative is _fused_rms_norm_backward). On torch's CPU build
+# _fused_rms_norm is itself composite; registering a CPU kernel for it makes autograd use the
+# same derivative formula as on CUDA, so the interpreter exercises the CUDA path's logic.
+# --------------------------------------------------------------------------------------------
+
+_DEFAULT_EPS = torch.finfo(torch.float32).eps  # torch's choice for eps=None (fp32 accumulation)
+
+
+def _why_not_fused(input, normalized_shape, weight):
+    if input.dtype not in KERNEL_DTYPES:
+        return f"dtype {input.dtype}"
+    if len(normalized_shape) != 1 or input.dim() == 0 or list(input.shape[-1:]) != list(normalized_shape):
+        return f"normalized_shape {list(normalized_shape)} is not x's last dim"
+    if weight is not None and (weight.dtype != input.dtype or list(weight.shape) != list(normalized_shape)):
+        return "weight dtype or shape"
+    if input.numel() == 0:
+        return "empty input"
+    return None
+
+
+def _why_not_fused_rms_norm(input, normalized_shape, weight, eps):
+    return _why_not_fused(input, normalized_shape, weight)
+
+
+def _aten_fused_rms_norm(input, normalized_shape, weight, eps):
+    """(out, rstd) with rstd float32 of shape input.shape[:-1] + (1,), as torch returns it."""
+    out, rstd = _forward(input, weight, _DEFAULT_EPS if eps is None else eps, want_rstd=True)
+    return out, rstd.view(*input.shape[:-1], 1)
+
+
+def _why_not_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    reason = _why_not_fused(input, normalized_shape, weight)
+    if reason is None and (grad_out.dtype != input.dtype or grad_out.shape != input.shape):
+        reason = "grad_out dtype or shape"
+    return reason
+
+
+def _aten_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    dx, dweight = _backward(grad_out, input, weight, rstd.reshape(-1).float())
+    return (dx if output_mask[0] else None,
+            dweight if output_mask[1] and weight is not None else None)
+
+
+def _fused_rms_norm_backward_in_torch(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    """For calls the kernel does not take where the backend has no kernel of its own: torch
+    arithmetic in fp32 (fp64 for fp64 inputs) over the normalised dims."""
+    work = torch.float64 if input.dtype == torch.float64 else torch.float32
+    reduce_dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    x, grad = input.to(work), grad_out.to(work)
+    rstd = rstd.to(work).reshape(*input.shape[: input.dim() - len(normalized_shape)],
+                                 *([1] * len(normalized_shape)))
+    x_hat = x * rstd
+    g = grad * weight.to(work) if weight is not None else grad
+    dx = rstd * (g - x_hat * (g * x_hat).mean(dim=reduce_dims, keepdim=True))
+    dweight = None
+    if weight is not None and output_mask[1]:
+        outer_dims = tuple(range(input.dim() - len(normalized_shape)))
+        dweight = (grad * x_hat).sum(dim=outer_dims).to(weight.dtype)
+    return (dx.to(input.dtype) if output_mask[0] else None), dweight
+
+
+ATEN_OVERRIDES = (
+    AtenOverride("aten::_fused_rms_norm", _aten_fused_rms_norm, _why_not_fused_rms_norm),
+    AtenOverride("aten::_fused_rms_norm_backward", _aten_fused_rms_norm_backward,
+                 _why_not_fused_rms_norm_backward, fallback=_fused_rms_norm_backward_in_torch),
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,3 +186,63 @@ def test_traces_under_torch_compile_fullgraph():
     expected.sum().backward()
     for ours, theirs in zip((*inputs, weight), leaves):
         assert_close_to_reference(ours.grad, theirs.grad, torch.float32, reduction_len=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# aten overrides: F.rms_norm -> _fused_rms_norm, autograd -> _fused_rms_norm_backward
+# ---------------------------------------------------------------------------------------------
+
+FUSED = ("aten::_fused_rms_norm", "aten::_fused_rms_norm_backward")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_f_rms_norm_runs_gemslib_forward_and_backward(dtype):
+    before = {op: torch._C._dispatch_dump_table(op) for op in FUSED}
+    x = random_tensor((5, 3, 40), dtype).requires_grad_()
+    weight = random_tensor((40,), dtype, scale=1.0).requires_grad_()
+    grad = random_tensor((5, 3, 40), dtype)
+    with gemslib.enable(ops=["rms_norm"], record=True) as activation:
+        result = torch.nn.functional.rms_norm(x, (40,), weight, 1e-6)
+        result.backward(grad)
+    assert activation.calls == {"aten::_fused_rms_norm": 1, "aten::_fused_rms_norm_backward": 1}
+    assert {op: torch._C._dispatch_dump_table(op) for op in FUSED} == before
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    expected = rms_ops.rms_norm_reference(x64, w64)
+    expected.backward(grad.double())
+    assert_close_to_reference(result, expected, dtype, reduction_len=40)
+    assert_close_to_reference(x.grad, x64.grad, dtype, reduction_len=40, msg="dx")
+    assert_close_to_reference(weight.grad, w64.grad, dtype, reduction_len=15 * 16, msg="dweight")
+
+
+def test_f_rms_norm_output_masks_and_default_eps():
+    x = random_tensor((4, 24), torch.float32)
+    weight = random_tensor((24,), torch.float32, scale=1.0)
+    with gemslib.enable(ops=["rms_norm"], record=True) as activation:
+        x_only = x.clone().requires_grad_()
+        torch.nn.functional.rms_norm(x_only, (24,), weight).sum().backward()   # eps=None
+        weight_only = weight.clone().requires_grad_()
+        torch.nn.functional.rms_norm(x, (24,), weight_only).sum().backward()
+    assert activation.calls == {"aten::_fused_rms_norm": 2, "aten::_fused_rms_norm_backward": 2}
+    eps = torch.finfo(torch.float32).eps
+    for ours, leaf in ((x_only, "x"), (weight_only, "weight")):
+        x64 = x.double().requires_grad_(leaf == "x")
+        w64 = weight.double().requires_grad_(leaf == "weight")
+        rms_ops.rms_norm_reference(x64, w64, eps).sum().backward()
+        assert_close_to_reference(ours.grad, (x64 if leaf == "x" else w64).grad, torch.float32,
+                                  reduction_len=24, msg=leaf)
+
+
+def test_f_rms_norm_unsupported_calls_match_torch():
+    x = torch.randn(4, 2, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    weight = torch.randn(2, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    expected = torch.nn.functional.rms_norm(x, (2, 6), weight, 1e-5)
+    expected_grads = torch.autograd.grad(expected.sum(), (x, weight))
+    with gemslib.enable(ops=["rms_norm"], record=True) as activation:
+        result = torch.nn.functional.rms_norm(x, (2, 6), weight, 1e-5)  # float64, 2-d shape
+        grads = torch.autograd.grad(result.sum(), (x, weight))
+    assert not activation.calls
+    assert activation.fallbacks["aten::_fused_rms_norm"] == 1
+    torch.testing.assert_close(result, expected)
+    for ours, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours, theirs)
