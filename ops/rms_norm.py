@@ -33,7 +33,6 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 # --------------------------------------------------------------------------------------------
 
 
-
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _rms_norm_fwd_kernel(
@@ -192,10 +191,6 @@ RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_ker
 # --------------------------------------------------------------------------------------------
 
 
-
-
-
-
 def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool):
     """Writes ``out`` (and ``residual_out``); returns rstd (rows,) fp32 or None."""
     n_rows = math.prod(x.shape[:-1])
@@ -298,10 +293,6 @@ def _check_inputs(function: str, x, weight, residual=None):
             raise TypeError(f"{function}: weight must be floating-point, got {weight.dtype}")
 
 
-
-
-
-
 def _upcast_reference(fn, *tensors, eps):
     """Torch's own arithmetic for what the kernels do not take (float64, other devices):
     float64 stays float64, anything else is computed in fp32, like the kernels."""
@@ -372,8 +363,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
         return normed, total
     return _add_rms_norm(x, residual, weight, eps)
-
-
 
 
 def _forward_with_rstd(x, weight, eps):

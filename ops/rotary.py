@@ -113,8 +113,6 @@ ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel,
 # --------------------------------------------------------------------------------------------
 
 
-
-
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 3 else t
 

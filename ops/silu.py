@@ -157,8 +157,6 @@ SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul
 # --------------------------------------------------------------------------------------------
 
 
-
-
 def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
                         out: torch.Tensor) -> torch.Tensor:
     """Run an elementwise ``kernel(*inputs, out, n, sizes, strides..., STRIDED, INDEX_64)``.
@@ -187,8 +185,6 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
                   *operands, n_elements, *sizes, *strides, strided, index_64,
                   shape=(n_elements,), restore=[t for t in inputs if t is out])
     return out
-
-
 
 
 def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -258,8 +254,6 @@ def _check_float_tensor(function: str, argument: str, value) -> None:
         raise TypeError(f"{function}: {argument} must be a floating-point tensor, got {value.dtype}")
 
 
-
-
 def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{function}: out must be a torch.Tensor, got {type(out).__name__}")
@@ -270,8 +264,6 @@ def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> N
                          f"got {out.dtype} on {out.device}")
     if layout.has_internal_overlap(out):
         raise ValueError(f"{function}: out has overlapping elements (a stride-0 dim)")
-
-
 
 
 def _silu_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -331,8 +323,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out.copy_(_launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype,
                                                                 device=x.device)))
     return _launch_silu_and_mul(x, out)
-
-
 
 
 def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ aten overrides, self-checks.
 
 from __future__ import annotations
 
+from functools import partial
+
 
 import torch
 import triton
@@ -33,6 +35,12 @@ LOG2E = 1.4426950408889634
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _row_block(n_rows, BLOCK_M: tl.constexpr):
+    """This program's BLOCK_M rows as an int64 column of indices and their mask."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows.to(tl.int64)[:, None], rows[:, None] < n_rows
+
 
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
@@ -41,9 +49,7 @@ def _softmax_fwd_kernel(
     LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows[:, None] < n_rows
-    row_index = rows.to(tl.int64)[:, None]
+    row_index, row_mask = _row_block(n_rows, BLOCK_M)
     x_rows = x_ptr + row_index * x_row_stride
     y_rows = y_ptr + row_index * y_row_stride
     if ONE_PASS:
@@ -94,9 +100,7 @@ def _softmax_bwd_kernel(
     LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows[:, None] < n_rows
-    row_index = rows.to(tl.int64)[:, None]
+    row_index, row_mask = _row_block(n_rows, BLOCK_M)
     grad_rows = grad_ptr + row_index * grad_row_stride
     y_rows = y_ptr + row_index * y_row_stride
     dx_rows = dx_ptr + row_index * dx_row_stride
@@ -144,15 +148,11 @@ SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
 # --------------------------------------------------------------------------------------------
 
 
-
-
 def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
     rank = max(x.dim(), 1)
     if not -rank <= dim < rank:
         raise IndexError(f"{function}: dim {dim} is out of range for a tensor of {x.dim()} dims")
     return dim % rank
-
-
 
 
 def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: torch.Tensor,
@@ -230,10 +230,6 @@ def _check(function: str, x, dim) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"{function}: dim must be an int, got {type(dim).__name__}")
     return _normalize_dim(function, x, dim)
-
-
-
-
 
 
 def _softmax_any(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -346,53 +342,45 @@ def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
     return None
 
 
-def _aten_forward(log: bool):
-    def forward(self, dim, half_to_float):
-        dim = _normalize_dim("softmax", self, dim)
-        return _forward(self, dim, log, torch.float32 if half_to_float else self.dtype)
-
-    def forward_out(self, dim, half_to_float, *, out):
-        return out.copy_(forward(self, dim, half_to_float))
-
-    return forward, forward_out
+def _aten_forward(self, dim, half_to_float, *, log):
+    dim = _normalize_dim("softmax", self, dim)
+    return _forward(self, dim, log, torch.float32 if half_to_float else self.dtype)
 
 
-def _aten_backward(log: bool):
-    def backward(grad_output, output, dim, input_dtype):
-        dim = _normalize_dim("softmax backward", output, dim)
-        return _backward(grad_output, output, dim, log, input_dtype)
-
-    def backward_out(grad_output, output, dim, input_dtype, *, out):
-        return out.copy_(backward(grad_output, output, dim, input_dtype))
-
-    return backward, backward_out
+def _aten_forward_out(self, dim, half_to_float, *, out, log):
+    return out.copy_(_aten_forward(self, dim, half_to_float, log=log))
 
 
-def _why_not_backward_out(grad_output, output, dim, input_dtype, *, grad_input):
+def _aten_backward(grad_output, output, dim, input_dtype, *, log):
+    dim = _normalize_dim("softmax backward", output, dim)
+    return _backward(grad_output, output, dim, log, input_dtype)
+
+
+def _aten_softmax_backward_out(grad_output, output, dim, input_dtype, *, grad_input):
+    return grad_input.copy_(_aten_backward(grad_output, output, dim, input_dtype, log=False))
+
+
+def _aten_log_softmax_backward_out(grad_output, output, dim, input_dtype, *, out):
+    return out.copy_(_aten_backward(grad_output, output, dim, input_dtype, log=True))
+
+
+def _why_not_softmax_backward_out(grad_output, output, dim, input_dtype, *, grad_input):
     return _why_not_backward(grad_output, output, dim, input_dtype, grad_input)
 
 
-def _backward_out_grad_input(log):
-    _, backward_out = _aten_backward(log)
-    return lambda grad_output, output, dim, input_dtype, *, grad_input: backward_out(
-        grad_output, output, dim, input_dtype, out=grad_input)
-
-
-_softmax_fwd, _softmax_fwd_out = _aten_forward(log=False)
-_log_softmax_fwd, _log_softmax_fwd_out = _aten_forward(log=True)
-_softmax_bwd, _ = _aten_backward(log=False)
-_log_softmax_bwd, _log_softmax_bwd_out = _aten_backward(log=True)
-
 ATEN_OVERRIDES = (
-    AtenOverride("aten::_softmax", _softmax_fwd, _why_not_forward),
-    AtenOverride("aten::_softmax.out", _softmax_fwd_out, _why_not_forward),
-    AtenOverride("aten::_softmax_backward_data", _softmax_bwd, _why_not_backward),
-    AtenOverride("aten::_softmax_backward_data.out", _backward_out_grad_input(log=False),
-                 _why_not_backward_out),
-    AtenOverride("aten::_log_softmax", _log_softmax_fwd, _why_not_forward),
-    AtenOverride("aten::_log_softmax.out", _log_softmax_fwd_out, _why_not_forward),
-    AtenOverride("aten::_log_softmax_backward_data", _log_softmax_bwd, _why_not_backward),
-    AtenOverride("aten::_log_softmax_backward_data.out", _log_softmax_bwd_out, _why_not_backward),
+    AtenOverride("aten::_softmax", partial(_aten_forward, log=False), _why_not_forward),
+    AtenOverride("aten::_softmax.out", partial(_aten_forward_out, log=False), _why_not_forward),
+    AtenOverride("aten::_softmax_backward_data", partial(_aten_backward, log=False),
+                 _why_not_backward),
+    AtenOverride("aten::_softmax_backward_data.out", _aten_softmax_backward_out,
+                 _why_not_softmax_backward_out),
+    AtenOverride("aten::_log_softmax", partial(_aten_forward, log=True), _why_not_forward),
+    AtenOverride("aten::_log_softmax.out", partial(_aten_forward_out, log=True), _why_not_forward),
+    AtenOverride("aten::_log_softmax_backward_data", partial(_aten_backward, log=True),
+                 _why_not_backward),
+    AtenOverride("aten::_log_softmax_backward_data.out", _aten_log_softmax_backward_out,
+                 _why_not_backward),
 )
 
 
