@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     plots = [] if args.no_plot else harness.plot(results, ceilings, args.out)
     print(f"\nwrote {args.out / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else "")
           + f" in {time.perf_counter() - started:.0f} s")
-    return 0
+    failures = [row for row in rows if row.get("error")]
+    for row in failures:
+        print(f"gemslib FAILED at {row['op']} {row['shape']}: {row['error']}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

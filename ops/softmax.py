@@ -27,7 +27,7 @@ from gemslib import layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by the compiler
 
 
 # --------------------------------------------------------------------------------------------

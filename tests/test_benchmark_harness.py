@@ -45,3 +45,18 @@ def test_without_a_gpu_the_runner_says_so_and_exits_cleanly(monkeypatch, capsys)
 
 def test_every_benchmark_module_is_discovered():
     assert "bench_silu" in bench_main.bench_modules()
+
+
+def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
+    monkeypatch.setattr(harness, "median_ms", lambda fn: fn())
+
+    def broken_check():
+        raise RuntimeError("kernel does not compile")
+
+    case = harness.Case("softmax", "8x8", "bf16", bytes_moved=1000,
+                        impls={"gemslib": lambda: 0.5, "torch eager": lambda: 1.0},
+                        outputs_agree=broken_check)
+    results = harness.run_case(case, Ceilings(copy_gbps=4250.0))
+    (row,) = harness.summarize(results)
+    assert row["error"].startswith("output check failed: RuntimeError: kernel does not compile")
+    assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0

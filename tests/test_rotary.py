@@ -21,7 +21,9 @@ if ON_GPU:
     CASES += [((4, 1024, 32, 128), 8, 64, None), ((1, 4096, 40, 128), 8, 32, "batch")]
 
 
-def _inputs(q_shape, k_heads, half, positions_kind, dtype, max_position=40):
+def _inputs(q_shape, k_heads, half, positions_kind, dtype):
+    # default positions run to the sequence length (B, S, H, D) or token count (T, H, D)
+    max_position = max(40, q_shape[-3])
     q = random_tensor(q_shape, dtype, scale=1.0)
     k = random_tensor((*q_shape[:-2], k_heads, q_shape[-1]), dtype, scale=1.0)
     angles = torch.rand(max_position, half, device=DEVICE) * 6.3

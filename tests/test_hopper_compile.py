@@ -1,0 +1,147 @@
+"""Every kernel launch the operators make compiles for Hopper (sm_90), checked on the CPU.
+
+The interpreter runs kernels as Python, so it accepts code the compiler rejects (a plain float
+global, a constexpr used where a value must be static, ...). This test records the launches of
+representative calls under the interpreter (kernel, argument types, constexprs, num_warps) and
+compiles each distinct one with Triton's real compiler for an sm_90 target, down to a cubin,
+in a subprocess without ``TRITON_INTERPRET``. No GPU is needed for that.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+import gemslib
+from conftest import ON_GPU, random_tensor
+
+_SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
+                torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return {"pointer": _SHORT_DTYPE[value.dtype]}
+    if isinstance(value, (bool, int, float)) or value is None:
+        return {"value": value}
+    raise TypeError(f"unexpected kernel argument {type(value).__name__}")
+
+
+def _record_launches(monkeypatch, calls):
+    """Run ``calls`` under the interpreter; return the distinct launches they made."""
+    launches = {}
+    original_run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        record = {"module": self.fn.__module__, "kernel": self.fn.__name__,
+                  "args": {name: _describe(v) for name, v in named.items()}}
+        launches[json.dumps(record, sort_keys=True)] = record
+        return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    for call in calls:
+        call()
+    return list(launches.values())
+
+
+_COMPILER = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+import gemslib.registry
+gemslib.registry.operators()  # imports every operator module
+
+failures = []
+for record in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(record["module"]), record["kernel"])
+    while not isinstance(kernel, JITFunction):  # unwrap triton.heuristics
+        kernel = kernel.fn
+    args = record["args"]
+    options = {k: args.pop(k)["value"] for k in ("num_warps", "num_stages") if k in args}
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        arg = args.get(param.name, {"value": param.default})
+        if param.is_constexpr or arg.get("value", 0) is None:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = arg["value"]
+        elif "pointer" in arg:
+            signature[param.name] = "*" + arg["pointer"]
+        elif isinstance(arg["value"], bool):
+            signature[param.name] = "i1"
+        elif isinstance(arg["value"], float):
+            signature[param.name] = "fp32"
+        else:
+            signature[param.name] = "i32" if -2**31 <= arg["value"] < 2**31 else "i64"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        assert compiled.asm["cubin"], "no cubin"
+    except Exception as err:
+        failures.append(f"{record['kernel']} {constexprs} {options}:\n{err}")
+print(json.dumps(failures))
+"""
+
+
+def _bf16(*shape):
+    return random_tensor(shape, torch.bfloat16, scale=1.0)
+
+
+def _backward(fn, *inputs, differentiable=None):
+    """Forward and backward of ``fn``; the first ``differentiable`` inputs (default all) need grad."""
+    count = len(inputs) if differentiable is None else differentiable
+    inputs = [t.detach().requires_grad_(i < count) for i, t in enumerate(inputs)]
+    out = fn(*inputs)
+    out = out if isinstance(out, torch.Tensor) else out[0]
+    out.backward(torch.randn_like(out))
+
+
+def _under_enable(fn, *args):
+    with gemslib.enable():
+        return fn(*args)
+
+
+# Forward and backward of every operator, on the one-block and looped paths of row kernels,
+# contiguous and strided, in bf16 (and fp32 where the kernel converts).
+CALLS = [
+    lambda: gemslib.silu(_bf16(3, 100)),
+    lambda: gemslib.silu(_bf16(6, 10).t()),
+    lambda: _backward(gemslib.silu, _bf16(3, 100)),
+    lambda: _backward(gemslib.silu_and_mul, _bf16(3, 200)),
+    lambda: gemslib.silu_and_mul(_bf16(3, 2 * 1100)),
+    lambda: _backward(gemslib.rms_norm, _bf16(3, 100), _bf16(100)),
+    lambda: _backward(gemslib.rms_norm, _bf16(2, 9000), _bf16(9000)),
+    lambda: gemslib.rms_norm(_bf16(3, 100)),
+    lambda: gemslib.add_rms_norm(_bf16(3, 100), _bf16(3, 100), _bf16(100)),
+    lambda: gemslib.add_rms_norm(_bf16(3, 100), _bf16(3, 100), _bf16(100), inplace=True),
+    lambda: _backward(gemslib.softmax, _bf16(3, 100)),
+    lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
+    lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
+    lambda: _backward(lambda q, k, c, s: gemslib.apply_rotary(q, k, c, s),
+                      _bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8), differentiable=2),
+    lambda: gemslib.apply_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(9, 6), _bf16(9, 6),
+                                 positions=torch.randint(0, 9, (2, 5)), interleaved=True,
+                                 inplace=True),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the whole suite compiles the kernels for real")
+def test_every_launch_compiles_for_sm90(monkeypatch):
+    launches = _record_launches(monkeypatch, CALLS)
+    kernels = {launch["kernel"] for launch in launches}
+    assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
+            "_rotary_kernel"} <= kernels
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failures, "\n\n".join(failures)
