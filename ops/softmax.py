@@ -71,7 +71,8 @@ def _softmax_fwd_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             x = tl.load(x_rows + cols, mask=row_mask & (cols < n_cols),
                         other=-float("inf")).to(tl.float32)
-            new_max = tl.maximum(lane_max, x)
+            # on the GPU tl.maximum drops NaN operands unless told otherwise
+            new_max = tl.maximum(lane_max, x, propagate_nan=tl.PropagateNan.ALL)
             # a lane that has seen only -inf keeps a zero sum; (-inf) - (-inf) would make it
             # NaN. A NaN or +inf input does make the sum NaN, and with it the row, as in torch.
             seen_only_neg_inf = new_max == -float("inf")

@@ -64,6 +64,38 @@ def main():
         print(f"{name:<45}{host_us(fn):7.1f} us per call", flush=True)
     with gemslib.enable():
         print(f"{'F.silu under gemslib.enable()':<45}{host_us(lambda: F.silu(x)):7.1f} us per call")
+    compare_direct_launch()
+
+
+def compare_direct_launch():
+    """Host us per call with runtime.DIRECT_LAUNCH on and off, for the row operators."""
+    from gemslib import runtime
+
+    hidden = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(1, 32000, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(64, 64, device="cuda")
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    cases = {
+        "silu 1x14336": (lambda: gemslib.silu(hidden), lambda: F.silu(hidden)),
+        "rms_norm 1x4096": (lambda: gemslib.rms_norm(hidden, weight),
+                            lambda: F.rms_norm(hidden, (4096,), weight, 1e-6)),
+        "add_rms_norm 1x4096": (lambda: gemslib.add_rms_norm(hidden, hidden, weight),
+                                lambda: F.rms_norm(hidden + hidden, (4096,), weight, 1e-6)),
+        "softmax 1x32000": (lambda: gemslib.softmax(logits), lambda: torch.softmax(logits, -1)),
+        "rotary 1 token": (lambda: gemslib.apply_rotary(q, k, cos, sin), None),
+    }
+    print(f"\n{'host us per call':<24}{'direct':>8}{'triton':>8}{'torch':>8}")
+    for name, (ours, theirs) in cases.items():
+        runtime.DIRECT_LAUNCH = True
+        direct = host_us(ours)
+        runtime.DIRECT_LAUNCH = False
+        through_triton = host_us(ours)
+        runtime.DIRECT_LAUNCH = True
+        torch_us = f"{host_us(theirs):8.1f}" if theirs else f"{'-':>8}"
+        print(f"{name:<24}{direct:8.1f}{through_triton:8.1f}{torch_us}", flush=True)
 
 
 if __name__ == "__main__":
