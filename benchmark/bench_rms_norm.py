@@ -95,7 +95,8 @@ def cases(quick: bool = False, backward: bool = False):
 
 SWEEP_CANDIDATES = {
     "rms_norm_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-                     for m, n in ((1, 4096), (1, 8192), (2, 4096), (4, 2048), (1, 16384))
+                     for m, n in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (2, 2048),
+                                  (2, 4096), (4, 2048), (1, 16384))
                      for w in (4, 8, 16)],
     "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w} for n in (4096, 8192, 16384) for w in (4, 8, 16)],
 }

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark.sweep")
     parser.add_argument("op", help="operator file name, e.g. silu")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", nargs="+", help="problem labels to sweep (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("sweep: no CUDA GPU on this machine; nothing to time.")
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"benchmark.bench_{args.op}")
     table = []
     for kernel, label, bytes_moved, fn in module.sweep_problems():
+        if args.only and label not in args.only:
+            continue
         timings = []
         expected = _first_tensor(fn()).float()  # with the shipped config
         for raw in module.SWEEP_CANDIDATES[kernel.name]:

@@ -297,62 +297,6 @@ def reload_configs() -> None:
 
 KERNELS: dict[str, "TunedKernel"] = {}
 
-# Launch compiled kernels directly (see _DirectLauncher); GEMSLIB_DIRECT_LAUNCH=0 goes through
-# Triton's own launch path on every call instead.
-DIRECT_LAUNCH: bool = os.environ.get("GEMSLIB_DIRECT_LAUNCH", "1").strip() != "0"
-
-
-class _DirectLauncher:
-    """One kernel at one launch config, launched without Triton's per-call Python dispatch.
-
-    Triton's ``fn[grid](*args)`` binds the arguments, derives their specialisation (dtypes,
-    16-byte alignment, ints equal to 1 or divisible by 16), looks the compiled kernel up under a
-    string key and then launches it; on a slow host that is 15-20 us per call, more than the
-    kernels themselves take at decode sizes. Here the same binder (Triton's, so the
-    specialisation is exactly Triton's) keys a dict of compiled kernels, and a hit goes straight
-    to the compiled kernel's launcher. A miss, or anything unusual (launch hooks installed by a
-    profiler, a kernel object this does not know), takes Triton's normal path.
-    """
-
-    def __init__(self, fn, config: LaunchConfig):
-        from triton import knobs
-        from triton.runtime.autotuner import Heuristics
-        from triton.runtime.jit import JITFunction
-
-        self.fn, self.kwargs = fn, config.launch_kwargs
-        self.heuristics = {}  # @triton.heuristics values, evaluated per call as Triton does
-        inner = fn
-        while isinstance(inner, Heuristics):
-            self.heuristics.update(inner.values)
-            inner = inner.fn
-        self.arg_names = getattr(fn, "arg_names", ())
-        self.jit = inner if isinstance(inner, JITFunction) else None
-        self.compiled: dict[tuple, Any] = {}
-        self.hooks = knobs.runtime
-
-    def __call__(self, grid: tuple, args: tuple) -> None:
-        if self.jit is None or self.hooks.launch_enter_hook or self.hooks.launch_exit_hook:
-            self.fn[grid](*args, **self.kwargs)
-            return
-        kwargs = self.kwargs
-        if self.heuristics:
-            named = {**dict(zip(self.arg_names, args)), **kwargs}
-            kwargs = {**kwargs, **{name: value(named) for name, value in self.heuristics.items()}}
-        device = torch.cuda.current_device()
-        binder = self.jit.device_caches[device][4]
-        bound, specialization, _ = binder(*args, **kwargs)
-        key = (device, *specialization)
-        kernel = self.compiled.get(key)
-        if kernel is None:  # first call with this specialisation: Triton compiles and launches
-            kernel = self.fn[grid](*args, **self.kwargs)
-            self.compiled[key] = kernel.result() if hasattr(kernel, "result") else kernel
-            return
-        stream = torch._C._cuda_getCurrentRawStream(device)  # what Triton's driver uses
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                   stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *bound.values())
-
-
 class TunedKernel:
     """A Triton kernel whose constexpr ``tunables`` and launch options come from the config files.
 
@@ -368,7 +312,6 @@ class TunedKernel:
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
-        self._launchers: dict[LaunchConfig, _DirectLauncher] = {}
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
@@ -445,13 +388,7 @@ class TunedKernel:
         return self._forced or self._chosen.get(tuple(shape))
 
     def run(self, config: LaunchConfig, grid, args) -> None:
-        if INTERPRETER or not DIRECT_LAUNCH:
-            self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs)
-            return
-        launcher = self._launchers.get(config)
-        if launcher is None:
-            launcher = self._launchers[config] = _DirectLauncher(self.fn, config)
-        launcher(grid(config.meta_dict), args)
+        self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)

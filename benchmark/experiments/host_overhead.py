@@ -64,13 +64,11 @@ def main():
         print(f"{name:<45}{host_us(fn):7.1f} us per call", flush=True)
     with gemslib.enable():
         print(f"{'F.silu under gemslib.enable()':<45}{host_us(lambda: F.silu(x)):7.1f} us per call")
-    compare_direct_launch()
+    row_operators()
 
 
-def compare_direct_launch():
-    """Host us per call with runtime.DIRECT_LAUNCH on and off, for the row operators."""
-    from gemslib import runtime
-
+def row_operators():
+    """Host us per call of the row operators, beside torch's."""
     hidden = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(1, 32000, device="cuda", dtype=torch.bfloat16)
@@ -87,15 +85,10 @@ def compare_direct_launch():
         "softmax 1x32000": (lambda: gemslib.softmax(logits), lambda: torch.softmax(logits, -1)),
         "rotary 1 token": (lambda: gemslib.apply_rotary(q, k, cos, sin), None),
     }
-    print(f"\n{'host us per call':<24}{'direct':>8}{'triton':>8}{'torch':>8}")
+    print(f"\n{'host us per call':<24}{'gemslib':>8}{'torch':>8}")
     for name, (ours, theirs) in cases.items():
-        runtime.DIRECT_LAUNCH = True
-        direct = host_us(ours)
-        runtime.DIRECT_LAUNCH = False
-        through_triton = host_us(ours)
-        runtime.DIRECT_LAUNCH = True
         torch_us = f"{host_us(theirs):8.1f}" if theirs else f"{'-':>8}"
-        print(f"{name:<24}{direct:8.1f}{through_triton:8.1f}{torch_us}", flush=True)
+        print(f"{name:<24}{host_us(ours):8.1f}{torch_us}", flush=True)
 
 
 if __name__ == "__main__":
