@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one call: install, test, check, sweep, benchmark; logs under $OUT.
 #   bash benchmark/gpu_session.sh [sweep-ops...]      (SKIP_TESTS=1 skips pytest and the main job,
-#   FULL=1 adds the full benchmark with backward kernels, EXPERIMENT=name runs
+#   FULL=1 runs the full benchmark, backward kernels too, instead of the quick one, EXPERIMENT=name runs
 #   benchmark/experiments/<name>.py first)
 # Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT.
 set -u -o pipefail
@@ -28,8 +28,9 @@ fi
 for op in "$@"; do
   python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
 done
-python -m benchmark --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1
-if [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too; table appended to bench.log
-  python -m benchmark --backward --no-plot --out "$OUT/full" 2>&1 | tee -a "$OUT/bench.log" || status=1
+if [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too
+  python -m benchmark --backward --no-plot --out "$OUT/full" 2>&1 | tee "$OUT/bench.log" || status=1
+else
+  python -m benchmark --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 exit $status
