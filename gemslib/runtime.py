@@ -82,6 +82,45 @@ def wants_custom_op(*tensors: torch.Tensor | None) -> bool:
     return torch.compiler.is_compiling()
 
 
+def eager_autograd(name: str, forward: Callable, setup_context: Callable, backward: Callable,
+                   differentiable_backward: bool = False) -> type[torch.autograd.Function]:
+    """A ``torch.autograd.Function`` from the pieces a custom op registers with
+    ``register_autograd``, for eager calls: the custom op's Python dispatch costs 150-200 us of
+    host time per forward + backward even on a fast host, more than the kernels at most sizes.
+    torch.compile keeps seeing the custom op (see :func:`differentiable_call`).
+
+    Unless ``differentiable_backward`` (the backward is itself built from differentiable calls),
+    a backward with ``create_graph=True`` raises instead of giving second derivatives that
+    silently miss this operation.
+    """
+    if not differentiable_backward:
+        first_order = backward
+
+        def backward(ctx, *grads):
+            if torch.is_grad_enabled():  # autograd enables grad in backward only for create_graph
+                raise RuntimeError(f"gemslib: {name} has no second derivative (a backward with "
+                                   "create_graph=True went through it)")
+            return first_order(ctx, *grads)
+
+    def forward_and_setup(ctx, *args):
+        # the older forward(ctx, ...) form: Function.apply binds default arguments with
+        # inspect.signature on every call when setup_context is separate (about 50 us)
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward_and_setup), "backward": staticmethod(backward)})
+
+
+def differentiable_call(custom_op, eager_function: type[torch.autograd.Function], *args):
+    """``custom_op(*args)`` while torch.compile traces, else ``eager_function.apply(*args)``;
+    both run the same forward and backward code."""
+    if torch.compiler.is_compiling():
+        return custom_op(*args)
+    return eager_function.apply(*args)
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division (``triton.cdiv`` is a jit function: ~10 us per call from Python)."""
     return -(-a // b)

@@ -262,20 +262,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             raise ValueError("gemslib.apply_rotary: inplace=True needs q and k with a unit last "
                              "stride")
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q, k, cos, sin))):
-        return torch.ops.gemslib.rotary(q, k, cos, sin, positions, interleaved, False)
+    if runtime.wants_custom_op(q, k, cos, sin):
+        return runtime.differentiable_call(_rotary_op, _RotaryFunction, q, k, cos, sin, positions,
+                                           interleaved, False)
     return _rotary(q, k, cos, sin, positions, interleaved, False, torch.empty_like(q),
                    torch.empty_like(k))
 
 
-@torch.library.custom_op("gemslib::rotary", mutates_args=())
-def _rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               positions: torch.Tensor | None, interleaved: bool,
-               inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor | None, interleaved: bool,
+                 inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotation (inverse=True: by the negated angles, the backward) into new tensors."""
     return _rotary(q, k, cos, sin, positions, interleaved, inverse, torch.empty_like(q),
                    torch.empty_like(k))
+
+
+_rotary_op = torch.library.custom_op("gemslib::rotary", _rotary_impl, mutates_args=())
 
 
 @_rotary_op.register_fake
@@ -283,23 +285,31 @@ def _(q, k, cos, sin, positions, interleaved, inverse):
     return torch.empty_like(q), torch.empty_like(k)
 
 
+# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
+
 def _rotary_setup(ctx, inputs, output):
     _, _, cos, sin, positions, interleaved, inverse = inputs
     ctx.interleaved, ctx.inverse = interleaved, inverse
     ctx.save_for_backward(cos, sin, positions)
 
 
-def _rotary_grad(ctx, grad_q, grad_k):
-    cos, sin, positions = ctx.saved_tensors
-    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-        raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
-                                  "implemented (they are usually fixed buffers)")
-    dq, dk = torch.ops.gemslib.rotary(grad_q.contiguous(), grad_k.contiguous(), cos, sin,
-                                      positions, ctx.interleaved, not ctx.inverse)
-    return dq, dk, None, None, None, None, None
+def _rotary_grad_via(rotate):
+    def rotary_grad(ctx, grad_q, grad_k):
+        cos, sin, positions = ctx.saved_tensors
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
+                                      "implemented (they are usually fixed buffers)")
+        dq, dk = rotate(grad_q.contiguous(), grad_k.contiguous(), cos, sin, positions,
+                        ctx.interleaved, not ctx.inverse)
+        return dq, dk, None, None, None, None, None
+    return rotary_grad
 
 
-_rotary_op.register_autograd(_rotary_grad, setup_context=_rotary_setup)
+_rotary_op.register_autograd(_rotary_grad_via(_rotary_op), setup_context=_rotary_setup)
+# the backward is the inverse rotation through the same Function, so it is differentiable too
+_RotaryFunction = runtime.eager_autograd(
+    "RotaryFunction", _rotary_impl, _rotary_setup,
+    _rotary_grad_via(lambda *args: _RotaryFunction.apply(*args)), differentiable_backward=True)
 
 
 # --------------------------------------------------------------------------------------------

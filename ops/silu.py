@@ -284,7 +284,7 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     _check_float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
-            return torch.ops.gemslib.silu(x)
+            return runtime.differentiable_call(_silu_op, _SiluFunction, x)
         if not runtime.kernel_runs(x):
             return F.silu(x)
         return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
@@ -312,7 +312,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     out_shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
         if runtime.wants_custom_op(x):
-            return torch.ops.gemslib.silu_and_mul(x)
+            return runtime.differentiable_call(_silu_and_mul_op, _SiluAndMulFunction, x)
         if not runtime.kernel_runs(x):
             return silu_and_mul_reference(x)
         return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
@@ -331,9 +331,22 @@ def _silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _launch_silu_and_mul_backward(grad, x)
 
 
-@torch.library.custom_op("gemslib::silu", mutates_args=())
-def _silu_op(x: torch.Tensor) -> torch.Tensor:
+def _silu_impl(x: torch.Tensor) -> torch.Tensor:
     return _silu_into(x, torch.empty_like(x))
+
+
+def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x, out=torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype,
+                                           device=x.device))
+
+
+_silu_op = torch.library.custom_op("gemslib::silu", _silu_impl, mutates_args=())
+_silu_backward_op = torch.library.custom_op("gemslib::silu_backward", _silu_backward,
+                                            mutates_args=())
+_silu_and_mul_op = torch.library.custom_op("gemslib::silu_and_mul", _silu_and_mul_impl,
+                                           mutates_args=())
+_silu_and_mul_backward_op = torch.library.custom_op("gemslib::silu_and_mul_backward",
+                                                    _silu_and_mul_backward, mutates_args=())
 
 
 @_silu_op.register_fake
@@ -341,32 +354,9 @@ def _(x):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("gemslib::silu_backward", mutates_args=())
-def _silu_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return _silu_backward(grad, x)
-
-
 @_silu_backward_op.register_fake
 def _(grad, x):
     return torch.empty_like(x)
-
-
-def _save_input(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-
-
-def _silu_op_backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return torch.ops.gemslib.silu_backward(grad, x)
-
-
-_silu_op.register_autograd(_silu_op_backward, setup_context=_save_input)
-
-
-@torch.library.custom_op("gemslib::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul(x, out=torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype,
-                                           device=x.device))
 
 
 @_silu_and_mul_op.register_fake
@@ -376,22 +366,30 @@ def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("gemslib::silu_and_mul_backward", mutates_args=())
-def _silu_and_mul_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return _silu_and_mul_backward(grad, x)
-
-
 @_silu_and_mul_backward_op.register_fake
 def _(grad, x):
     return x.new_empty(x.shape)
 
 
-def _silu_and_mul_op_backward(ctx, grad):
-    (x,) = ctx.saved_tensors
-    return torch.ops.gemslib.silu_and_mul_backward(grad, x)
+# One setup and backward for the custom ops (torch.compile) and the eager autograd.Functions.
+
+def _save_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
 
 
-_silu_and_mul_op.register_autograd(_silu_and_mul_op_backward, setup_context=_save_input)
+def _grad_via(backward):
+    def grad_from_input(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return backward(grad, x)
+    return grad_from_input
+
+
+_silu_op.register_autograd(_grad_via(_silu_backward_op), setup_context=_save_input)
+_silu_and_mul_op.register_autograd(_grad_via(_silu_and_mul_backward_op), setup_context=_save_input)
+_SiluFunction = runtime.eager_autograd("SiluFunction", _silu_impl, _save_input,
+                                       _grad_via(_silu_backward))
+_SiluAndMulFunction = runtime.eager_autograd("SiluAndMulFunction", _silu_and_mul_impl, _save_input,
+                                             _grad_via(_silu_and_mul_backward))
 
 
 # --------------------------------------------------------------------------------------------
