@@ -67,6 +67,10 @@ SWEEP_CANDIDATES = {
     "softmax_bwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
                     for m, n in ((1, 4096), (1, 8192), (2, 4096))
                     for w in (4, 8, 16)],
+    # CHUNK 0 is softmax_fwd's one program per row, the baseline the split forms must beat
+    "softmax_split_fwd": [{"CHUNK": 0, "num_warps": 8}]
+                         + [{"CHUNK": c, "num_warps": w} for c in (4096, 8192, 16384, 32768)
+                            for w in (4, 8, 16)],
 }
 
 
@@ -81,3 +85,6 @@ def sweep_problems():
         yield softmax_ops.SOFTMAX_FWD, label, 2 * x.numel() * size, lambda: gemslib.softmax(x, -1)
         yield (softmax_ops.SOFTMAX_BWD, label, 3 * x.numel() * size,
                lambda: softmax_ops._backward(grad, y, 1, False, y.dtype))
+        if cols > 8192:  # rows split over programs: one read instead of two
+            yield (softmax_ops.SOFTMAX_SPLIT_FWD, label, 2 * x.numel() * size,
+                   lambda: gemslib.softmax(x, -1))

@@ -197,9 +197,10 @@ def _fail(path: Path, where: str, message: str) -> TuneConfigError:
     return TuneConfigError(f"tune config {path}: {where}: {message}")
 
 
-def _positive_int(path: Path, where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _fail(path, where, f"expected a positive integer, got {value!r}")
+def _positive_int(path: Path, where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise _fail(path, where, f"expected {kind}, got {value!r}")
     return value
 
 
@@ -210,7 +211,8 @@ def _parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
     for key, value in raw.items():
         if not isinstance(key, str):
             raise _fail(path, where, f"parameter names must be strings, got {key!r}")
-        _positive_int(path, f"{where}.{key}", value)
+        # meta-parameters may be 0 (a kernel's way to say "off", e.g. softmax_split_fwd CHUNK)
+        _positive_int(path, f"{where}.{key}", value, minimum=1 if key in _LAUNCH_KEYS else 0)
         if key not in _LAUNCH_KEYS:
             meta.append((key, value))
     num_warps = raw.get("num_warps", 4)
@@ -421,6 +423,13 @@ class TunedKernel:
                 if len(self._chosen) < 4096:
                     self._chosen[key] = config
         self.run(config, grid, args)
+
+    def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
+        """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
+        for an autotuned bucket, its first candidate (the choice is made at launch)."""
+        if self._forced is not None:
+            return self._forced
+        return self.select(shape)[1].configs[0]
 
     def config_for(self, shape: Sequence[int]) -> LaunchConfig | None:
         """The config a call of ``shape`` would use, if already decided (for reports)."""

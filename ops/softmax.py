@@ -7,7 +7,10 @@
 
 Rows that fit one block are read once. Wider rows (vocabulary-sized) take an online pass for
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
-writes the outputs: two reads and one write. exp is computed as exp2 with log2(e) folded in.
+writes the outputs: two reads and one write. A second form for wide rows splits each row over
+several programs that exchange their pieces' statistics and write from registers, one read
+(``softmax_split_fwd``; off in the shipped configs until it is measured on a GPU). exp is
+computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
 strided kernel). The file reads top-down: kernels, launchers, public functions and custom ops,
@@ -16,8 +19,7 @@ aten overrides, self-checks.
 
 from __future__ import annotations
 
-from functools import partial
-
+from functools import lru_cache, partial
 
 import torch
 import triton
@@ -94,6 +96,64 @@ def _softmax_fwd_kernel(
             tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _softmax_split_fwd_kernel(
+    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    LOG: tl.constexpr, PHASE: tl.constexpr, MAX_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns, one
+    program per piece; each piece is read from memory once.
+
+    PHASE 0, one launch: a program stores its piece's (max, sum of exp) in ``stats``, counts
+    itself in ``counters[1 + row]``, waits until every piece of its row has, combines the
+    statistics and writes its piece from registers. Programs take tickets in the order they
+    start (``counters[0]``) instead of using their program ids, so a program only ever waits
+    for pieces that have started or will start in the next free slot: no deadlock while the GPU
+    holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
+    launches: the statistics, then the outputs from a second read (for the interpreter, which
+    runs one program after another, and when a row has more pieces than the GPU has SMs).
+    """
+    if PHASE == 0:
+        ticket = tl.atomic_add(counters_ptr, 1)
+    else:
+        ticket = tl.program_id(0)
+    row = (ticket // n_chunks).to(tl.int64)
+    chunk = ticket % n_chunks
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    row_stats = stats_ptr + row * n_chunks * 2  # (max, sum) per piece
+    if PHASE != 2:
+        piece_max = tl.max(x, axis=0)
+        # a piece of only -inf has a zero sum; NaN or +inf make it NaN, and the row with it
+        piece_sum = tl.sum(tl.exp2((x - piece_max) * LOG2E), axis=0)
+        piece_sum = tl.where(piece_max == -float("inf"), 0.0, piece_sum)
+        tl.store(row_stats + 2 * chunk, piece_max)
+        tl.store(row_stats + 2 * chunk + 1, piece_sum)
+    if PHASE == 0:
+        tl.debug_barrier()  # the statistics are stored before this program counts itself
+        arrived = tl.atomic_add(counters_ptr + 1 + row, 1, sem="acq_rel") + 1
+        while arrived < n_chunks:
+            arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
+        tl.debug_barrier()
+    if PHASE != 1:
+        pieces = tl.arange(0, MAX_CHUNKS)
+        # .cg: read the other programs' statistics from L2, never from a stale L1 line
+        maxes = tl.load(row_stats + 2 * pieces, mask=pieces < n_chunks, other=-float("inf"),
+                        cache_modifier=".cg")
+        sums = tl.load(row_stats + 2 * pieces + 1, mask=pieces < n_chunks, other=0.0,
+                       cache_modifier=".cg")
+        row_max = tl.max(maxes, axis=0)
+        row_sum = tl.sum(tl.where(maxes == -float("inf"), 0.0,
+                                  sums * tl.exp2((maxes - row_max) * LOG2E)), axis=0)
+        shifted = (x - row_max) * LOG2E
+        if LOG:
+            y = (shifted - tl.log2(row_sum)) / LOG2E
+        else:
+            y = tl.exp2(shifted) / row_sum
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_bwd_kernel(
@@ -142,6 +202,10 @@ SOFTMAX_FWD = runtime.TunedKernel("softmax", "softmax_fwd", _softmax_fwd_kernel,
                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
 SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
+# CHUNK 0 in a config: rows of that size are not split (softmax_fwd takes them)
+SOFTMAX_SPLIT_FWD = runtime.TunedKernel("softmax", "softmax_split_fwd", _softmax_split_fwd_kernel,
+                                        tunables=("CHUNK",), shape_keys=("rows", "cols"))
+_MAX_CHUNKS = 256  # pieces per row the statistics combine in one block
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,6 +233,40 @@ def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: t
                   out_rows.stride(0), log, shape=(n_rows, n_cols))
 
 
+@lru_cache(maxsize=8)
+def _resident_programs(device_index: int) -> int:
+    """Programs the GPU surely holds at once (one per SM): the most pieces PHASE 0 may wait on."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk: int) -> None:
+    """softmax_split_fwd over (rows, n) views with a unit last stride."""
+    n_rows, n_cols = out_rows.shape
+    n_chunks = runtime.cdiv(n_cols, chunk)
+    stats = torch.empty((n_rows, n_chunks, 2), dtype=torch.float32, device=x_rows.device)
+    max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
+
+    def launch(counters, phase):
+        SOFTMAX_SPLIT_FWD.launch(
+            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, stats, counters, n_cols,
+            n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
+            shape=(n_rows, n_cols))
+
+    if runtime.INTERPRETER or n_chunks > _resident_programs(x_rows.device.index or 0):
+        launch(stats, phase=1)  # no counters in the two-launch form
+        launch(stats, phase=2)
+    else:
+        launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
+
+
+def _split_chunk(n_rows: int, n_cols: int) -> int:
+    """CHUNK for rows of this size, or 0 where softmax_fwd's one program per row is used."""
+    chunk = SOFTMAX_SPLIT_FWD.planned_config((n_rows, n_cols)).meta_dict["CHUNK"]
+    if chunk <= 0 or chunk >= n_cols or runtime.cdiv(n_cols, chunk) > _MAX_CHUNKS:
+        return 0
+    return chunk
+
+
 def _to_last(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t if t.dim() == 0 or dim == t.dim() - 1 else t.movedim(dim, -1)
 
@@ -181,7 +279,12 @@ def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> to
     """Kernel path: x's dtype in KERNEL_DTYPES, on the kernel device; returns a new tensor."""
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
     out = torch.empty(moved.shape, dtype=out_dtype, device=x.device)
-    _launch_rows(SOFTMAX_FWD, [moved], out, log)
+    n_cols = moved.shape[-1]
+    chunk = _split_chunk(out.numel() // n_cols, n_cols) if out.numel() else 0
+    if chunk:
+        _launch_split(layout.as_rows(moved), out.view(-1, n_cols), log, chunk)
+    else:
+        _launch_rows(SOFTMAX_FWD, [moved], out, log)
     return out.reshape(()) if x.dim() == 0 else _from_last(out, dim, x.dim())
 
 

@@ -18,6 +18,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 import gemslib
 from conftest import ON_GPU, random_tensor
+from gemslib import runtime
+from gemslib.ops import softmax as softmax_ops
 
 _SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                 torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32",
@@ -104,6 +106,12 @@ def _backward(fn, *inputs, differentiable=None):
     out.backward(torch.randn_like(out))
 
 
+def _split_softmax(x, chunk):
+    config = runtime.LaunchConfig((("CHUNK", chunk),), 4, 1)
+    with softmax_ops.SOFTMAX_SPLIT_FWD.forced(config):
+        return gemslib.log_softmax(x)
+
+
 def _under_enable(fn, *args):
     with gemslib.enable():
         return fn(*args)
@@ -125,6 +133,10 @@ CALLS = [
     lambda: _backward(gemslib.softmax, _bf16(3, 100)),
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
+    lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
+    lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
+        *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
+                     100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
     lambda: _backward(lambda q, k, c, s: gemslib.apply_rotary(q, k, c, s),
                       _bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8), differentiable=2),
     lambda: gemslib.apply_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(9, 6), _bf16(9, 6),
@@ -138,7 +150,7 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     launches = _record_launches(monkeypatch, CALLS)
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
-            "_rotary_kernel"} <= kernels
+            "_softmax_split_fwd_kernel", "_rotary_kernel"} <= kernels
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)

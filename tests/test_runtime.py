@@ -148,7 +148,10 @@ MALFORMED = {
         r"ops\.silu\.silu_fwd\[0\]\.config\.num_warps: expected a power of two"),
     "negative block": (
         "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n      - config: {BLOCK: -64}\n",
-        r"ops\.silu\.silu_fwd\[0\]\.config\.BLOCK: expected a positive integer, got -64"),
+        r"ops\.silu\.silu_fwd\[0\]\.config\.BLOCK: expected an integer >= 0, got -64"),
+    "zero warps": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n      - config: {BLOCK: 64, num_stages: 0}\n",
+        r"ops\.silu\.silu_fwd\[0\]\.config\.num_stages: expected a positive integer, got 0"),
     "no catch-all bucket": (
         "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
         "      - {max: {numel: 10}, config: {BLOCK: 64}}\n",

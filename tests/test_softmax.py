@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import gemslib
 from conftest import DEVICE, DTYPES, ON_GPU, random_tensor
+from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import softmax as softmax_ops
 
@@ -56,6 +57,66 @@ def test_special_values_behave_as_in_torch(name, width):
     result, expected = ours(x, -1), reference(x.double(), -1)
     assert torch.equal(torch.isnan(result), torch.isnan(expected))
     assert_close_to_reference(result, expected, torch.float32, reduction_len=width)
+
+
+def _split_rows(chunk: int):
+    """Force rows wider than ``chunk`` to be split over programs (off in the shipped configs)."""
+    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
+
+
+# (shape, chunk): several pieces per row, a last piece that is partly masked, a single short row
+SPLIT_CASES = [((3, 1000), 256), ((2, 1030), 128), ((1, 70), 32), ((4, 5, 300), 64)]
+if ON_GPU:
+    SPLIT_CASES += [((1024, 131072), 16384), ((512, 262144), 32768), ((64, 50257), 4096)]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,chunk", SPLIT_CASES)
+def test_rows_split_over_programs_match_reference(shape, chunk, dtype, name):
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor(shape, dtype, scale=4.0)
+    with _split_rows(chunk):
+        assert softmax_ops._split_chunk(x.numel() // shape[-1], shape[-1]) == chunk
+        result = ours(x, -1)
+    assert result.dtype == dtype and result.shape == x.shape
+    assert_close_to_reference(result, reference(x.double(), -1), dtype, reduction_len=shape[-1])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_rows_split_over_programs_keep_special_values(name):
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor((5, 1000), torch.float32)
+    x[1, 5] = float("nan")
+    x[2] = -float("inf")
+    x[3, 700] = float("inf")
+    x[4, :600] = -float("inf")  # whole pieces of -inf next to finite ones
+    with _split_rows(128):
+        result = ours(x, -1)
+    expected = reference(x.double(), -1)
+    assert torch.equal(torch.isnan(result), torch.isnan(expected))
+    assert_close_to_reference(result, expected, torch.float32, reduction_len=1000)
+
+
+def test_rows_are_split_only_where_it_pays():
+    with _split_rows(256):
+        assert softmax_ops._split_chunk(8, 256) == 0           # one piece: nothing to split
+        assert softmax_ops._split_chunk(8, 257) == 256
+        assert softmax_ops._split_chunk(8, 256 * 300) == 0     # more pieces than one block combines
+    assert softmax_ops._split_chunk(8, 1 << 20) == 0           # off in the shipped configs
+
+
+def test_one_launch_form_with_a_single_piece():
+    """PHASE 0 (tickets and the wait) with one piece per row is the one form the interpreter
+    can run: nothing to wait for. The GPU suite runs it with several pieces."""
+    x = random_tensor((3, 100), torch.float32)
+    y = torch.empty_like(x)
+    stats = torch.empty(3, 1, 2, device=x.device)
+    counters = torch.zeros(4, dtype=torch.int32, device=x.device)
+    softmax_ops._softmax_split_fwd_kernel[(3,)](
+        x, y, stats, counters, 100, 1, x.stride(0), y.stride(0), False, 0, CHUNK=128, MAX_CHUNKS=2)
+    assert counters.tolist() == [3, 1, 1, 1]
+    assert_close_to_reference(y, torch.softmax(x.double(), -1), torch.float32, reduction_len=100)
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
