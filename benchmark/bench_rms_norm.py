@@ -98,7 +98,9 @@ SWEEP_CANDIDATES = {
                      for m, n in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (2, 2048),
                                   (2, 4096), (4, 2048), (1, 16384))
                      for w in (4, 8, 16)],
-    "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w} for n in (4096, 8192, 16384) for w in (4, 8, 16)],
+    # num_stages > 1 lets Triton prefetch the next row while this one is reduced
+    "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (4096, 8192, 16384)
+                     for w in (4, 8, 16) for st in (1, 2, 3)],
 }
 
 

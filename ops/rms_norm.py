@@ -66,7 +66,8 @@ def _rms_norm_fwd_kernel(
             normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # per-lane sums, reduced once after the loop (not a cross-thread reduction per block)
+        lane_squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for col_start in range(0, n_cols, BLOCK_N):
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
@@ -75,9 +76,11 @@ def _rms_norm_fwd_kernel(
                 x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty),
                          mask=mask)
-            sum_squares += tl.sum(x * x, axis=1)
-        rstd = 1.0 / tl.sqrt(sum_squares / n_cols + eps)
-        for col_start in range(0, n_cols, BLOCK_N):
+            lane_squares += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(lane_squares, axis=1) / n_cols + eps)
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for block in range(0, n_blocks):  # last block first: it is the one still in cache
+            col_start = (n_blocks - 1 - block) * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
             if HAS_RESIDUAL:  # the sum this program stored in the first pass
@@ -159,7 +162,9 @@ def _rms_norm_bwd_kernel(
                     g *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 dot += g * x
             mean_g_xhat = tl.sum(dot, axis=0) * rstd / n_cols
-            for col_start in range(0, n_cols, BLOCK_N):
+            n_blocks = tl.cdiv(n_cols, BLOCK_N)
+            for block in range(0, n_blocks):  # last block first: it is the one still in cache
+                col_start = (n_blocks - 1 - block) * BLOCK_N
                 cols = col_start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 x_hat = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32) * rstd

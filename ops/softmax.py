@@ -84,7 +84,9 @@ def _softmax_fwd_kernel(
             lane_max = new_max
         row_max = tl.max(lane_max, axis=1)[:, None]
         row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * LOG2E), axis=1)[:, None]
-        for col_start in range(0, n_cols, BLOCK_N):
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for block in range(0, n_blocks):  # last block first: it is the one still in cache
+            col_start = (n_blocks - 1 - block) * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < n_cols)
             x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
@@ -186,7 +188,9 @@ def _softmax_bwd_kernel(
             else:
                 lane_dot += grad * tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
         row_dot = tl.sum(lane_dot, axis=1)[:, None]
-        for col_start in range(0, n_cols, BLOCK_N):
+        n_blocks = tl.cdiv(n_cols, BLOCK_N)
+        for block in range(0, n_blocks):  # last block first: it is the one still in cache
+            col_start = (n_blocks - 1 - block) * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask & (cols < n_cols)
             grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
