@@ -75,7 +75,8 @@ def cases(quick: bool = False, backward: bool = False):
 
 
 SWEEP_CANDIDATES = {
-    "rotary": [{"BLOCK_H": h, "num_warps": w} for h in (2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8)],
+    "rotary": [{"BLOCK_H": h, "LOOP_HEADS": loop, "num_warps": w} for h in (4, 8, 16, 32)
+               for loop in (0, 1) for w in (1, 2, 4, 8)],
 }
 
 

@@ -71,11 +71,12 @@ def _rotary_kernel(
     cos_stride, sin_stride, positions_batch_stride, positions_seq_stride,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr,
 ):
-    """Grid (tokens, head blocks of q then of k): one token's angles, BLOCK_H heads."""
+    """One token's angles, applied to BLOCK_H heads at a time. Grid (tokens, head blocks of q
+    then of k), or with LOOP_HEADS (tokens, 1): each program loops over all the token's heads,
+    loading its angles once (fewer, larger programs)."""
     token = tl.program_id(0)
-    head_block = tl.program_id(1)
     batch = (token // seq_len).to(tl.int64)
     seq = (token % seq_len).to(tl.int64)
     if HAS_POSITIONS:
@@ -90,22 +91,34 @@ def _rotary_kernel(
     sin = sin.to(tl.float32)
     if INVERSE:
         sin = -sin
+    q_token = q_ptr + batch * q_batch_stride + seq * q_seq_stride
+    q_out_token = q_out_ptr + batch * q_out_batch_stride + seq * q_out_seq_stride
+    k_token = k_ptr + batch * k_batch_stride + seq * k_seq_stride
+    k_out_token = k_out_ptr + batch * k_out_batch_stride + seq * k_out_seq_stride
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
-    if head_block < n_q_blocks:
-        _rotate_heads(q_ptr + batch * q_batch_stride + seq * q_seq_stride,
-                      q_out_ptr + batch * q_out_batch_stride + seq * q_out_seq_stride,
-                      q_head_stride, q_out_head_stride, head_block * BLOCK_H, n_q_heads,
-                      cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+    if LOOP_HEADS:
+        for q_block in range(0, n_q_blocks):
+            _rotate_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
+                          q_block * BLOCK_H, n_q_heads, cos, sin, half, head_dim, INTERLEAVED,
+                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+        for k_block in range(0, tl.cdiv(n_k_heads, BLOCK_H)):
+            _rotate_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
+                          k_block * BLOCK_H, n_k_heads, cos, sin, half, head_dim, INTERLEAVED,
+                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
     else:
-        _rotate_heads(k_ptr + batch * k_batch_stride + seq * k_seq_stride,
-                      k_out_ptr + batch * k_out_batch_stride + seq * k_out_seq_stride,
-                      k_head_stride, k_out_head_stride, (head_block - n_q_blocks) * BLOCK_H,
-                      n_k_heads, cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H,
-                      BLOCK_R, BLOCK_REST)
+        head_block = tl.program_id(1)
+        if head_block < n_q_blocks:
+            _rotate_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
+                          head_block * BLOCK_H, n_q_heads, cos, sin, half, head_dim, INTERLEAVED,
+                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+        else:
+            _rotate_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
+                          (head_block - n_q_blocks) * BLOCK_H, n_k_heads, cos, sin, half,
+                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
-ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel,
-                             tunables=("BLOCK_H",), shape_keys=("tokens", "heads", "head_dim"))
+ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
+                             shape_keys=("tokens", "heads", "head_dim"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,8 +147,13 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_r = triton.next_power_of_2(max(half, 1))
     block_rest = triton.next_power_of_2(max(head_dim - 2 * half, 1))
     strides = [s for t in (q4, k4, q_out4, k_out4) for s in (t.stride(0), t.stride(1), t.stride(2))]
+    def grid(meta):
+        if meta["LOOP_HEADS"]:
+            return (n_tokens, 1)
+        return (n_tokens, runtime.cdiv(n_q_heads, meta["BLOCK_H"]) + runtime.cdiv(n_k_heads, meta["BLOCK_H"]))
+
     ROTARY.launch(
-        lambda meta: (n_tokens, runtime.cdiv(n_q_heads, meta["BLOCK_H"]) + runtime.cdiv(n_k_heads, meta["BLOCK_H"])),
+        grid,
         q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
         seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
         cos.stride(0), sin.stride(0), *position_strides,

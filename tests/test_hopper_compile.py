@@ -19,6 +19,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import gemslib
 from conftest import ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import softmax as softmax_ops
 
 _SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -106,6 +107,12 @@ def _backward(fn, *inputs, differentiable=None):
     out.backward(torch.randn_like(out))
 
 
+def _looped_rotary(q, k, cos, sin):
+    config = runtime.LaunchConfig((("BLOCK_H", 4), ("LOOP_HEADS", 1)), 2, 1)
+    with rotary_ops.ROTARY.forced(config):
+        return gemslib.apply_rotary(q, k, cos, sin)
+
+
 def _split_softmax(x, chunk):
     config = runtime.LaunchConfig((("CHUNK", chunk),), 4, 1)
     with softmax_ops.SOFTMAX_SPLIT_FWD.forced(config):
@@ -133,6 +140,7 @@ CALLS = [
     lambda: _backward(gemslib.softmax, _bf16(3, 100)),
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
+    lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),

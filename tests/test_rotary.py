@@ -5,6 +5,7 @@ import torch
 
 import gemslib
 from conftest import DEVICE, DTYPES, ON_GPU, random_tensor
+from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rotary as rotary_ops
 
@@ -148,3 +149,17 @@ def test_traces_under_torch_compile_fullgraph():
     ((ref_q * 2.0).sum() + (ref_k * ref_k).sum()).backward()
     assert_close_to_reference(q.grad, q64.grad, torch.float32)
     assert_close_to_reference(k.grad, k64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_both_program_layouts_match_reference(loop_heads, interleaved):
+    """Head blocks spread over the grid or looped inside one program per token: BLOCK_H 2 with
+    5 query heads and 3 key heads leaves a partial last block of each."""
+    q, k, cos, sin, positions = _inputs((2, 4, 5, 12), 3, 4, "batch", torch.float32)
+    config = runtime.LaunchConfig((("BLOCK_H", 2), ("LOOP_HEADS", loop_heads)), 2, 1)
+    with rotary_ops.ROTARY.forced(config):
+        q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions, interleaved)
+    expected_q, expected_k = _reference(q, k, cos, sin, positions, interleaved)
+    assert_close_to_reference(q_rot, expected_q, torch.float32)
+    assert_close_to_reference(k_rot, expected_k, torch.float32)
