@@ -68,6 +68,15 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(t as something a row kernel can walk, the stride between its rows): contiguous tensors
+    as they are (no view to build: this runs on every call), others through :func:`as_rows`."""
+    if t.is_contiguous():
+        return t, t.shape[-1]
+    rows = as_rows(t)
+    return rows, rows.stride(0)
+
+
 def viewable_as_rows(t: torch.Tensor) -> bool:
     """Whether ``t.view(-1, t.shape[-1])`` exists (so a kernel can write into t's memory)."""
     try:

@@ -121,6 +121,12 @@ def differentiable_call(custom_op, eager_function: type[torch.autograd.Function]
     return eager_function.apply(*args)
 
 
+def next_power_of_2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
+    1 for n <= 1."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division (``triton.cdiv`` is a jit function: ~10 us per call from Python)."""
     return -(-a // b)
@@ -429,7 +435,13 @@ class TunedKernel:
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
         if self._forced is not None:
             return self._forced
-        return self.select(shape)[1].configs[0]
+        key = ("planned", *shape)
+        config = self._chosen.get(key)
+        if config is None:
+            config = self.select(shape)[1].configs[0]
+            if len(self._chosen) < 4096:
+                self._chosen[key] = config
+        return config
 
     def config_for(self, shape: Sequence[int]) -> LaunchConfig | None:
         """The config a call of ``shape`` would use, if already decided (for reports)."""

@@ -198,22 +198,27 @@ RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_ker
 
 def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool):
     """Writes ``out`` (and ``residual_out``); returns rstd (rows,) fp32 or None."""
-    n_rows = math.prod(x.shape[:-1])
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else math.prod(x.shape[:-1])
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if want_rstd else None
     if x.numel() == 0:
         return rstd.fill_(float("nan")) if want_rstd else None  # a mean over no columns
-    x_rows, out_rows = layout.as_rows(x), out.view(-1, out.shape[-1])
-    n_cols = x_rows.shape[1]
-    residual_rows = layout.as_rows(residual) if residual is not None else x_rows
-    residual_out_rows = residual_out.view(-1, n_cols) if residual_out is not None else out_rows
+    # outputs are contiguous or (in place) viewable as rows: rows_of never copies them
+    x_rows, x_stride = layout.rows_of(x)
+    out_rows, out_stride = layout.rows_of(out)
+    residual_rows, residual_stride = layout.rows_of(residual) if residual is not None \
+        else (x_rows, x_stride)
+    residual_out_rows, residual_out_stride = layout.rows_of(residual_out) \
+        if residual_out is not None else (out_rows, out_stride)
+    in_place = out is x or (residual is not None and residual_out is residual)
     RMS_NORM_FWD.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
         x_rows, residual_rows, weight if weight is not None else x_rows, out_rows,
         residual_out_rows, rstd if want_rstd else x_rows,
-        n_rows, n_cols, x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0),
-        residual_out_rows.stride(0), eps, residual is not None, weight is not None, want_rstd,
+        n_rows, n_cols, x_stride, residual_stride, out_stride, residual_out_stride,
+        eps, residual is not None, weight is not None, want_rstd,
         shape=(n_rows, n_cols),
-        restore=[t for t in (x, residual) if t is not None and (t is out or t is residual_out)])
+        restore=[t for t in (x, residual) if t is not None] if in_place else ())
     return rstd
 
 
@@ -306,7 +311,7 @@ def _upcast_reference(fn, *tensors, eps):
 
 
 def _forward(x, weight, eps, want_rstd):
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = _launch_forward(x, None, weight.contiguous() if weight is not None else None, eps,
                            out, None, want_rstd)
     return out, rstd
@@ -338,9 +343,10 @@ def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
     elif out is not None and not all(t.stride(-1) == 1 and layout.viewable_as_rows(t) for t in (out, residual_out)):
         normed, total = _add_rms_norm(x, residual, weight, eps)  # layouts the kernel cannot write
     else:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        if out is None:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if residual_out is None:
-            residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         _launch_forward(x, residual, weight.contiguous() if weight is not None else None, eps,
                         out, residual_out, want_rstd=False)
         return out, residual_out

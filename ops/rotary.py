@@ -144,9 +144,9 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     else:
         position_strides = (0, 0)
     copy_rest = 2 * half < head_dim and q_out.data_ptr() != q.data_ptr()
-    block_r = triton.next_power_of_2(max(half, 1))
-    block_rest = triton.next_power_of_2(max(head_dim - 2 * half, 1))
-    strides = [s for t in (q4, k4, q_out4, k_out4) for s in (t.stride(0), t.stride(1), t.stride(2))]
+    block_r = runtime.next_power_of_2(half)
+    block_rest = runtime.next_power_of_2(head_dim - 2 * half)
+    strides = [*q4.stride()[:3], *k4.stride()[:3], *q_out4.stride()[:3], *k_out4.stride()[:3]]
     def grid(meta):
         if meta["LOOP_HEADS"]:
             return (n_tokens, 1)

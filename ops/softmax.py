@@ -229,12 +229,12 @@ def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: t
     """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous."""
     if out.numel() == 0:
         return
-    rows = [layout.as_rows(t) for t in inputs]
-    out_rows = out.view(-1, out.shape[-1])
-    n_rows, n_cols = out_rows.shape
+    n_cols = out.shape[-1]
+    n_rows = out.numel() // n_cols
+    rows = [layout.rows_of(t) for t in inputs]
     kernel.launch(lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
-                  *rows, out_rows, n_rows, n_cols, *[r.stride(0) for r in rows],
-                  out_rows.stride(0), log, shape=(n_rows, n_cols))
+                  *[r for r, _ in rows], out, n_rows, n_cols, *[stride for _, stride in rows],
+                  n_cols, log, shape=(n_rows, n_cols))
 
 
 @lru_cache(maxsize=8)
@@ -282,7 +282,7 @@ def _from_last(t: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
 def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Kernel path: x's dtype in KERNEL_DTYPES, on the kernel device; returns a new tensor."""
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
-    out = torch.empty(moved.shape, dtype=out_dtype, device=x.device)
+    out = torch.empty_like(moved, dtype=out_dtype, memory_format=torch.contiguous_format)
     n_cols = moved.shape[-1]
     chunk = _split_chunk(out.numel() // n_cols, n_cols) if out.numel() else 0
     if chunk:
@@ -299,7 +299,7 @@ def _backward(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool,
     if scalar:
         grad, y = grad.reshape(1, 1), y.reshape(1, 1)
     moved_y = _to_last(y, dim)
-    dx = torch.empty(moved_y.shape, dtype=out_dtype, device=y.device)
+    dx = torch.empty_like(moved_y, dtype=out_dtype, memory_format=torch.contiguous_format)
     _launch_rows(SOFTMAX_BWD, [_to_last(grad, dim), moved_y], dx, log)
     return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())
 
