@@ -99,8 +99,8 @@ SWEEP_CANDIDATES = {
                                   (2, 4096), (4, 2048), (1, 16384))
                      for w in (4, 8, 16)],
     # num_stages > 1 lets Triton prefetch the next row while this one is reduced
-    "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (4096, 8192, 16384)
-                     for w in (4, 8, 16) for st in (1, 2, 3)],
+    "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (4096, 8192)
+                     for w in (4, 8, 16) for st in (1, 2)],
 }
 
 
