@@ -68,12 +68,14 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(-1, t.shape[-1])
 
 
-def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def rows_of(t: torch.Tensor, output: bool = False) -> tuple[torch.Tensor, int]:
     """(t as something a row kernel can walk, the stride between its rows): contiguous tensors
-    as they are (no view to build: this runs on every call), others through :func:`as_rows`."""
+    as they are (no view to build: this runs on every call), others through :func:`as_rows`.
+    An ``output`` is only ever viewed, never copied (a copy would lose the kernel's writes):
+    a layout that is not viewable as rows raises."""
     if t.is_contiguous():
         return t, t.shape[-1]
-    rows = as_rows(t)
+    rows = t.view(-1, t.shape[-1]) if output else as_rows(t)
     return rows, rows.stride(0)
 
 

@@ -203,12 +203,12 @@ def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if want_rstd else None
     if x.numel() == 0:
         return rstd.fill_(float("nan")) if want_rstd else None  # a mean over no columns
-    # outputs are contiguous or (in place) viewable as rows: rows_of never copies them
+    # outputs are contiguous or (in place) viewable as rows, as the callers check
     x_rows, x_stride = layout.rows_of(x)
-    out_rows, out_stride = layout.rows_of(out)
+    out_rows, out_stride = layout.rows_of(out, output=True)
     residual_rows, residual_stride = layout.rows_of(residual) if residual is not None \
         else (x_rows, x_stride)
-    residual_out_rows, residual_out_stride = layout.rows_of(residual_out) \
+    residual_out_rows, residual_out_stride = layout.rows_of(residual_out, output=True) \
         if residual_out is not None else (out_rows, out_stride)
     in_place = out is x or (residual is not None and residual_out is residual)
     RMS_NORM_FWD.launch(

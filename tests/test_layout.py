@@ -27,3 +27,11 @@ def test_rows_of_addresses_every_row(make):
 def test_next_power_of_2():
     assert [runtime.next_power_of_2(n) for n in (0, 1, 2, 3, 64, 65, 5000)] == \
         [1, 1, 2, 4, 64, 128, 8192]
+
+
+def test_an_output_is_viewed_never_copied():
+    padded = torch.zeros(4, 12)[:, :6]
+    rows, stride = layout.rows_of(padded, output=True)
+    assert rows.data_ptr() == padded.data_ptr() and stride == 12
+    with pytest.raises(RuntimeError):
+        layout.rows_of(torch.zeros(5, 4, 6).transpose(0, 1), output=True)
