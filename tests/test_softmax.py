@@ -23,13 +23,32 @@ if ON_GPU:
               ((1024, 3, 64), 0)]
 
 
+def _split_rows(chunk: int):
+    """Force rows wider than ``chunk`` to be split over programs (off in the shipped configs)."""
+    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
+
+
+# rows split over programs (shape, last dim, chunk): several pieces per row, a last piece that
+# is partly masked, a single short row
+SPLIT_CASES = [((3, 1000), -1, 256), ((2, 1030), -1, 128), ((1, 70), -1, 32),
+               ((4, 5, 300), -1, 64)]
+if ON_GPU:
+    SPLIT_CASES += [((1024, 131072), -1, 16384), ((512, 262144), -1, 32768),
+                    ((64, 50257), -1, 4096)]
+
+
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,dim", CASES)
-def test_matches_reference(shape, dim, dtype, name):
+@pytest.mark.parametrize("shape,dim,chunk", [(*case, 0) for case in CASES] + SPLIT_CASES)
+def test_matches_reference(shape, dim, chunk, dtype, name):
     ours, reference = FUNCTIONS[name]
     x = random_tensor(shape, dtype, scale=4.0)
-    result = ours(x, dim)
+    if chunk:
+        with _split_rows(chunk):
+            assert softmax_ops._split_chunk(x.numel() // shape[-1], shape[-1]) == chunk
+            result = ours(x, dim)
+    else:
+        result = ours(x, dim)
     assert result.shape == x.shape and result.dtype == dtype
     width = x.shape[dim] if x.dim() else 1
     assert_close_to_reference(result, reference(x.double(), dim), dtype, reduction_len=width)
@@ -57,30 +76,6 @@ def test_special_values_behave_as_in_torch(name, width):
     result, expected = ours(x, -1), reference(x.double(), -1)
     assert torch.equal(torch.isnan(result), torch.isnan(expected))
     assert_close_to_reference(result, expected, torch.float32, reduction_len=width)
-
-
-def _split_rows(chunk: int):
-    """Force rows wider than ``chunk`` to be split over programs (off in the shipped configs)."""
-    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
-
-
-# (shape, chunk): several pieces per row, a last piece that is partly masked, a single short row
-SPLIT_CASES = [((3, 1000), 256), ((2, 1030), 128), ((1, 70), 32), ((4, 5, 300), 64)]
-if ON_GPU:
-    SPLIT_CASES += [((1024, 131072), 16384), ((512, 262144), 32768), ((64, 50257), 4096)]
-
-
-@pytest.mark.parametrize("name", FUNCTIONS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,chunk", SPLIT_CASES)
-def test_rows_split_over_programs_match_reference(shape, chunk, dtype, name):
-    ours, reference = FUNCTIONS[name]
-    x = random_tensor(shape, dtype, scale=4.0)
-    with _split_rows(chunk):
-        assert softmax_ops._split_chunk(x.numel() // shape[-1], shape[-1]) == chunk
-        result = ours(x, -1)
-    assert result.dtype == dtype and result.shape == x.shape
-    assert_close_to_reference(result, reference(x.double(), -1), dtype, reduction_len=shape[-1])
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
