@@ -28,7 +28,7 @@ if [ -n "${EXPERIMENT:-}" ]; then
   python -m "benchmark.experiments.$EXPERIMENT" 2>&1 | tee "$OUT/experiment.log"
 fi
 for op in "$@"; do
-  python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
+  timeout "${SWEEP_TIMEOUT:-300}" python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
 done
 if [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too
   python -m benchmark --backward --no-plot --out "$OUT/full" 2>&1 | tee "$OUT/bench.log" || status=1
