@@ -57,13 +57,15 @@ def _rms_norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask[:, None] & (cols < n_cols)
         x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:  # issued with x's load, not after the reduction: off the critical path
+            weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         normed = x * rstd[:, None]
         if HAS_WEIGHT:
-            normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            normed *= weight
         tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # per-lane sums, reduced once after the loop (not a cross-thread reduction per block)
