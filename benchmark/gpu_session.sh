@@ -20,8 +20,8 @@ cat "$OUT/env.log"
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # bounded: a kernel that hangs (a cross-program wait gone wrong) must not eat the whole call
-  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest.log" | tail -15 || status=1
+  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q -p no:cacheprovider --durations=15 2>&1 \
+    | tee "$OUT/pytest.log" | tail -35 || status=1
   python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
 fi
 if [ -n "${EXPERIMENT:-}" ]; then
