@@ -1,0 +1,88 @@
+"""attention: the prefill forward against float64 references (work in progress)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from conftest import ON_GPU, random_tensor
+from gemslib.accuracy import assert_close_to_reference, tolerance
+from gemslib.fused import attention as attention_ops
+
+# interpreter: fp16/fp32 (bf16 tl.dot is wrong there); GPU: bf16 too
+DOT_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32]
+
+# (B, Hq, Hkv, Sq, Skv, D, Dv)
+CASES = [
+    (1, 2, 2, 16, 16, 16, 16),
+    (2, 4, 2, 37, 53, 32, 32),     # GQA, odd lengths, Sq < Skv
+    (1, 3, 1, 45, 20, 24, 24),     # MQA, Sq > Skv, head dim not a power of two
+    (1, 2, 1, 1, 70, 64, 40),      # one query row, Dv != D
+    (1, 1, 1, 130, 130, 8, 8),     # several blocks of rows and keys, tiny head dim
+]
+if ON_GPU:
+    CASES += [(2, 32, 8, 1024, 1024, 128, 128), (1, 16, 16, 777, 1500, 64, 64),
+              (1, 8, 2, 300, 300, 256, 256), (1, 4, 4, 200, 260, 96, 96)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_reference(case, dtype, causal):
+    batch, n_q, n_kv, seq_q, seq_kv, dim, dim_v = case
+    q = random_tensor((batch, n_q, seq_q, dim), dtype, scale=1.0)
+    k = random_tensor((batch, n_kv, seq_kv, dim), dtype, scale=1.0)
+    v = random_tensor((batch, n_kv, seq_kv, dim_v), dtype, scale=1.0)
+    out, lse = attention_ops._launch_forward(q, k, v, causal, 1.0 / dim ** 0.5)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal)
+    # p is rounded to the input dtype before p @ v, as in every flash-attention kernel: an
+    # error of the dtype's rounding on a convex combination of v's rows
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+    public = gemslib.attention(q, k, v, causal=causal)
+    torch.testing.assert_close(public, out, rtol=0, atol=0)
+
+
+def test_matches_sdpa_semantics_with_views_and_scale():
+    """(B, S, H, D) storage seen as (B, H, S, D): no copy needed; an explicit scale."""
+    q = random_tensor((2, 19, 4, 32), torch.float32).transpose(1, 2)
+    k = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2)
+    v = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2)
+    for causal in (False, True):
+        ours = gemslib.attention(q, k, v, causal=causal, scale=0.3)
+        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                  is_causal=causal, scale=0.3, enable_gqa=True)
+        assert_close_to_reference(ours, expected, torch.float32, reduction_len=23)
+
+
+def test_empty_and_keyless_inputs_behave_like_sdpa():
+    q = random_tensor((1, 2, 3, 16), torch.float32)
+    no_keys = random_tensor((1, 2, 0, 16), torch.float32)
+    torch.testing.assert_close(gemslib.attention(q, no_keys, no_keys),
+                               F.scaled_dot_product_attention(q, no_keys, no_keys))
+    no_queries = random_tensor((1, 2, 0, 16), torch.float32)
+    k = random_tensor((1, 2, 5, 16), torch.float32)
+    assert gemslib.attention(no_queries, k, k).shape == (1, 2, 0, 16)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float64, 8), (torch.float32, 300)])
+def test_float64_and_oversized_heads_are_computed_by_torch(dtype, dim):
+    x = random_tensor((1, 2, 5, dim), dtype)
+    ours = gemslib.attention(x, x, x, causal=True)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(x, x, x, is_causal=True))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (((1, 4, 5, 16), (1, 3, 5, 16), (1, 3, 5, 16)), ValueError, "multiple of"),
+    (((1, 4, 5, 16), (1, 2, 5, 8), (1, 2, 5, 8)), ValueError, "head dim 8 must equal q's 16"),
+    (((1, 4, 5, 16), (1, 2, 5, 16), (1, 2, 6, 16)), ValueError, "sequence length"),
+    (((4, 5, 16), (1, 2, 5, 16), (1, 2, 5, 16)), ValueError, "q must be"),
+])
+def test_bad_inputs_name_the_argument(args, error, match):
+    q, k, v = (random_tensor(shape, torch.float32) for shape in args)
+    with pytest.raises(error, match=match):
+        gemslib.attention(q, k, v)
