@@ -16,6 +16,7 @@ separately with them. The row log-sum-exp (natural log) comes out too, for the b
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -123,9 +124,95 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + batch_head.to(tl.int64) * seq_q + rows, lse, mask=rows < seq_q)
 
 
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+    n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits, scale_log2,
+    q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s,
+    IEEE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
+    cache, whose K/V are read once for all of them. Writes each head's normalised partial
+    output and log-sum-exp for the split (an empty split: lse -inf, output 0)."""
+    split = tl.program_id(0)
+    batch_kv = tl.program_id(1)
+    batch = (batch_kv // n_kv_heads).to(tl.int64)
+    kv_head = (batch_kv % n_kv_heads).to(tl.int64)
+    seq_len = tl.load(seqlens_ptr + batch)
+    key_start = split * split_len
+    key_end = tl.minimum(key_start + split_len, seq_len)
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * group_size + group  # the query heads of this KV head
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + batch * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
+                mask=(group[:, None] < group_size) & (dims[None, :] < head_dim), other=0.0)
+    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
+    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(key_start, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < key_end
+        k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
+                    mask=key_mask[None, :] & (dims[:, None] < head_dim), other=0.0)
+        if IEEE:
+            scores = tl.dot(q, k, input_precision="ieee") * scale_log2
+        else:
+            scores = tl.dot(q, k) * scale_log2
+        scores = tl.where(key_mask[None, :], scores, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
+                    mask=key_mask[:, None] & (dims_v[None, :] < head_dim_v), other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    empty = row_sum == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, row_sum)[:, None])
+    lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
+    slot = (batch * n_q_heads + heads) * n_splits + split  # (B, Hq, splits)
+    head_mask = group < group_size
+    tl.store(o_part_ptr + slot[:, None] * head_dim_v + dims_v[None, :], out,
+             mask=head_mask[:, None] & (dims_v[None, :] < head_dim_v))
+    tl.store(lse_part_ptr + slot, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(o_part_ptr, lse_part_ptr, o_ptr, n_q_heads, n_splits, head_dim_v,
+                         o_stride_b, o_stride_h,
+                         BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Grid (B * Hq): combine a head's splits by their log-sum-exp; no keys at all gives 0."""
+    batch_head = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, BLOCK_S)
+    dims_v = tl.arange(0, BLOCK_DV)
+    lse = tl.load(lse_part_ptr + batch_head * n_splits + splits, mask=splits < n_splits,
+                  other=-float("inf"))
+    top = tl.max(lse, axis=0)
+    weights = tl.where(lse == -float("inf"), 0.0, tl.exp(lse - top))
+    parts = tl.load(o_part_ptr + (batch_head * n_splits + splits)[:, None] * head_dim_v
+                    + dims_v[None, :],
+                    mask=(splits[:, None] < n_splits) & (dims_v[None, :] < head_dim_v), other=0.0)
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    batch = batch_head // n_q_heads
+    head = batch_head % n_q_heads
+    tl.store(o_ptr + batch * o_stride_b + head * o_stride_h + dims_v, out.to(o_ptr.dtype.element_ty),
+             mask=dims_v < head_dim_v)
+
+
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N"),
                                     shape_keys=("head_dim", "seq_q", "seq_kv"))
+DECODE_PARTIAL = runtime.TunedKernel("attention", "decode_partial", _decode_partial_kernel,
+                                     tunables=("BLOCK_N",), shape_keys=("head_dim", "seq_kv"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +246,54 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
     return out, lse
 
 
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device_index: int) -> int:
+    if runtime.INTERPRETER:
+        return 2  # small, so the tests' short caches still split several ways
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int) -> int:
+    """Splits of the KV length: enough programs for two waves over the SMs, but no split
+    shorter than one block of keys."""
+    wanted = runtime.cdiv(2 * _multiprocessors(device_index), max(batch_kv, 1))
+    return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
+
+
+def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
+    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches."""
+    q, k_cache, v_cache = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    out = torch.empty((batch, n_q_heads, head_dim_v), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    if cache_len == 0:
+        return out.zero_()
+    config = DECODE_PARTIAL.planned_config((head_dim, cache_len))
+    block_n = config.meta_dict["BLOCK_N"]
+    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0)
+    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
+    n_splits = runtime.cdiv(cache_len, split_len)
+    o_part = torch.empty((batch, n_q_heads, n_splits, head_dim_v), dtype=torch.float32,
+                         device=q.device)
+    lse_part = torch.empty((batch, n_q_heads, n_splits), dtype=torch.float32, device=q.device)
+    group_size = n_q_heads // n_kv_heads
+    DECODE_PARTIAL.launch(
+        lambda meta: (n_splits, batch * n_kv_heads),
+        q, k_cache, v_cache, seqlens, o_part, lse_part, n_q_heads, n_kv_heads, group_size,
+        head_dim, head_dim_v, split_len, n_splits, scale * 1.4426950408889634,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
+        max(16, runtime.next_power_of_2(head_dim)), max(16, runtime.next_power_of_2(head_dim_v)),
+        shape=(head_dim, cache_len))
+    _decode_merge_kernel[(batch * n_q_heads,)](
+        o_part, lse_part, out, n_q_heads, n_splits, head_dim_v, *out.stride()[:2],
+        BLOCK_S=max(2, runtime.next_power_of_2(n_splits)),
+        BLOCK_DV=runtime.next_power_of_2(head_dim_v))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Plain PyTorch reference (tests run it in float64)
 # --------------------------------------------------------------------------------------------
@@ -177,13 +312,23 @@ def attention_reference(q, k, v, causal=False, scale=None):
     return torch.softmax(scores, dim=-1) @ v, lse
 
 
+def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
+    """One query per sequence against the first seqlens[b] cache positions, by definition."""
+    outs = []
+    for b in range(q.shape[0]):
+        length = k_cache.shape[2] if seqlens is None else int(seqlens[b])
+        out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, :length],
+                                     v_cache[b:b + 1, :, :length], False, scale)
+        outs.append(out[:, :, 0] if length else torch.zeros_like(out[:, :, 0]))
+    return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v_cache.shape[-1]))
+
+
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
 
 
-def _check(q, k, v, scale) -> None:
-    name = "gemslib.attention"
+def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
@@ -219,6 +364,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         out, _ = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
         return out.to(q.dtype)
     return _launch_forward(q, k, v, causal, scale)[0]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
+    k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
+    split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
+    of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
+    name = "gemslib.decode_attention"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"{name}: q must be (B, Hq, D), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    _check(q[:, :, None], k_cache, v_cache, scale, name)
+    batch, cache_len = q.shape[0], k_cache.shape[2]
+    if seqlens is None:
+        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
+    elif not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,) or \
+            seqlens.is_floating_point() or seqlens.device != q.device:
+        raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
+                         f"{q.device}, got {seqlens!r:.80}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
+                                          seqlens, scale).to(q.dtype)
+    # lengths past the cache would read out of bounds: clamp on the device, no host sync
+    return _launch_decode(q, k_cache, v_cache, seqlens.clamp(0, cache_len), scale)
 
 
 ATEN_OVERRIDES = ()

@@ -86,3 +86,58 @@ def test_bad_inputs_name_the_argument(args, error, match):
     q, k, v = (random_tensor(shape, torch.float32) for shape in args)
     with pytest.raises(error, match=match):
         gemslib.attention(q, k, v)
+
+
+# (B, Hq, Hkv, L, D, Dv, seqlens or None)
+DECODE_CASES = [
+    (2, 4, 2, 150, 32, 32, [150, 37]),     # ragged, GQA groups of 2
+    (3, 8, 1, 90, 16, 24, [1, 0, 90]),     # length 1, an empty sequence, MQA, Dv != D
+    (1, 6, 6, 33, 64, 64, None),           # no grouping, the whole cache
+]
+if ON_GPU:
+    DECODE_CASES += [(16, 32, 8, 8192, 128, 128, None), (1, 32, 8, 32768, 128, 128, [30000])]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_matches_reference(case, dtype):
+    batch, n_q, n_kv, cache_len, dim, dim_v, lengths = case
+    q = random_tensor((batch, n_q, dim), dtype, scale=1.0)
+    k_cache = random_tensor((batch, n_kv, cache_len, dim), dtype, scale=1.0)
+    v_cache = random_tensor((batch, n_kv, cache_len, dim_v), dtype, scale=1.0)
+    seqlens = None if lengths is None else torch.tensor(lengths, device=q.device)
+    out = gemslib.decode_attention(q, k_cache, v_cache, seqlens)
+    expected = attention_ops.decode_attention_reference(q.double(), k_cache.double(),
+                                                        v_cache.double(), seqlens)
+    assert out.shape == (batch, n_q, dim_v) and out.dtype == dtype
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v_cache.abs().max().item())
+
+
+def test_decode_splits_the_cache_over_programs():
+    """The interpreter counts 2 SMs, so 4 programs are wanted: a 150-long cache of one KV head
+    splits 3 ways (no split shorter than a 64-key block), a long one 4 ways, 64 heads not at all."""
+    assert attention_ops._decode_splits(1, 150, 64, 0) == 3
+    assert attention_ops._decode_splits(1, 10_000, 64, 0) == 4
+    assert attention_ops._decode_splits(64, 10_000, 64, 0) == 1
+
+
+def test_decode_agrees_with_prefill_attention_of_one_query():
+    q = random_tensor((2, 4, 32), torch.float32)
+    k = random_tensor((2, 2, 70, 32), torch.float32)
+    v = random_tensor((2, 2, 70, 32), torch.float32)
+    prefill = gemslib.attention(q[:, :, None], k, v)[:, :, 0]
+    assert_close_to_reference(gemslib.decode_attention(q, k, v), prefill.double(), torch.float32,
+                              reduction_len=70)
+
+
+def test_decode_bad_inputs_name_the_argument():
+    q = random_tensor((2, 4, 16), torch.float32)
+    cache = random_tensor((2, 2, 10, 16), torch.float32)
+    with pytest.raises(ValueError, match="gemslib.decode_attention: q must be"):
+        gemslib.decode_attention(q[0], cache, cache)
+    with pytest.raises(ValueError, match="seqlens must be an integer tensor of shape"):
+        gemslib.decode_attention(q, cache, cache, torch.tensor([1.0, 2.0], device=q.device))
+    with pytest.raises(ValueError, match="gemslib.decode_attention: q's 4 heads must be"):
+        gemslib.decode_attention(q, cache[:, :1].expand(2, 3, 10, 16), cache[:, :1].expand(2, 3, 10, 16))

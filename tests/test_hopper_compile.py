@@ -146,7 +146,9 @@ CALLS = [
     lambda: gemslib.attention(_bf16(1, 4, 40, 64), _bf16(1, 2, 50, 64), _bf16(1, 2, 50, 64)),
     lambda: gemslib.attention(_bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128),
                               causal=True),
-    lambda: gemslib.attention(*(random_tensor((1, 1, 20, 40), torch.float32) for _ in range(3))),  # both launches of the two-launch form
+    lambda: gemslib.attention(*(random_tensor((1, 1, 20, 40), torch.float32) for _ in range(3))),
+    lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
+                                     torch.tensor([300, 7])),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
@@ -163,7 +165,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     launches = _record_launches(monkeypatch, CALLS)
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
-            "_softmax_split_fwd_kernel", "_rotary_kernel", "_attention_fwd_kernel"} <= kernels
+            "_softmax_split_fwd_kernel", "_rotary_kernel", "_attention_fwd_kernel",
+            "_decode_partial_kernel", "_decode_merge_kernel"} <= kernels
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)
