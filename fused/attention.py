@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from gemslib import runtime
+from gemslib.registry import AtenOverride
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -393,5 +394,101 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _launch_decode(q, k_cache, v_cache, seqlens.clamp(0, cache_len), scale)
 
 
-ATEN_OVERRIDES = ()
+# --------------------------------------------------------------------------------------------
+# aten overrides: the SDPA backend operators F.scaled_dot_product_attention reaches
+# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel).
+# Forward only for now: a call whose inputs need grad goes to torch's kernels, so the backward
+# torch runs pairs with torch's own forward and its saved log-sum-exp.
+# --------------------------------------------------------------------------------------------
+
+
+def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+    if query.dtype not in KERNEL_DTYPES:
+        return f"dtype {query.dtype}"
+    if attn_bias is not None:
+        return "an attention mask or bias"
+    if dropout_p:
+        return "dropout"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
+                                    value.requires_grad):
+        return "inputs that need grad (no backward yet)"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs that are not (B, H, S, D)"
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[-1] != query.shape[-1]:
+        return "head counts or head dims the kernel does not pair"
+    if max(query.shape[-1], value.shape[-1]) > 256:
+        return "a head dim over 256"
+    return None
+
+
+def _sdpa_outputs(query, key, value, is_causal, scale):
+    default = 1.0 / math.sqrt(query.shape[-1])
+    return _launch_forward(query, key, value, is_causal, default if scale is None else scale)
+
+
+def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                        scale=None):
+    return _sdpa_outputs(query, key, value, is_causal, scale)
+
+
+def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                           scale=None):
+    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
+
+
+def _placeholder(query, dtype=torch.int64):
+    return torch.empty(0, dtype=dtype, device=query.device)
+
+
+def _aten_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
+    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
+            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
+            _placeholder(query, query.dtype))
+
+
+def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                   *, scale=None):
+    return "a debug mask" if return_debug_mask else \
+        _why_not_sdpa(query, key, value, None, dropout_p, scale)
+
+
+def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                return_debug_mask=False, *, scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask)
+    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
+            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
+            _placeholder(query, query.dtype))
+
+
+def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                   is_causal=False, return_debug_mask=False, *, scale=None):
+    return "a debug mask" if return_debug_mask else \
+        _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+
+
+def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                    is_causal=False, *, scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    return out, lse, _placeholder(query), _placeholder(query)
+
+
+def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                       is_causal=False, *, scale=None):
+    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+
+
+ATEN_OVERRIDES = (
+    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu", _aten_flash_for_cpu,
+                 _why_not_flash_for_cpu, dispatch_keys=("CPU",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention", _aten_flash, _why_not_flash,
+                 dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_cudnn_attention", _aten_cudnn, _why_not_cudnn,
+                 dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_efficient_attention", _aten_efficient,
+                 _why_not_efficient, dispatch_keys=("CUDA",)),
+)
 SELF_CHECKS = ()

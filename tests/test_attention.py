@@ -141,3 +141,42 @@ def test_decode_bad_inputs_name_the_argument():
         gemslib.decode_attention(q, cache, cache, torch.tensor([1.0, 2.0], device=q.device))
     with pytest.raises(ValueError, match="gemslib.decode_attention: q's 4 heads must be"):
         gemslib.decode_attention(q, cache[:, :1].expand(2, 3, 10, 16), cache[:, :1].expand(2, 3, 10, 16))
+
+
+SDPA_OP = "aten::_scaled_dot_product_flash_attention" + ("" if ON_GPU else "_for_cpu")
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_sdpa_runs_gemslib_under_enable(dtype):
+    q = random_tensor((2, 4, 33, 64), dtype, scale=1.0)
+    k = random_tensor((2, 2, 40, 64), dtype, scale=1.0)
+    v = random_tensor((2, 2, 40, 64), dtype, scale=1.0)
+    expected = {causal: attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                          causal)[0] for causal in (False, True)}
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        outs = {causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                for causal in (False, True)}
+    served = sum(activation.calls.values())
+    assert served == 2 and not activation.fallbacks, (activation.calls, activation.fallbacks)
+    if not ON_GPU:  # on the GPU torch may pick any of its three backends, all overridden
+        assert activation.calls == {SDPA_OP: 2}
+    rtol = tolerance(dtype)["rtol"]
+    for causal, out in outs.items():
+        torch.testing.assert_close(out.double(), expected[causal], rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+
+
+def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
+    q = random_tensor((1, 2, 9, 32), torch.float32)
+    mask = torch.rand(9, 9, device=q.device) > 0.3
+    leaf = q.detach().requires_grad_()
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
+        needs_grad.sum().backward()
+    assert sum(activation.calls.values()) == 0
+    torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    reference_leaf = q.detach().double().requires_grad_()
+    F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
+                                   is_causal=True).sum().backward()
+    assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
