@@ -20,6 +20,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -360,11 +361,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Forward only for now."""
     _check(q, k, v, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # no backward kernel yet: torch's SDPA keeps the gradients right
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, causal, scale)[0]
+    return _attention_impl(q, k, v, causal, scale)[0]
+
+
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): the kernel where it runs, torch otherwise."""
     if not runtime.kernel_runs(q, k, v) or max(q.shape[-1], v.shape[-1]) > 256:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out, _ = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
-        return out.to(q.dtype)
-    return _launch_forward(q, k, v, causal, scale)[0]
+        out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
+        return out.to(q.dtype), lse.float()
+    return _launch_forward(q, k, v, causal, scale)
+
+
+_attention_op = torch.library.custom_op("gemslib::attention", _attention_impl, mutates_args=())
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal, scale):
+    batch, n_q_heads, seq_q, _ = q.shape
+    return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
+            q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -386,12 +409,32 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
                          f"{q.device}, got {seqlens!r:.80}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    v_cache.requires_grad):
+        # no backward kernel: the reference, in torch ops, keeps gradients right
+        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
+    if torch.compiler.is_compiling():
+        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
+    return _decode_attention_impl(q, k_cache, v_cache, seqlens, scale)
+
+
+def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale).to(q.dtype)
     # lengths past the cache would read out of bounds: clamp on the device, no host sync
-    return _launch_decode(q, k_cache, v_cache, seqlens.clamp(0, cache_len), scale)
+    return _launch_decode(q, k_cache, v_cache, seqlens.clamp(0, k_cache.shape[2]), scale)
+
+
+_decode_attention_op = torch.library.custom_op("gemslib::decode_attention",
+                                               _decode_attention_impl, mutates_args=())
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, seqlens, scale):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -180,3 +180,39 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
                                    is_causal=True).sum().backward()
     assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
+
+
+def test_custom_ops_pass_opcheck():
+    q = random_tensor((1, 4, 9, 16), torch.float32)
+    k = random_tensor((1, 2, 11, 16), torch.float32)
+    torch.library.opcheck(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    torch.library.opcheck(torch.ops.gemslib.decode_attention,
+                          (q[:, :, 0], k, k, torch.tensor([11], device=q.device), 0.25))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    q = random_tensor((1, 4, 9, 16), torch.float32)
+    k = random_tensor((1, 2, 11, 16), torch.float32)
+    lengths = torch.tensor([7], device=q.device)
+
+    def step(q, k):
+        return gemslib.attention(q, k, k, causal=True).sum() + \
+            gemslib.decode_attention(q[:, :, 0], k, k, lengths).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    assert_close_to_reference(compiled(q, k), step(q, k).double(), torch.float32,
+                              reduction_len=9 * 16)
+
+
+def test_inputs_that_need_grad_get_torch_gradients_until_there_is_a_backward():
+    q = random_tensor((1, 4, 9, 16), torch.float32).requires_grad_()
+    k = random_tensor((1, 2, 11, 16), torch.float32).requires_grad_()
+    gemslib.attention(q, k, k, causal=True).square().sum().backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    attention_ops.attention_reference(q64, k64, k64, True)[0].square().sum().backward()
+    for ours, expected in ((q.grad, q64.grad), (k.grad, k64.grad)):  # torch's fp32 backward
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-4,
+                                   atol=1e-5 * expected.abs().max().item())
+    q.grad = None
+    gemslib.decode_attention(q[:, :, 0], k, k).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
