@@ -84,3 +84,29 @@ def cases(quick: bool = False, backward: bool = False):
                        lambda: attention_ops.decode_attention_reference(
                            q.float(), k_cache.float(), v_cache.float())))
         del q, k_cache, v_cache
+
+
+SWEEP_CANDIDATES = {
+    "attention_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                      for m, n in ((64, 64), (128, 64), (128, 128), (64, 128))
+                      for w in (4, 8) for st in (2, 3, 4)],
+    "decode_partial": [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                       for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)],
+}
+
+
+def sweep_problems():
+    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
+    for batch, heads, seq, dim in QUICK_PREFILL:
+        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
+                   for _ in range(3))
+        for causal in (False, True):
+            yield (attention_ops.ATTENTION_FWD, f"S{seq} D{dim}" + (" causal" if causal else ""),
+                   0, lambda c=causal: gemslib.attention(q, k, v, causal=c))
+    for batch, cache_len in QUICK_DECODE:
+        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+                                        device="cuda", dtype=DTYPE) for _ in range(2))
+        yield (attention_ops.DECODE_PARTIAL, f"B{batch} L{cache_len}",
+               2 * k_cache.numel() * k_cache.element_size(),
+               lambda: gemslib.decode_attention(q, k_cache, v_cache))
