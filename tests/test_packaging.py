@@ -1,6 +1,7 @@
 """The distribution: a wheel maps ops/, fused/, tune_configs/ under gemslib and works installed."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,11 +12,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# what a build reads: everything else (build/, egg-info, caches, peer wheels) stays behind
+_SOURCES = ("pyproject.toml", "README.md", "gemslib", "ops", "fused", "tune_configs")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a copy of the sources, so that nothing left in the checkout's own
+    build/ (setuptools reuses it, deleted modules included) ends up in it."""
+    source = tmp_path_factory.mktemp("source")
+    for name in _SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(ROOT)], check=True, capture_output=True)
+                    "-q", "-w", str(out), str(source)], check=True, capture_output=True)
     (path,) = out.glob("gemslib-*.whl")
     return path
 
