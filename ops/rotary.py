@@ -147,6 +147,7 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_r = runtime.next_power_of_2(half)
     block_rest = runtime.next_power_of_2(head_dim - 2 * half)
     strides = [*q4.stride()[:3], *k4.stride()[:3], *q_out4.stride()[:3], *k_out4.stride()[:3]]
+
     def grid(meta):
         if meta["LOOP_HEADS"]:
             return (n_tokens, 1)
