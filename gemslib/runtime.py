@@ -121,6 +121,15 @@ def differentiable_call(custom_op, eager_function: type[torch.autograd.Function]
     return eager_function.apply(*args)
 
 
+@functools.lru_cache(maxsize=16)
+def multiprocessor_count(device_index: int) -> int:
+    """SMs of a CUDA device, for grids sized to fill it (1 under the interpreter, which runs
+    one program at a time)."""
+    if INTERPRETER:
+        return 1
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def next_power_of_2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
     1 for n <= 1."""

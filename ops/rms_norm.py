@@ -15,7 +15,6 @@ launchers, references, public functions and custom ops, self-checks.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -224,14 +223,6 @@ def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool
     return rstd
 
 
-@functools.lru_cache(maxsize=8)
-def _program_slots(device_index: int) -> int:
-    """How many backward programs to run: enough to fill the GPU, few enough partial rows."""
-    if runtime.INTERPRETER:
-        return 4
-    return 4 * torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_backward(grad, x, weight, rstd, grad_extra=None):
     """(dx, dweight or None) for ``rms_norm(x, weight)`` given the forward's rstd; dx includes
     ``grad_extra`` when given."""
@@ -240,7 +231,8 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None):
         return dx, torch.zeros_like(weight) if weight is not None else None
     x_rows, grad_rows = layout.as_rows(x), layout.as_rows(grad)
     n_rows, n_cols = x_rows.shape
-    slots = _program_slots(x.device.index or 0)
+    # enough programs to fill the GPU (4 per SM), few enough partial dweight rows to sum
+    slots = 4 * runtime.multiprocessor_count(x.device.index or 0)
     rows_per_program = runtime.cdiv(n_rows, slots)
     n_programs = runtime.cdiv(n_rows, rows_per_program)
     partial = torch.empty((n_programs, n_cols) if weight is not None else (1,),

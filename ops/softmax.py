@@ -19,7 +19,7 @@ aten overrides, self-checks.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 import triton
@@ -237,12 +237,6 @@ def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: t
                   n_cols, log, shape=(n_rows, n_cols))
 
 
-@lru_cache(maxsize=8)
-def _resident_programs(device_index: int) -> int:
-    """Programs the GPU surely holds at once (one per SM): the most pieces PHASE 0 may wait on."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk: int) -> None:
     """softmax_split_fwd over (rows, n) views with a unit last stride."""
     n_rows, n_cols = out_rows.shape
@@ -256,7 +250,9 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
             n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
             shape=(n_rows, n_cols))
 
-    if runtime.INTERPRETER or n_chunks > _resident_programs(x_rows.device.index or 0):
+    # the one-launch form waits on the row's other pieces: all of them must be resident at
+    # once, which one program per SM guarantees
+    if runtime.INTERPRETER or n_chunks > runtime.multiprocessor_count(x_rows.device.index or 0):
         launch(stats, phase=1)  # no counters in the two-launch form
         launch(stats, phase=2)
     else:
