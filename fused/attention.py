@@ -16,7 +16,6 @@ separately with them. The row log-sum-exp (natural log) comes out too, for the b
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -248,17 +247,10 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
     return out, lse
 
 
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device_index: int) -> int:
-    if runtime.INTERPRETER:
-        return 2  # small, so the tests' short caches still split several ways
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int) -> int:
     """Splits of the KV length: enough programs for two waves over the SMs, but no split
     shorter than one block of keys."""
-    wanted = runtime.cdiv(2 * _multiprocessors(device_index), max(batch_kv, 1))
+    wanted = runtime.cdiv(2 * runtime.multiprocessor_count(device_index), max(batch_kv, 1))
     return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
 
 

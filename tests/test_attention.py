@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import gemslib
 from conftest import ON_GPU, random_tensor
+from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference, tolerance
 from gemslib.fused import attention as attention_ops
 
@@ -93,6 +94,8 @@ DECODE_CASES = [
     (2, 4, 2, 150, 32, 32, [150, 37]),     # ragged, GQA groups of 2
     (3, 8, 1, 90, 16, 24, [1, 0, 90]),     # length 1, an empty sequence, MQA, Dv != D
     (1, 6, 6, 33, 64, 64, None),           # no grouping, the whole cache
+    (1, 4, 1, 200, 32, 32, [150]),         # two splits, the second partly filled
+    (1, 4, 1, 200, 32, 32, [100]),         # two splits, the second empty
 ]
 if ON_GPU:
     DECODE_CASES += [(16, 32, 8, 8192, 128, 128, None), (1, 32, 8, 32768, 128, 128, [30000])]
@@ -116,11 +119,12 @@ def test_decode_matches_reference(case, dtype):
 
 
 def test_decode_splits_the_cache_over_programs():
-    """The interpreter counts 2 SMs, so 4 programs are wanted: a 150-long cache of one KV head
-    splits 3 ways (no split shorter than a 64-key block), a long one 4 ways, 64 heads not at all."""
-    assert attention_ops._decode_splits(1, 150, 64, 0) == 3
-    assert attention_ops._decode_splits(1, 10_000, 64, 0) == 4
-    assert attention_ops._decode_splits(64, 10_000, 64, 0) == 1
+    """Two programs per SM are wanted (the interpreter counts one SM), never a split shorter
+    than one block of keys, and none when the heads alone fill the GPU."""
+    sms = runtime.multiprocessor_count(0) if ON_GPU else 1
+    assert attention_ops._decode_splits(1, 10_000_000, 64, 0) == min(2 * sms, 256)
+    assert attention_ops._decode_splits(1, 100, 64, 0) == min(2 * sms, 2)
+    assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0) == 1
 
 
 def test_decode_agrees_with_prefill_attention_of_one_query():
