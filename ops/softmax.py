@@ -100,55 +100,51 @@ def _softmax_fwd_kernel(
 
 @triton.jit
 def _softmax_split_fwd_kernel(
-    x_ptr, y_ptr, sync_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
     LOG: tl.constexpr, PHASE: tl.constexpr, MAX_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns, one
     program per piece; each piece is read from memory once.
 
-    ``sync`` is int64, zeroed: ``sync[0]`` hands out tickets, ``sync[1 + row * n_chunks + i]``
-    holds piece i's statistics packed in one word, the bits of its max (high half) and of its
-    sum of exp (low half); 0 means not yet published (a published word never is: its max is
-    +0.0 only with a sum of at least 1).
-
-    PHASE 0, one launch: a program publishes its piece's statistics, polls its row's words until
-    all are published, combines them and writes its piece from registers. One word per piece,
-    read and written whole, needs no other ordering (no counter, no fence). Programs take
-    tickets in the order they start instead of using their program ids, so a program only ever
-    waits for pieces that have started or will start in the next free slot: no deadlock while
-    the GPU holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
+    PHASE 0, one launch: a program stores its piece's (max, sum of exp) in ``stats``, counts
+    itself in ``counters[1 + row]``, waits until every piece of its row has, combines the
+    statistics and writes its piece from registers. Programs take tickets in the order they
+    start (``counters[0]``) instead of using their program ids, so a program only ever waits
+    for pieces that have started or will start in the next free slot: no deadlock while the GPU
+    holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
     launches: the statistics, then the outputs from a second read (for the interpreter, which
     runs one program after another, and when a row has more pieces than the GPU has SMs).
     """
     if PHASE == 0:
-        ticket = tl.atomic_add(sync_ptr, 1)
+        ticket = tl.atomic_add(counters_ptr, 1)
     else:
-        ticket = tl.program_id(0).to(tl.int64)
-    row = ticket // n_chunks
+        ticket = tl.program_id(0)
+    row = (ticket // n_chunks).to(tl.int64)
     chunk = ticket % n_chunks
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    row_sync = sync_ptr + 1 + row * n_chunks
+    row_stats = stats_ptr + row * n_chunks * 2  # (max, sum) per piece
     if PHASE != 2:
         piece_max = tl.max(x, axis=0)
         # a piece of only -inf has a zero sum; NaN or +inf make it NaN, and the row with it
         piece_sum = tl.sum(tl.exp2((x - piece_max) * LOG2E), axis=0)
         piece_sum = tl.where(piece_max == -float("inf"), 0.0, piece_sum)
-        max_bits = piece_max.to(tl.uint32, bitcast=True).to(tl.int64)
-        sum_bits = piece_sum.to(tl.uint32, bitcast=True).to(tl.int64)
-        tl.store(row_sync + chunk, (max_bits << 32) | sum_bits)
+        tl.store(row_stats + 2 * chunk, piece_max)
+        tl.store(row_stats + 2 * chunk + 1, piece_sum)
+    if PHASE == 0:
+        tl.debug_barrier()  # the statistics are stored before this program counts itself
+        arrived = tl.atomic_add(counters_ptr + 1 + row, 1, sem="acq_rel") + 1
+        while arrived < n_chunks:
+            arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
+        tl.debug_barrier()
     if PHASE != 1:
         pieces = tl.arange(0, MAX_CHUNKS)
-        # volatile: every poll reads L2, where the other programs' words land
-        packed = tl.load(row_sync + pieces, mask=pieces < n_chunks, other=1, volatile=True)
-        if PHASE == 0:
-            while tl.sum((packed == 0).to(tl.int32), axis=0) > 0:
-                packed = tl.load(row_sync + pieces, mask=pieces < n_chunks, other=1,
-                                 volatile=True)
-        maxes = (packed >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-        sums = packed.to(tl.uint32).to(tl.float32, bitcast=True)
-        maxes = tl.where(pieces < n_chunks, maxes, -float("inf"))
+        # .cg: read the other programs' statistics from L2, never from a stale L1 line
+        maxes = tl.load(row_stats + 2 * pieces, mask=pieces < n_chunks, other=-float("inf"),
+                        cache_modifier=".cg")
+        sums = tl.load(row_stats + 2 * pieces + 1, mask=pieces < n_chunks, other=0.0,
+                       cache_modifier=".cg")
         row_max = tl.max(maxes, axis=0)
         row_sum = tl.sum(tl.where(maxes == -float("inf"), 0.0,
                                   sums * tl.exp2((maxes - row_max) * LOG2E)), axis=0)
@@ -245,21 +241,22 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
     """softmax_split_fwd over (rows, n) views with a unit last stride."""
     n_rows, n_cols = out_rows.shape
     n_chunks = runtime.cdiv(n_cols, chunk)
-    sync = torch.zeros(1 + n_rows * n_chunks, dtype=torch.int64, device=x_rows.device)
-    max_chunks = runtime.next_power_of_2(max(n_chunks, 2))
+    stats = torch.empty((n_rows, n_chunks, 2), dtype=torch.float32, device=x_rows.device)
+    max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
 
-    def launch(phase):
+    def launch(counters, phase):
         SOFTMAX_SPLIT_FWD.launch(
-            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, sync, n_cols, n_chunks,
-            x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks, shape=(n_rows, n_cols))
+            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, stats, counters, n_cols,
+            n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
+            shape=(n_rows, n_cols))
 
     # the one-launch form waits on the row's other pieces: all of them must be resident at
     # once, which one program per SM guarantees
     if runtime.INTERPRETER or n_chunks > runtime.multiprocessor_count(x_rows.device.index or 0):
-        launch(phase=1)
-        launch(phase=2)
+        launch(stats, phase=1)  # no counters in the two-launch form
+        launch(stats, phase=2)
     else:
-        launch(phase=0)
+        launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
 
 
 def _split_chunk(n_rows: int, n_cols: int) -> int:

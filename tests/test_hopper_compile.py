@@ -143,7 +143,7 @@ CALLS = [
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
-        *(lambda x: (x, torch.empty_like(x), torch.zeros(4, dtype=torch.int64),
+        *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
     lambda: _backward(lambda q, k, c, s: gemslib.apply_rotary(q, k, c, s),
                       _bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8), differentiable=2),
