@@ -23,9 +23,10 @@ if ON_GPU:
               ((1024, 3, 64), 0)]
 
 
-def _split_rows(chunk: int):
+def _split_rows(chunk: int, per_sm: int = 0):
     """Force rows wider than ``chunk`` to be split over programs (0: never split)."""
-    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
+    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(
+        runtime.LaunchConfig((("CHUNK", chunk), ("PER_SM", per_sm)), 4, 1))
 
 
 # rows split over programs (shape, last dim, chunk): several pieces per row, a last piece that
@@ -100,16 +101,20 @@ def test_rows_are_split_only_where_it_pays():
         assert softmax_ops._split_chunk(8, 1 << 20) == 0       # CHUNK 0: never split
 
 
-def test_one_launch_form_with_a_single_piece():
-    """PHASE 0 (tickets and the wait) with one piece per row is the one form the interpreter
-    can run: nothing to wait for. The GPU suite runs it with several pieces."""
+@pytest.mark.parametrize("grid", [1, 3], ids=["one-persistent-program", "one-per-piece"])
+def test_one_launch_form_with_a_single_piece(grid):
+    """PHASE 0 (tickets, the next piece loaded before the wait) with one piece per row is the
+    one form the interpreter can run: nothing to wait for but the piece itself. The first
+    program takes every ticket; the GPU suite runs it with several pieces per row."""
     x = random_tensor((3, 100), torch.float32)
     y = torch.empty_like(x)
     stats = torch.empty(3, 1, 2, device=x.device)
     counters = torch.zeros(4, dtype=torch.int32, device=x.device)
-    softmax_ops._softmax_split_fwd_kernel[(3,)](
-        x, y, stats, counters, 100, 1, x.stride(0), y.stride(0), False, 0, CHUNK=128, MAX_CHUNKS=2)
-    assert counters.tolist() == [3, 1, 1, 1]
+    softmax_ops._softmax_split_fwd_kernel[(grid,)](
+        x, y, stats, counters, 100, 1, 3, x.stride(0), y.stride(0), False, 0,
+        CHUNK=128, MAX_CHUNKS=2, PER_SM=1)
+    assert counters[1:].tolist() == [1, 1, 1]  # every piece counted once
+    assert counters[0] >= 3 + grid              # each program stops at its first empty ticket
     assert_close_to_reference(y, torch.softmax(x.double(), -1), torch.float32, reduction_len=100)
 
 
