@@ -29,22 +29,26 @@ def _split_rows(chunk: int, per_sm: int = 0):
         runtime.LaunchConfig((("CHUNK", chunk), ("PER_SM", per_sm)), 4, 1))
 
 
-# rows split over programs (shape, last dim, chunk): several pieces per row, a last piece that
-# is partly masked, a single short row
-SPLIT_CASES = [((3, 1000), -1, 256), ((2, 1030), -1, 128), ((1, 70), -1, 32),
-               ((4, 5, 300), -1, 64)]
+# rows split over programs (shape, last dim, chunk, programs per SM): several pieces per row,
+# a last piece that is partly masked, a single short row; on the GPU one program per piece and
+# persistent grids (the interpreter runs the two-launch form either way)
+SPLIT_CASES = [((3, 1000), -1, 256, 0), ((2, 1030), -1, 128, 2), ((1, 70), -1, 32, 0),
+               ((4, 5, 300), -1, 64, 1)]
 if ON_GPU:
-    SPLIT_CASES += [((1024, 131072), -1, 16384), ((512, 262144), -1, 32768),
-                    ((64, 50257), -1, 4096)]
+    SPLIT_CASES += [((1024, 131072), -1, 16384, 0), ((1024, 131072), -1, 8192, 2),
+                    ((512, 262144), -1, 32768, 1), ((64, 50257), -1, 4096, 3),
+                    ((3, 100000), -1, 4096, 4)]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,dim,chunk", [(*case, 0) for case in CASES] + SPLIT_CASES)
-def test_matches_reference(shape, dim, chunk, dtype, name):
+@pytest.mark.parametrize("shape,dim,chunk,per_sm",
+                         [(*case, 0, 0) for case in CASES] + SPLIT_CASES)
+def test_matches_reference(shape, dim, chunk, per_sm, dtype, name):
     ours, reference = FUNCTIONS[name]
     x = random_tensor(shape, dtype, scale=4.0)
-    with _split_rows(chunk):  # chunk 0: one program per row, whatever the shipped configs say
+    # chunk 0: one program per row, whatever the shipped configs say
+    with _split_rows(chunk, per_sm):
         assert softmax_ops._split_chunk(x.numel() // max(shape[dim], 1) if x.dim() else 1,
                                         shape[dim] if x.dim() else 1) == chunk
         result = ours(x, dim)
