@@ -68,10 +68,9 @@ SWEEP_CANDIDATES = {
                     for m, n in ((1, 4096), (1, 8192), (2, 4096))
                     for w in (4, 8, 16)],
     # CHUNK 0 is softmax_fwd's one program per row, the baseline the split forms must beat
-    "softmax_split_fwd": [{"CHUNK": 0, "PER_SM": 0, "num_warps": 8}]
-                         + [{"CHUNK": c, "PER_SM": p, "num_warps": w}
-                            for c, w in ((4096, 4), (8192, 4), (8192, 8), (16384, 8))
-                            for p in (0, 1, 2, 3, 4)],
+    "softmax_split_fwd": [{"CHUNK": 0, "num_warps": 8}]
+                         + [{"CHUNK": c, "num_warps": w} for c in (2048, 4096, 8192, 16384, 32768)
+                            for w in (2, 4, 8, 16)],
 }
 
 

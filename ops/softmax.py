@@ -9,7 +9,7 @@ Rows that fit one block are read once. Wider rows (vocabulary-sized) take an onl
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
 writes the outputs: two reads and one write. A second form for wide rows splits each row over
 several programs that exchange their pieces' statistics and write from registers, one read
-(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). exp is
+(``softmax_split_fwd``; off in the shipped configs until it is measured on a GPU). exp is
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
@@ -98,116 +98,62 @@ def _softmax_fwd_kernel(
             tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# The split form's helpers take a piece by its ticket: row = ticket // n_chunks, piece index
-# ticket % n_chunks. (Triton 3.6 fails to compile a while loop that carries a tensor with more
-# than one scalar, so the loop below carries only the ticket and the piece's values.)
-
-@triton.jit
-def _split_piece(x_ptr, ticket, n_tickets, n_chunks, n_cols, x_row_stride, CHUNK: tl.constexpr):
-    """fp32 values of ticket's piece, -inf past the row's end or for a ticket past the last."""
-    row = (ticket // n_chunks).to(tl.int64)
-    cols = (ticket % n_chunks) * CHUNK + tl.arange(0, CHUNK)
-    mask = (cols < n_cols) & (ticket < n_tickets)
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf"))
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _split_publish(x, stats_ptr, counters_ptr, ticket, n_chunks, ARRIVE: tl.constexpr):
-    """Store the piece's (max, sum of exp) in ``stats[ticket]``; with ARRIVE count it in
-    ``counters[1 + row]`` after the store (release)."""
-    piece_max = tl.max(x, axis=0)
-    # a piece of only -inf has a zero sum; NaN or +inf make it NaN, and the row with it
-    piece_sum = tl.sum(tl.exp2((x - piece_max) * LOG2E), axis=0)
-    piece_sum = tl.where(piece_max == -float("inf"), 0.0, piece_sum)
-    piece_stats = stats_ptr + ticket.to(tl.int64) * 2
-    tl.store(piece_stats, piece_max)
-    tl.store(piece_stats + 1, piece_sum)
-    if ARRIVE:
-        tl.debug_barrier()  # the statistics are stored before this program counts them
-        tl.atomic_add(counters_ptr + 1 + ticket // n_chunks, 1, sem="release")
-
-
-@triton.jit
-def _split_write(x, y_ptr, stats_ptr, counters_ptr, ticket, n_chunks, n_cols, y_row_stride,
-                 LOG: tl.constexpr, WAIT: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """Combine the row's piece statistics (with WAIT, once all n_chunks have arrived) and
-    write the piece's outputs from its values x."""
-    row = ticket // n_chunks
-    if WAIT:
-        arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
-        while arrived < n_chunks:
-            arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
-        tl.debug_barrier()
-    pieces = tl.arange(0, MAX_CHUNKS)
-    row_stats = stats_ptr + row.to(tl.int64) * n_chunks * 2
-    # .cg: read the other programs' statistics from L2, never from a stale L1 line
-    maxes = tl.load(row_stats + 2 * pieces, mask=pieces < n_chunks, other=-float("inf"),
-                    cache_modifier=".cg")
-    sums = tl.load(row_stats + 2 * pieces + 1, mask=pieces < n_chunks, other=0.0,
-                   cache_modifier=".cg")
-    row_max = tl.max(maxes, axis=0)
-    row_sum = tl.sum(tl.where(maxes == -float("inf"), 0.0,
-                              sums * tl.exp2((maxes - row_max) * LOG2E)), axis=0)
-    shifted = (x - row_max) * LOG2E
-    if LOG:
-        y = (shifted - tl.log2(row_sum)) / LOG2E
-    else:
-        y = tl.exp2(shifted) / row_sum
-    cols = (ticket % n_chunks) * CHUNK + tl.arange(0, CHUNK)
-    tl.store(y_ptr + row.to(tl.int64) * y_row_stride + cols, y.to(y_ptr.dtype.element_ty),
-             mask=cols < n_cols)
-
-
 @triton.jit
 def _softmax_split_fwd_kernel(
-    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, n_tickets, x_row_stride,
-    y_row_stride,
+    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
     LOG: tl.constexpr, PHASE: tl.constexpr, MAX_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
-    PER_SM: tl.constexpr,
 ):
-    """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns
-    (``n_tickets`` = rows x n_chunks pieces); each piece is read from memory once.
+    """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns, one
+    program per piece; each piece is read from memory once.
 
-    PHASE 0, one launch: programs take pieces by ticket (``counters[0]``) until none are left.
-    A program publishes its piece's (max, sum) in ``stats`` and counts it in
-    ``counters[1 + row]``; before it waits for its row's other pieces it takes its next ticket
-    and issues that piece's load, so the wait overlaps a read (with PER_SM programs per SM,
-    the grid is persistent; PER_SM 0: one program per piece). After the wait it writes its
-    piece from registers and publishes the next one. Deadlock-free however programs are
-    scheduled: a program waits only on a row whose tickets are all taken (its next ticket is
-    in a later row) and whose unpublished pieces belong to programs waiting on earlier rows,
-    or, if its next ticket is in the same row, it publishes that piece before waiting.
-    PHASE 1 then PHASE 2, two launches: the statistics, then the outputs from a second read
-    (for the interpreter, which runs one program after another).
+    PHASE 0, one launch: a program stores its piece's (max, sum of exp) in ``stats``, counts
+    itself in ``counters[1 + row]``, waits until every piece of its row has, combines the
+    statistics and writes its piece from registers. Programs take tickets in the order they
+    start (``counters[0]``) instead of using their program ids, so a program only ever waits
+    for pieces that have started or will start in the next free slot: no deadlock while the GPU
+    holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
+    launches: the statistics, then the outputs from a second read (for the interpreter, which
+    runs one program after another, and when a row has more pieces than the GPU has SMs).
     """
     if PHASE == 0:
         ticket = tl.atomic_add(counters_ptr, 1)
-        x = _split_piece(x_ptr, ticket, n_tickets, n_chunks, n_cols, x_row_stride, CHUNK)
-        if ticket < n_tickets:
-            _split_publish(x, stats_ptr, counters_ptr, ticket, n_chunks, True)
-        while ticket < n_tickets:
-            next_ticket = tl.atomic_add(counters_ptr, 1)
-            next_x = _split_piece(x_ptr, next_ticket, n_tickets, n_chunks, n_cols, x_row_stride,
-                                  CHUNK)
-            has_next = next_ticket < n_tickets
-            same_row = next_ticket // n_chunks == ticket // n_chunks
-            if has_next & same_row:  # the row this program waits on needs this piece too
-                _split_publish(next_x, stats_ptr, counters_ptr, next_ticket, n_chunks, True)
-            _split_write(x, y_ptr, stats_ptr, counters_ptr, ticket, n_chunks, n_cols,
-                         y_row_stride, LOG, True, MAX_CHUNKS, CHUNK)
-            if has_next & (next_ticket // n_chunks != ticket // n_chunks):
-                _split_publish(next_x, stats_ptr, counters_ptr, next_ticket, n_chunks, True)
-            ticket, x = next_ticket, next_x
     else:
         ticket = tl.program_id(0)
-        x = _split_piece(x_ptr, ticket, n_tickets, n_chunks, n_cols, x_row_stride, CHUNK)
-        if PHASE == 1:
-            _split_publish(x, stats_ptr, counters_ptr, ticket, n_chunks, False)
+    row = (ticket // n_chunks).to(tl.int64)
+    chunk = ticket % n_chunks
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    row_stats = stats_ptr + row * n_chunks * 2  # (max, sum) per piece
+    if PHASE != 2:
+        piece_max = tl.max(x, axis=0)
+        # a piece of only -inf has a zero sum; NaN or +inf make it NaN, and the row with it
+        piece_sum = tl.sum(tl.exp2((x - piece_max) * LOG2E), axis=0)
+        piece_sum = tl.where(piece_max == -float("inf"), 0.0, piece_sum)
+        tl.store(row_stats + 2 * chunk, piece_max)
+        tl.store(row_stats + 2 * chunk + 1, piece_sum)
+    if PHASE == 0:
+        tl.debug_barrier()  # the statistics are stored before this program counts itself
+        arrived = tl.atomic_add(counters_ptr + 1 + row, 1, sem="acq_rel") + 1
+        while arrived < n_chunks:
+            arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
+        tl.debug_barrier()
+    if PHASE != 1:
+        pieces = tl.arange(0, MAX_CHUNKS)
+        # .cg: read the other programs' statistics from L2, never from a stale L1 line
+        maxes = tl.load(row_stats + 2 * pieces, mask=pieces < n_chunks, other=-float("inf"),
+                        cache_modifier=".cg")
+        sums = tl.load(row_stats + 2 * pieces + 1, mask=pieces < n_chunks, other=0.0,
+                       cache_modifier=".cg")
+        row_max = tl.max(maxes, axis=0)
+        row_sum = tl.sum(tl.where(maxes == -float("inf"), 0.0,
+                                  sums * tl.exp2((maxes - row_max) * LOG2E)), axis=0)
+        shifted = (x - row_max) * LOG2E
+        if LOG:
+            y = (shifted - tl.log2(row_sum)) / LOG2E
         else:
-            _split_write(x, y_ptr, stats_ptr, counters_ptr, ticket, n_chunks, n_cols,
-                         y_row_stride, LOG, False, MAX_CHUNKS, CHUNK)
+            y = tl.exp2(shifted) / row_sum
+        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
@@ -262,7 +208,7 @@ SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
 # CHUNK 0 in a config: rows of that size are not split (softmax_fwd takes them)
 SOFTMAX_SPLIT_FWD = runtime.TunedKernel("softmax", "softmax_split_fwd", _softmax_split_fwd_kernel,
-                                        tunables=("CHUNK", "PER_SM"), shape_keys=("rows", "cols"))
+                                        tunables=("CHUNK",), shape_keys=("rows", "cols"))
 _MAX_CHUNKS = 256  # pieces per row the statistics combine in one block
 
 
@@ -295,25 +241,22 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
     """softmax_split_fwd over (rows, n) views with a unit last stride."""
     n_rows, n_cols = out_rows.shape
     n_chunks = runtime.cdiv(n_cols, chunk)
-    n_tickets = n_rows * n_chunks
     stats = torch.empty((n_rows, n_chunks, 2), dtype=torch.float32, device=x_rows.device)
-    max_chunks = runtime.next_power_of_2(max(n_chunks, 2))
-    n_sms = runtime.multiprocessor_count(x_rows.device.index or 0)
+    max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
 
-    def launch(grid, counters, phase):
+    def launch(counters, phase):
         SOFTMAX_SPLIT_FWD.launch(
-            grid, x_rows, out_rows, stats, counters, n_cols, n_chunks, n_tickets,
-            x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks, shape=(n_rows, n_cols))
+            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, stats, counters, n_cols,
+            n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
+            shape=(n_rows, n_cols))
 
-    # the one-launch form needs more than n_chunks / 2 programs resident at once (its
-    # docstring): one per SM is enough while a row has at most as many pieces as SMs
-    if runtime.INTERPRETER or n_chunks > n_sms:
-        launch(lambda meta: (n_tickets,), stats, phase=1)  # no counters in this form
-        launch(lambda meta: (n_tickets,), stats, phase=2)
+    # the one-launch form waits on the row's other pieces: all of them must be resident at
+    # once, which one program per SM guarantees
+    if runtime.INTERPRETER or n_chunks > runtime.multiprocessor_count(x_rows.device.index or 0):
+        launch(stats, phase=1)  # no counters in the two-launch form
+        launch(stats, phase=2)
     else:
-        counters = torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device)
-        launch(lambda meta: (min(n_tickets, meta["PER_SM"] * n_sms) if meta["PER_SM"]
-                             else n_tickets,), counters, phase=0)
+        launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
 
 
 def _split_chunk(n_rows: int, n_cols: int) -> int:

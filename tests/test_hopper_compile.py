@@ -114,7 +114,7 @@ def _looped_rotary(q, k, cos, sin):
 
 
 def _split_softmax(x, chunk):
-    config = runtime.LaunchConfig((("CHUNK", chunk), ("PER_SM", 0)), 4, 1)
+    config = runtime.LaunchConfig((("CHUNK", chunk),), 4, 1)
     with softmax_ops.SOFTMAX_SPLIT_FWD.forced(config):
         return gemslib.log_softmax(x)
 
@@ -144,8 +144,7 @@ CALLS = [
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
-                     100, 1, 3, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128,
-        PER_SM=2),
+                     100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
     lambda: _backward(lambda q, k, c, s: gemslib.apply_rotary(q, k, c, s),
                       _bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8), differentiable=2),
     lambda: gemslib.apply_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(9, 6), _bf16(9, 6),

@@ -23,32 +23,27 @@ if ON_GPU:
               ((1024, 3, 64), 0)]
 
 
-def _split_rows(chunk: int, per_sm: int = 0):
+def _split_rows(chunk: int):
     """Force rows wider than ``chunk`` to be split over programs (0: never split)."""
-    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(
-        runtime.LaunchConfig((("CHUNK", chunk), ("PER_SM", per_sm)), 4, 1))
+    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
 
 
-# rows split over programs (shape, last dim, chunk, programs per SM): several pieces per row,
-# a last piece that is partly masked, a single short row; on the GPU one program per piece and
-# persistent grids (the interpreter runs the two-launch form either way)
-SPLIT_CASES = [((3, 1000), -1, 256, 0), ((2, 1030), -1, 128, 2), ((1, 70), -1, 32, 0),
-               ((4, 5, 300), -1, 64, 1)]
+# rows split over programs (shape, last dim, chunk): several pieces per row, a last piece that
+# is partly masked, a single short row
+SPLIT_CASES = [((3, 1000), -1, 256), ((2, 1030), -1, 128), ((1, 70), -1, 32),
+               ((4, 5, 300), -1, 64)]
 if ON_GPU:
-    SPLIT_CASES += [((1024, 131072), -1, 16384, 0), ((1024, 131072), -1, 8192, 2),
-                    ((512, 262144), -1, 32768, 1), ((64, 50257), -1, 4096, 3),
-                    ((3, 100000), -1, 4096, 4)]
+    SPLIT_CASES += [((1024, 131072), -1, 16384), ((512, 262144), -1, 32768),
+                    ((64, 50257), -1, 4096)]
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,dim,chunk,per_sm",
-                         [(*case, 0, 0) for case in CASES] + SPLIT_CASES)
-def test_matches_reference(shape, dim, chunk, per_sm, dtype, name):
+@pytest.mark.parametrize("shape,dim,chunk", [(*case, 0) for case in CASES] + SPLIT_CASES)
+def test_matches_reference(shape, dim, chunk, dtype, name):
     ours, reference = FUNCTIONS[name]
     x = random_tensor(shape, dtype, scale=4.0)
-    # chunk 0: one program per row, whatever the shipped configs say
-    with _split_rows(chunk, per_sm):
+    with _split_rows(chunk):  # chunk 0: one program per row, whatever the shipped configs say
         assert softmax_ops._split_chunk(x.numel() // max(shape[dim], 1) if x.dim() else 1,
                                         shape[dim] if x.dim() else 1) == chunk
         result = ours(x, dim)
@@ -105,20 +100,16 @@ def test_rows_are_split_only_where_it_pays():
         assert softmax_ops._split_chunk(8, 1 << 20) == 0       # CHUNK 0: never split
 
 
-@pytest.mark.parametrize("grid", [1, 3], ids=["one-persistent-program", "one-per-piece"])
-def test_one_launch_form_with_a_single_piece(grid):
-    """PHASE 0 (tickets, the next piece loaded before the wait) with one piece per row is the
-    one form the interpreter can run: nothing to wait for but the piece itself. The first
-    program takes every ticket; the GPU suite runs it with several pieces per row."""
+def test_one_launch_form_with_a_single_piece():
+    """PHASE 0 (tickets and the wait) with one piece per row is the one form the interpreter
+    can run: nothing to wait for. The GPU suite runs it with several pieces."""
     x = random_tensor((3, 100), torch.float32)
     y = torch.empty_like(x)
     stats = torch.empty(3, 1, 2, device=x.device)
     counters = torch.zeros(4, dtype=torch.int32, device=x.device)
-    softmax_ops._softmax_split_fwd_kernel[(grid,)](
-        x, y, stats, counters, 100, 1, 3, x.stride(0), y.stride(0), False, 0,
-        CHUNK=128, MAX_CHUNKS=2, PER_SM=1)
-    assert counters[1:].tolist() == [1, 1, 1]  # every piece counted once
-    assert counters[0] >= 3 + grid              # each program stops at its first empty ticket
+    softmax_ops._softmax_split_fwd_kernel[(3,)](
+        x, y, stats, counters, 100, 1, x.stride(0), y.stride(0), False, 0, CHUNK=128, MAX_CHUNKS=2)
+    assert counters.tolist() == [3, 1, 1, 1]
     assert_close_to_reference(y, torch.softmax(x.double(), -1), torch.float32, reduction_len=100)
 
 
