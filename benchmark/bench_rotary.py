@@ -50,6 +50,8 @@ def cases(quick: bool = False, backward: bool = False):
         cos_full, sin_full = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         shape = f"B{batch} S{seq} Hq{q_heads} Hk{kv_heads} D{head_dim}"
         impls = {"gemslib": lambda: gemslib.apply_rotary(q, k, cos, sin),
+                 # Liger-Kernel rotates in place: written lines stay in L2 after the timed call
+                 "gemslib in place": lambda: gemslib.apply_rotary(q, k, cos, sin, inplace=True),
                  "torch eager": lambda: _eager_rotary(q, k, cos_full, sin_full),
                  "torch.compile": (lambda f: lambda: f(q, k, cos_full, sin_full))(
                      compiled(_eager_rotary))}

@@ -69,8 +69,8 @@ SWEEP_CANDIDATES = {
                     for w in (4, 8, 16)],
     # CHUNK 0 is softmax_fwd's one program per row, the baseline the split forms must beat
     "softmax_split_fwd": [{"CHUNK": 0, "num_warps": 8}]
-                         + [{"CHUNK": c, "num_warps": w} for c in (4096, 8192, 16384, 32768)
-                            for w in (4, 8, 16)],
+                         + [{"CHUNK": c, "num_warps": w} for c in (2048, 4096, 8192, 16384, 32768)
+                            for w in (2, 4, 8, 16)],
 }
 
 

@@ -152,7 +152,9 @@ def summarize(results: list[Result]) -> list[dict]:
         else:
             row["peers"][r.impl] = r.time_us
     for row in rows.values():
-        timed = {k: v for k, v in row["peers"].items() if v is not None}
+        # gemslib's own variants (in place) are columns, never the peer to beat
+        timed = {k: v for k, v in row["peers"].items()
+                 if v is not None and not k.startswith(GEMSLIB)}
         if timed:
             best = min(timed, key=timed.get)
             row["best_peer"], row["best_peer_us"] = best, timed[best]

@@ -84,10 +84,13 @@ def _rms_norm_fwd_kernel(
             col_start = (n_blocks - 1 - block) * BLOCK_N
             cols = col_start + tl.arange(0, BLOCK_N)[None, :]
             mask = row_mask[:, None] & (cols < n_cols)
+            # the last read of these bytes: evict them first, keep other rows' first pass
             if HAS_RESIDUAL:  # the sum this program stored in the first pass
-                x = tl.load(residual_out_rows + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(residual_out_rows + cols, mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             else:
-                x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + cols, mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             normed = x * rstd[:, None]
             if HAS_WEIGHT:
                 normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)

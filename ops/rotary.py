@@ -34,13 +34,10 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, cos, sin,
-    half, head_dim,
-    INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
-):
-    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
+def _head_block(x_ptr, head_stride, head_start, n_heads, half,
+                INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Pointers to the (first, second) features of BLOCK_H heads' rotation pairs, and the mask;
+    x_ptr points at one token's first head."""
     heads = head_start + tl.arange(0, BLOCK_H)[:, None]
     pairs = tl.arange(0, BLOCK_R)[None, :]
     mask = (heads < n_heads) & (pairs < half)
@@ -48,18 +45,57 @@ def _rotate_heads(
         first, second = 2 * pairs, 2 * pairs + 1
     else:
         first, second = pairs, pairs + half
-    x_heads = x_ptr + heads * x_head_stride
-    out_heads = out_ptr + heads * out_head_stride
-    x_a = tl.load(x_heads + first, mask=mask, other=0.0).to(tl.float32)
-    x_b = tl.load(x_heads + second, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_heads + first, (x_a * cos - x_b * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_heads + second, (x_b * cos + x_a * sin).to(out_ptr.dtype.element_ty), mask=mask)
-    if COPY_REST:  # out of place with partial rotary: the features past rot_dim pass through
+    heads_ptr = x_ptr + heads * head_stride
+    return heads_ptr + first, heads_ptr + second, mask
+
+
+@triton.jit
+def _load_heads(x_ptr, head_stride, head_start, n_heads, half,
+                INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(x_a, x_b) of BLOCK_H heads of one token, in fp32."""
+    first, second, mask = _head_block(x_ptr, head_stride, head_start, n_heads, half,
+                                      INTERLEAVED, BLOCK_H, BLOCK_R)
+    x_a = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x_b = tl.load(second, mask=mask, other=0.0).to(tl.float32)
+    return x_a, x_b
+
+
+@triton.jit
+def _store_heads(x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, x_a, x_b,
+                 cos, sin, half, head_dim,
+                 INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr):
+    """Store the rotated (x_a, x_b) of BLOCK_H heads; with COPY_REST the features past rot_dim
+    are copied from x (out of place with partial rotary)."""
+    first, second, mask = _head_block(out_ptr, out_head_stride, head_start, n_heads, half,
+                                      INTERLEAVED, BLOCK_H, BLOCK_R)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(first, (x_a * cos - x_b * sin).to(dtype), mask=mask)
+    tl.store(second, (x_b * cos + x_a * sin).to(dtype), mask=mask)
+    if COPY_REST:
+        heads = head_start + tl.arange(0, BLOCK_H)[:, None]
         rest = 2 * half + tl.arange(0, BLOCK_REST)[None, :]
         rest_mask = (heads < n_heads) & (rest < head_dim)
-        tl.store(out_heads + rest, tl.load(x_heads + rest, mask=rest_mask), mask=rest_mask)
+        tl.store(out_ptr + heads * out_head_stride + rest,
+                 tl.load(x_ptr + heads * x_head_stride + rest, mask=rest_mask), mask=rest_mask)
 
 
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, cos, sin,
+    half, head_dim,
+    INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
+):
+    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
+    x_a, x_b = _load_heads(x_ptr, x_head_stride, head_start, n_heads, half, INTERLEAVED,
+                           BLOCK_H, BLOCK_R)
+    _store_heads(x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, x_a, x_b,
+                 cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+
+
+@triton.heuristics({"BLOCK_HK": lambda args: min(args["BLOCK_H"],
+                                                 runtime.next_power_of_2(args["n_k_heads"]))})
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
@@ -71,11 +107,13 @@ def _rotary_kernel(
     cos_stride, sin_stride, positions_batch_stride, positions_seq_stride,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
-    BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
     """One token's angles, applied to BLOCK_H heads at a time. Grid (tokens, head blocks of q
-    then of k), or with LOOP_HEADS (tokens, 1): each program loops over all the token's heads,
-    loading its angles once (fewer, larger programs)."""
+    then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
+    loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
+    k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
+    whose one program per token wins on short inputs)."""
     token = tl.program_id(0)
     batch = (token // seq_len).to(tl.int64)
     seq = (token % seq_len).to(tl.int64)
@@ -97,14 +135,18 @@ def _rotary_kernel(
     k_out_token = k_out_ptr + batch * k_out_batch_stride + seq * k_out_seq_stride
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if LOOP_HEADS:
-        for q_block in range(0, n_q_blocks):
-            _rotate_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
-                          q_block * BLOCK_H, n_q_heads, cos, sin, half, head_dim, INTERLEAVED,
-                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
-        for k_block in range(0, tl.cdiv(n_k_heads, BLOCK_H)):
-            _rotate_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
-                          k_block * BLOCK_H, n_k_heads, cos, sin, half, head_dim, INTERLEAVED,
-                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+        # a block past the last heads of q or k is fully masked: no memory traffic
+        for block in range(0, tl.maximum(n_q_blocks, tl.cdiv(n_k_heads, BLOCK_HK))):
+            q_a, q_b = _load_heads(q_token, q_head_stride, block * BLOCK_H, n_q_heads, half,
+                                   INTERLEAVED, BLOCK_H, BLOCK_R)
+            k_a, k_b = _load_heads(k_token, k_head_stride, block * BLOCK_HK, n_k_heads, half,
+                                   INTERLEAVED, BLOCK_HK, BLOCK_R)
+            _store_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
+                         block * BLOCK_H, n_q_heads, q_a, q_b, cos, sin, half, head_dim,
+                         INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+            _store_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
+                         block * BLOCK_HK, n_k_heads, k_a, k_b, cos, sin, half, head_dim,
+                         INTERLEAVED, COPY_REST, BLOCK_HK, BLOCK_R, BLOCK_REST)
     else:
         head_block = tl.program_id(1)
         if head_block < n_q_blocks:

@@ -9,12 +9,12 @@ from conftest import random_tensor
 
 
 def _rotary(q, k):
-    angles = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4) * 0.7
+    angles = torch.arange(2 * 4, dtype=torch.float32, device=q.device).reshape(2, 4) * 0.7
     return gemslib.apply_rotary(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype))
 
 
 def _rotary_op(q, k):
-    angles = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4) * 0.7
+    angles = torch.arange(2 * 4, dtype=torch.float32, device=q.device).reshape(2, 4) * 0.7
     return torch.ops.gemslib.rotary(q, k, angles.cos().to(q.dtype), angles.sin().to(q.dtype),
                                     None, False, False)
 

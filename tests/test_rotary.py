@@ -151,13 +151,15 @@ def test_traces_under_torch_compile_fullgraph():
     assert_close_to_reference(k.grad, k64.grad, torch.float32)
 
 
+@pytest.mark.parametrize("block_h", [2, 8])
 @pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
-def test_both_program_layouts_match_reference(loop_heads, interleaved):
+def test_both_program_layouts_match_reference(loop_heads, interleaved, block_h):
     """Head blocks spread over the grid or looped inside one program per token: BLOCK_H 2 with
-    5 query heads and 3 key heads leaves a partial last block of each."""
+    5 query heads and 3 key heads leaves a partial last block of each, and k runs out of
+    blocks before q in the looped layout; BLOCK_H 8 takes each token's q and k in one step."""
     q, k, cos, sin, positions = _inputs((2, 4, 5, 12), 3, 4, "batch", torch.float32)
-    config = runtime.LaunchConfig((("BLOCK_H", 2), ("LOOP_HEADS", loop_heads)), 2, 1)
+    config = runtime.LaunchConfig((("BLOCK_H", block_h), ("LOOP_HEADS", loop_heads)), 2, 1)
     with rotary_ops.ROTARY.forced(config):
         q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, positions, interleaved)
     expected_q, expected_k = _reference(q, k, cos, sin, positions, interleaved)

@@ -24,7 +24,7 @@ if ON_GPU:
 
 
 def _split_rows(chunk: int):
-    """Force rows wider than ``chunk`` to be split over programs (off in the shipped configs)."""
+    """Force rows wider than ``chunk`` to be split over programs (0: never split)."""
     return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
 
 
@@ -43,11 +43,9 @@ if ON_GPU:
 def test_matches_reference(shape, dim, chunk, dtype, name):
     ours, reference = FUNCTIONS[name]
     x = random_tensor(shape, dtype, scale=4.0)
-    if chunk:
-        with _split_rows(chunk):
-            assert softmax_ops._split_chunk(x.numel() // shape[-1], shape[-1]) == chunk
-            result = ours(x, dim)
-    else:
+    with _split_rows(chunk):  # chunk 0: one program per row, whatever the shipped configs say
+        assert softmax_ops._split_chunk(x.numel() // max(shape[dim], 1) if x.dim() else 1,
+                                        shape[dim] if x.dim() else 1) == chunk
         result = ours(x, dim)
     assert result.shape == x.shape and result.dtype == dtype
     width = x.shape[dim] if x.dim() else 1
@@ -98,7 +96,8 @@ def test_rows_are_split_only_where_it_pays():
         assert softmax_ops._split_chunk(8, 256) == 0           # one piece: nothing to split
         assert softmax_ops._split_chunk(8, 257) == 256
         assert softmax_ops._split_chunk(8, 256 * 300) == 0     # more pieces than one block combines
-    assert softmax_ops._split_chunk(8, 1 << 20) == 0           # off in the shipped configs
+    with _split_rows(0):
+        assert softmax_ops._split_chunk(8, 1 << 20) == 0       # CHUNK 0: never split
 
 
 def test_one_launch_form_with_a_single_piece():
