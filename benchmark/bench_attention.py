@@ -87,9 +87,10 @@ def cases(quick: bool = False, backward: bool = False):
 
 
 SWEEP_CANDIDATES = {
-    "attention_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+    "attention_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "num_warps": w,
+                       "num_stages": st}
                       for m, n in ((64, 64), (128, 64), (128, 128), (64, 128))
-                      for w in (4, 8) for st in (2, 3, 4)],
+                      for tma in (0, 1) for w in (4, 8) for st in (2, 3, 4)],
     "decode_partial": [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                        for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)],
 }

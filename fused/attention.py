@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import runtime
 from gemslib.registry import AtenOverride
@@ -38,18 +39,25 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s,
+                   k_desc, v_desc, batch, kv_head,
                    rows, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                   TMA: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Fold keys [key_start, key_end) into the running (acc, row_max, row_sum); row_max is in
-    log2 units. MASKED blocks check key bounds (and causality); the others need no mask."""
+    log2 units. MASKED blocks check key bounds (and causality); the others need no mask.
+    With TMA, K and V blocks come through tensor descriptors (Hopper's bulk copies; rows and
+    features past the tensor's end read as zeros)."""
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     for start in range(key_start, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = (keys[None, :] < seq_kv) if MASKED else (keys[None, :] >= 0)
-        k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
-                    mask=key_mask & (dims[:, None] < head_dim), other=0.0)
+        if TMA:
+            k = tl.trans(k_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
+                        mask=key_mask & (dims[:, None] < head_dim), other=0.0)
         if IEEE:
             scores = tl.dot(q, k, input_precision="ieee") * scale_log2
         else:
@@ -64,8 +72,11 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
         rescale = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
-                    mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
+        if TMA:
+            v = v_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
+                        mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
         if IEEE:
             acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -76,14 +87,18 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
 
 @triton.jit
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
     seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2,
     q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Grid (query blocks, B * Hq). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32."""
+    """Grid (query blocks, B * Hq). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
+    TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
+    allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
+    are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
     m_block = tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = (batch_head // n_q_heads).to(tl.int64)
@@ -95,8 +110,13 @@ def _attention_fwd_kernel(
     q_head = q_ptr + batch * q_stride_b + head * q_stride_h
     k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
     v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
-    q = tl.load(q_head + rows[:, None] * q_stride_s + dims[None, :],
-                mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim), other=0.0)
+    if TMA:  # descriptor indices are int32
+        batch_i32, head_i32, kv_head_i32 = batch.to(tl.int32), head.to(tl.int32), kv_head.to(tl.int32)
+        q = q_desc.load([batch_i32, head_i32, m_block * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        batch_i32, head_i32, kv_head_i32 = batch, head, kv_head  # unused
+        q = tl.load(q_head + rows[:, None] * q_stride_s + dims[None, :],
+                    mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim), other=0.0)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
@@ -110,17 +130,22 @@ def _attention_fwd_kernel(
         key_end = seq_kv
         full_end = (seq_kv // BLOCK_N) * BLOCK_N
     acc, row_max, row_sum = _attend_blocks(
-        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, rows, 0, full_end,
-        seq_kv, head_dim, head_dim_v, scale_log2, False, CAUSAL, IEEE, BLOCK_N, BLOCK_D, BLOCK_DV)
+        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
+        batch_i32, kv_head_i32, rows, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
+        False, CAUSAL, IEEE, TMA, BLOCK_N, BLOCK_D, BLOCK_DV)
     acc, row_max, row_sum = _attend_blocks(
-        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, rows, full_end,
-        key_end, seq_kv, head_dim, head_dim_v, scale_log2, True, CAUSAL, IEEE, BLOCK_N, BLOCK_D,
-        BLOCK_DV)
+        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
+        batch_i32, kv_head_i32, rows, full_end, key_end, seq_kv, head_dim, head_dim_v,
+        scale_log2, True, CAUSAL, IEEE, TMA, BLOCK_N, BLOCK_D, BLOCK_DV)
 
-    out = acc / row_sum[:, None]
-    o_head = o_ptr + batch * o_stride_b + head * o_stride_h
-    tl.store(o_head + rows[:, None] * o_stride_s + dims_v[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v))
+    out = (acc / row_sum[:, None]).to(o_ptr.dtype.element_ty)
+    if TMA:  # rows and features past o's end are not written
+        o_desc.store([batch_i32, head_i32, m_block * BLOCK_M, 0],
+                     out.reshape(1, 1, BLOCK_M, BLOCK_DV))
+    else:
+        o_head = o_ptr + batch * o_stride_b + head * o_stride_h
+        tl.store(o_head + rows[:, None] * o_stride_s + dims_v[None, :], out,
+                 mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v))
     lse = (row_max + tl.log2(row_sum)) * LN2
     tl.store(lse_ptr + batch_head.to(tl.int64) * seq_q + rows, lse, mask=rows < seq_q)
 
@@ -210,7 +235,7 @@ def _decode_merge_kernel(o_part_ptr, lse_part_ptr, o_ptr, n_q_heads, n_splits, h
 
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
-                                    tunables=("BLOCK_M", "BLOCK_N"),
+                                    tunables=("BLOCK_M", "BLOCK_N", "USE_TMA"),
                                     shape_keys=("head_dim", "seq_q", "seq_kv"))
 DECODE_PARTIAL = runtime.TunedKernel("attention", "decode_partial", _decode_partial_kernel,
                                      tunables=("BLOCK_N",), shape_keys=("head_dim", "seq_kv"))
@@ -236,15 +261,36 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
         return out, lse.fill_(-float("inf"))
     if seq_kv == 0:  # no keys: SDPA gives zeros
         return out.zero_(), lse.fill_(-float("inf"))
+    shape = (head_dim, seq_q, seq_kv)
+    block_d = max(16, runtime.next_power_of_2(head_dim))
+    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    config = ATTENTION_FWD.planned_config(shape)
+    meta = config.meta_dict
+    tma = bool(meta["USE_TMA"]) and _tma_ready(q, k, v, out)
+    if tma:  # the descriptors' blocks follow the config, so the launch must use this one
+        descriptors = [TensorDescriptor.from_tensor(t, [1, 1, rows, cols]) for t, rows, cols in
+                       ((q, meta["BLOCK_M"], block_d), (k, meta["BLOCK_N"], block_d),
+                        (v, meta["BLOCK_N"], block_dv), (out, meta["BLOCK_M"], block_dv))]
+    else:
+        descriptors, config = [None] * 4, None
     ATTENTION_FWD.launch(
         lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
-        q, k, v, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads, head_dim,
-        head_dim_v, scale * 1.4426950408889634,
+        q, k, v, out, lse, *descriptors, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
+        head_dim, head_dim_v, scale * 1.4426950408889634,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        causal, q.dtype == torch.float32, max(16, runtime.next_power_of_2(head_dim)),
-        max(16, runtime.next_power_of_2(head_dim_v)),
-        shape=(head_dim, seq_q, seq_kv))
+        causal, q.dtype == torch.float32, tma, block_d, block_dv, shape=shape, config=config)
     return out, lse
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and strides (but the last, which is 1)
+    and at most 256 rows or features per block."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or t.shape[-1] * size < 16 or \
+                any(stride * size % 16 for stride in t.stride()[:-1]):
+            return False
+    return max(t.shape[-1] for t in tensors) <= 256
 
 
 def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int) -> int:

@@ -47,6 +47,40 @@ def test_forward_matches_reference(case, dtype, causal):
     torch.testing.assert_close(public, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_both_load_paths_match_reference(use_tma, causal):
+    """Pointers or tensor descriptors (TMA) for q, K, V and o: (B, S, H, D) storage seen as
+    (B, H, S, D), GQA, ragged query and key blocks, Dv != D and head dims under the block's."""
+    q = random_tensor((2, 37, 4, 24), torch.float32).transpose(1, 2)
+    k = random_tensor((2, 53, 2, 24), torch.float32).transpose(1, 2)
+    v = random_tensor((2, 53, 2, 40), torch.float32).transpose(1, 2)
+    assert attention_ops._tma_ready(q, k, v)  # so the descriptor case really uses them
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, lse = attention_ops._launch_forward(q, k, v, causal, 0.2)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal, 0.2)
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=53)
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
+
+
+def test_descriptors_are_used_only_where_the_strides_allow():
+    aligned = random_tensor((1, 2, 8, 32), torch.float16)
+    assert attention_ops._tma_ready(aligned, aligned)
+    assert not attention_ops._tma_ready(random_tensor((1, 2, 8, 12), torch.float16))  # 24 B rows
+    assert not attention_ops._tma_ready(aligned[..., 1:])   # base off 16 bytes, width 31
+    assert not attention_ops._tma_ready(random_tensor((1, 1, 4, 512), torch.float16))  # > 256
+    # an unaligned head dim with TMA asked for: pointers, same results
+    q = random_tensor((1, 2, 9, 12), torch.float16)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 1)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, _ = attention_ops._launch_forward(q, q, q, False, 0.5)
+    expected, _ = attention_ops.attention_reference(q.double(), q.double(), q.double(), False, 0.5)
+    rtol = tolerance(torch.float16)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * q.abs().max().item())
+
+
 def test_matches_sdpa_semantics_with_views_and_scale():
     """(B, S, H, D) storage seen as (B, H, S, D): no copy needed; an explicit scale."""
     q = random_tensor((2, 19, 4, 32), torch.float32).transpose(1, 2)

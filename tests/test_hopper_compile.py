@@ -15,10 +15,12 @@ import sys
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import gemslib
 from conftest import ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.fused import attention as attention_ops
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import softmax as softmax_ops
 
@@ -30,6 +32,9 @@ _SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 def _describe(value):
     if isinstance(value, torch.Tensor):
         return {"pointer": _SHORT_DTYPE[value.dtype]}
+    if isinstance(value, TensorDescriptor):  # Triton's signature string for a host descriptor
+        block = ", ".join(str(size) for size in value.block_shape)
+        return {"descriptor": f"tensordesc<{_SHORT_DTYPE[value.base.dtype]}[{block}]>"}
     if isinstance(value, (bool, int, float)) or value is None:
         return {"value": value}
     raise TypeError(f"unexpected kernel argument {type(value).__name__}")
@@ -78,6 +83,8 @@ for record in json.load(sys.stdin):
             constexprs[param.name] = arg["value"]
         elif "pointer" in arg:
             signature[param.name] = "*" + arg["pointer"]
+        elif "descriptor" in arg:
+            signature[param.name] = arg["descriptor"]
         elif isinstance(arg["value"], bool):
             signature[param.name] = "i1"
         elif isinstance(arg["value"], float):
@@ -119,6 +126,12 @@ def _split_softmax(x, chunk):
         return gemslib.log_softmax(x)
 
 
+def _attention_with_descriptors(q, k, v, causal):
+    config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1)), 4, 2)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        return gemslib.attention(q, k, v, causal=causal)
+
+
 def _under_enable(fn, *args):
     with gemslib.enable():
         return fn(*args)
@@ -147,6 +160,8 @@ CALLS = [
     lambda: gemslib.attention(_bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128),
                               causal=True),
     lambda: gemslib.attention(*(random_tensor((1, 1, 20, 40), torch.float32) for _ in range(3))),
+    lambda: _attention_with_descriptors(_bf16(1, 4, 40, 128), _bf16(1, 2, 50, 128),
+                                        _bf16(1, 2, 50, 128), causal=True),
     lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
                                      torch.tensor([300, 7])),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
@@ -167,6 +182,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_attention_fwd_kernel",
             "_decode_partial_kernel", "_decode_merge_kernel"} <= kernels
+    # the attention launch through tensor descriptors (TMA) is among them
+    assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)
