@@ -100,6 +100,8 @@ def _attention_fwd_kernel(
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
     m_block = tl.program_id(0)
+    if CAUSAL:  # the query blocks with the most keys first, so the last wave is the short ones
+        m_block = tl.num_programs(0) - 1 - m_block
     batch_head = tl.program_id(1)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
