@@ -99,7 +99,6 @@ def main() -> None:
             name = f"hinted {first or '-'}/{second or '-'}/{store or '-'} {block_n}x{warps}w"
             report(name, lambda f=first, s=second, st=store, b=block_n, w=warps:
                    _hinted(x, b, w, f, s, st))
-        del x, expected
 
 
 if __name__ == "__main__":
