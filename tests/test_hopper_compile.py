@@ -154,7 +154,7 @@ CALLS = [
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
-    lambda: _split_softmax(_bf16(3, 1000), chunk=256),
+    lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     # attention: bf16 (values garbage in the interpreter's bf16 dot; only the launch matters)
     lambda: gemslib.attention(_bf16(1, 4, 40, 64), _bf16(1, 2, 50, 64), _bf16(1, 2, 50, 64)),
     lambda: gemslib.attention(_bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128),
@@ -163,7 +163,7 @@ CALLS = [
     lambda: _attention_with_descriptors(_bf16(1, 4, 40, 128), _bf16(1, 2, 50, 128),
                                         _bf16(1, 2, 50, 128), causal=True),
     lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
-                                     torch.tensor([300, 7])),  # both launches of the two-launch form
+                                     torch.tensor([300, 7])),  # the partial and merge kernels
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
