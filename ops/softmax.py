@@ -44,16 +44,53 @@ def _row_block(n_rows, BLOCK_M: tl.constexpr):
     return rows.to(tl.int64)[:, None], rows[:, None] < n_rows
 
 
+@triton.jit
+def _in_row(cols, shift, n_cols, row_mask, ALIGN: tl.constexpr):
+    """Mask of the columns ``cols`` (counted from ``shift`` elements before the row) that
+    belong to a row of ``n_cols``; ``shift`` is 0 when ALIGN is 1."""
+    if ALIGN == 1:
+        return row_mask & (cols < n_cols)
+    else:
+        return row_mask & (cols >= shift) & (cols < shift + n_cols)
+
+
+@triton.jit
+def _write_block(x_at, y_at, mask, row_max, row_sum, LOG: tl.constexpr):
+    """y = softmax or log_softmax of the block at ``x_at``, from the row's max and sum."""
+    shifted = (tl.load(x_at, mask=mask, other=-float("inf")).to(tl.float32) - row_max) * LOG2E
+    if LOG:
+        y = (shifted - tl.log2(row_sum)) / LOG2E
+    else:
+        y = tl.exp2(shifted) / row_sum
+    tl.store(y_at, y.to(y_at.dtype.element_ty), mask=mask)
+
+
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_fwd_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    LOG: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row."""
+    """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row.
+
+    ALIGN > 1 (looped rows whose starts are not 16-byte aligned, e.g. 50257 columns): each row
+    is walked in blocks that start at the aligned address ``shift`` elements before the row,
+    so that every block but the first and the last loads and stores full vectors unmasked.
+    The launcher sets it only when x and y rows share the misalignment (equal strides mod ALIGN).
+    """
     row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    x_rows = x_ptr + row_index * x_row_stride
-    y_rows = y_ptr + row_index * y_row_stride
+    if ONE_PASS or ALIGN == 1:
+        shift = 0
+        x_rows = x_ptr + row_index * x_row_stride
+        y_rows = y_ptr + row_index * y_row_stride
+    else:
+        # written as (offset // ALIGN) * ALIGN, the compiler sees the starts are aligned;
+        # y's rows start ``shift`` past alignment too (the launcher checks the strides)
+        x_start = (row_index * x_row_stride // ALIGN) * ALIGN
+        shift = row_index * x_row_stride - x_start  # elements the row starts past alignment
+        x_rows = x_ptr + x_start
+        y_rows = y_ptr + (row_index * y_row_stride // ALIGN) * ALIGN
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask & (cols < n_cols)
@@ -67,12 +104,21 @@ def _softmax_fwd_kernel(
             y = exps / row_sum
         tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
+        # blocks [first_full, end_full) lie inside every row: no column mask, full vectors
+        first_full = 0
+        if ALIGN > 1:
+            first_full = 1
+        end_full = n_cols // BLOCK_N
+        n_blocks = tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
         lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
         lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for col_start in range(0, n_cols, BLOCK_N):
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            x = tl.load(x_rows + cols, mask=row_mask & (cols < n_cols),
-                        other=-float("inf")).to(tl.float32)
+        for block in range(0, n_blocks):
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (block >= first_full) & (block < end_full):
+                x = tl.load(x_rows + cols, mask=row_mask, other=-float("inf")).to(tl.float32)
+            else:
+                x = tl.load(x_rows + cols, mask=_in_row(cols, shift, n_cols, row_mask, ALIGN),
+                            other=-float("inf")).to(tl.float32)
             # on the GPU tl.maximum drops NaN operands unless told otherwise
             new_max = tl.maximum(lane_max, x, propagate_nan=tl.PropagateNan.ALL)
             # a lane that has seen only -inf keeps a zero sum; (-inf) - (-inf) would make it
@@ -84,18 +130,16 @@ def _softmax_fwd_kernel(
             lane_max = new_max
         row_max = tl.max(lane_max, axis=1)[:, None]
         row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * LOG2E), axis=1)[:, None]
-        n_blocks = tl.cdiv(n_cols, BLOCK_N)
-        for block in range(0, n_blocks):  # last block first: it is the one still in cache
-            col_start = (n_blocks - 1 - block) * BLOCK_N
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < n_cols)
-            x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            shifted = (x - row_max) * LOG2E
-            if LOG:
-                y = (shifted - tl.log2(row_sum)) / LOG2E
+        for step in range(0, n_blocks):  # last block first: it is the one still in cache
+            block = n_blocks - 1 - step
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            # two calls, not one on a merged mask: the unmasked one must see a mask that is
+            # constant along the row, or its loads and stores are not vectorized
+            if (block >= first_full) & (block < end_full):
+                _write_block(x_rows + cols, y_rows + cols, row_mask, row_max, row_sum, LOG)
             else:
-                y = tl.exp2(shifted) / row_sum
-            tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+                _write_block(x_rows + cols, y_rows + cols,
+                             _in_row(cols, shift, n_cols, row_mask, ALIGN), row_max, row_sum, LOG)
 
 
 @triton.jit
@@ -224,17 +268,30 @@ def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
     return dim % rank
 
 
+def _row_alignment(x_rows: torch.Tensor, x_row_stride: int, out: torch.Tensor) -> int:
+    """softmax_fwd's ALIGN: the elements in 16 bytes of x where x's rows start off that
+    alignment in a way the output's rows share (equal strides modulo it), else 1."""
+    per_vector = 16 // x_rows.element_size()
+    out_row_stride = out.shape[-1]  # out is contiguous
+    if (x_row_stride % per_vector == 0 or (x_row_stride - out_row_stride) % per_vector
+            or x_rows.data_ptr() % 16 or out.data_ptr() % 16):
+        return 1
+    return per_vector
+
+
 def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: torch.Tensor,
                  log: bool) -> None:
-    """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous."""
+    """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous.
+    softmax_fwd takes one input, softmax_bwd two (the incoming gradient and y)."""
     if out.numel() == 0:
         return
     n_cols = out.shape[-1]
     n_rows = out.numel() // n_cols
     rows = [layout.rows_of(t) for t in inputs]
+    align = (_row_alignment(*rows[0], out),) if kernel is SOFTMAX_FWD else ()
     kernel.launch(lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
                   *[r for r, _ in rows], out, n_rows, n_cols, *[stride for _, stride in rows],
-                  n_cols, log, shape=(n_rows, n_cols))
+                  n_cols, log, *align, shape=(n_rows, n_cols))
 
 
 def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk: int) -> None:

@@ -119,6 +119,12 @@ def _split_softmax(x, chunk):
         return gemslib.log_softmax(x)
 
 
+def _looped_softmax(x):
+    config = runtime.LaunchConfig((("BLOCK_M", 1), ("BLOCK_N", 64)), 4, 1)
+    with softmax_ops.SOFTMAX_FWD.forced(config):
+        return gemslib.softmax(x)
+
+
 def _under_enable(fn, *args):
     with gemslib.enable():
         return fn(*args)
@@ -141,6 +147,7 @@ CALLS = [
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
+    lambda: _looped_softmax(_bf16(3, 1011)[:, :1003]),  # rows off 16-byte alignment (ALIGN 8)
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
@@ -165,3 +172,43 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert not failures, "\n\n".join(failures)
+
+
+_VECTOR_COUNTER = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gemslib.ops import softmax as softmax_ops
+kernel = softmax_ops._softmax_fwd_kernel
+while not isinstance(kernel, triton.runtime.jit.JITFunction):
+    kernel = kernel.fn
+counts = {}
+for align in (1, 8):
+    signature = {"x_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
+                 "x_row_stride": "i32", "y_row_stride": "i32"}
+    constexprs = {"LOG": False, "ALIGN": align, "BLOCK_M": 1, "BLOCK_N": 4096, "ONE_PASS": False}
+    signature.update({name: "constexpr" for name in constexprs})
+    # the pointers are 16-byte aligned (as torch allocates), the sizes and strides unknown
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                       attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 16}).asm["ptx"]
+    counts[align] = [len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)),
+                     len(re.findall(r"st\.global[.a-z0-9]*\.v4", ptx))]
+print(json.dumps(counts))
+"""
+
+
+def test_off_alignment_rows_load_and_store_full_vectors():
+    """softmax_fwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
+    odd row stride) compile to 16-byte loads and stores for their inner blocks, where the
+    column-by-column walk (ALIGN 1) cannot use any."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _VECTOR_COUNTER], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["1"] == [0, 0]
+    loads, stores = counts["8"]
+    assert loads >= 2 and stores >= 1  # both passes load full vectors, the second stores them
