@@ -121,8 +121,8 @@ def _split_softmax(x, chunk):
 
 def _looped_softmax(x):
     config = runtime.LaunchConfig((("BLOCK_M", 1), ("BLOCK_N", 64)), 4, 1)
-    with softmax_ops.SOFTMAX_FWD.forced(config):
-        return gemslib.softmax(x)
+    with softmax_ops.SOFTMAX_FWD.forced(config), softmax_ops.SOFTMAX_BWD.forced(config):
+        _backward(gemslib.softmax, x)
 
 
 def _under_enable(fn, *args):
@@ -180,28 +180,32 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from gemslib.ops import softmax as softmax_ops
-kernel = softmax_ops._softmax_fwd_kernel
-while not isinstance(kernel, triton.runtime.jit.JITFunction):
-    kernel = kernel.fn
 counts = {}
-for align in (1, 8):
-    signature = {"x_ptr": "*bf16", "y_ptr": "*bf16", "n_rows": "i32", "n_cols": "i32",
-                 "x_row_stride": "i32", "y_row_stride": "i32"}
-    constexprs = {"LOG": False, "ALIGN": align, "BLOCK_M": 1, "BLOCK_N": 4096, "ONE_PASS": False}
-    signature.update({name: "constexpr" for name in constexprs})
-    # the pointers are 16-byte aligned (as torch allocates), the sizes and strides unknown
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                       attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 16}).asm["ptx"]
-    counts[align] = [len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)),
-                     len(re.findall(r"st\.global[.a-z0-9]*\.v4", ptx))]
+for kernel, n_pointers in ((softmax_ops._softmax_fwd_kernel, 2),
+                           (softmax_ops._softmax_bwd_kernel, 3)):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    for align in (1, 8):
+        names = [param.name for param in kernel.params]
+        # pointers 16-byte aligned (as torch allocates), then the sizes and strides, unknown
+        signature = {name: "*bf16" if i < n_pointers else "i32"
+                     for i, name in enumerate(names[:2 * n_pointers + 2])}
+        constexprs = {"LOG": False, "ALIGN": align, "BLOCK_M": 1, "BLOCK_N": 4096,
+                      "ONE_PASS": False}
+        signature.update({name: "constexpr" for name in constexprs})
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                           attrs={(i,): [["tt.divisibility", 16]] for i in range(n_pointers)})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 16}).asm["ptx"]
+        counts[f"{kernel.__name__} {align}"] = [
+            len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)),
+            len(re.findall(r"st\.global[.a-z0-9]*\.v4", ptx))]
 print(json.dumps(counts))
 """
 
 
 def test_off_alignment_rows_load_and_store_full_vectors():
-    """softmax_fwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
+    """softmax_fwd's and softmax_bwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
     odd row stride) compile to 16-byte loads and stores for their inner blocks, where the
     column-by-column walk (ALIGN 1) cannot use any."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -209,6 +213,9 @@ def test_off_alignment_rows_load_and_store_full_vectors():
                           text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts["1"] == [0, 0]
-    loads, stores = counts["8"]
+    assert counts["_softmax_fwd_kernel 1"] == [0, 0]
+    loads, stores = counts["_softmax_fwd_kernel 8"]
     assert loads >= 2 and stores >= 1  # both passes load full vectors, the second stores them
+    assert counts["_softmax_bwd_kernel 1"] == [0, 0]
+    loads, stores = counts["_softmax_bwd_kernel 8"]
+    assert loads >= 4 and stores >= 1  # dy and y in both passes
