@@ -91,7 +91,7 @@ SWEEP_CANDIDATES = {
                        "num_stages": st}
                       for m, n in ((64, 64), (128, 64), (128, 128), (64, 128))
                       for tma in (0, 1) for w in (4, 8) for st in (2, 3, 4)],
-    "decode_partial": [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+    "decode": [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                        for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)],
 }
 
@@ -108,6 +108,6 @@ def sweep_problems():
         q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
         k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
                                         device="cuda", dtype=DTYPE) for _ in range(2))
-        yield (attention_ops.DECODE_PARTIAL, f"B{batch} L{cache_len}",
+        yield (attention_ops.DECODE, f"B{batch} L{cache_len}",
                2 * k_cache.numel() * k_cache.element_size(),
                lambda: gemslib.decode_attention(q, k_cache, v_cache))

@@ -17,6 +17,7 @@ separately with them. The row log-sum-exp (natural log) comes out too, for the b
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -153,30 +154,41 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
-def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
-    n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits, scale_log2,
-    q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s,
-    IEEE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
+    cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
+    scale_log2, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
+    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
-    cache, whose K/V are read once for all of them. Writes each head's normalised partial
-    output and log-sum-exp for the split (an empty split: lse -inf, output 0)."""
+    first ``seqlens[b]`` (clamped to [0, L]; all L without seqlens) cache positions, whose K/V
+    are read once for all of them.
+
+    Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
+    normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
+    itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
+    log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
+    launch per decode step instead of a partial and a merge launch.
+    """
     split = tl.program_id(0)
     batch_kv = tl.program_id(1)
     batch = (batch_kv // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv % n_kv_heads).to(tl.int64)
-    seq_len = tl.load(seqlens_ptr + batch)
+    if HAS_SEQLENS:
+        seq_len = tl.minimum(tl.maximum(tl.load(seqlens_ptr + batch).to(tl.int32), 0), cache_len)
+    else:
+        seq_len = cache_len
     key_start = split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * group_size + group  # the query heads of this KV head
+    head_mask = group < group_size
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + batch * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
-                mask=(group[:, None] < group_size) & (dims[None, :] < head_dim), other=0.0)
+                mask=head_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
     k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
     v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
@@ -205,42 +217,44 @@ def _decode_partial_kernel(
         row_max = new_max
     empty = row_sum == 0.0
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, row_sum)[:, None])
-    lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
-    slot = (batch * n_q_heads + heads) * n_splits + split  # (B, Hq, splits)
-    head_mask = group < group_size
-    tl.store(o_part_ptr + slot[:, None] * head_dim_v + dims_v[None, :], out,
-             mask=head_mask[:, None] & (dims_v[None, :] < head_dim_v))
-    tl.store(lse_part_ptr + slot, lse, mask=head_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(o_part_ptr, lse_part_ptr, o_ptr, n_q_heads, n_splits, head_dim_v,
-                         o_stride_b, o_stride_h,
-                         BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Grid (B * Hq): combine a head's splits by their log-sum-exp; no keys at all gives 0."""
-    batch_head = tl.program_id(0).to(tl.int64)
-    splits = tl.arange(0, BLOCK_S)
-    dims_v = tl.arange(0, BLOCK_DV)
-    lse = tl.load(lse_part_ptr + batch_head * n_splits + splits, mask=splits < n_splits,
-                  other=-float("inf"))
-    top = tl.max(lse, axis=0)
-    weights = tl.where(lse == -float("inf"), 0.0, tl.exp(lse - top))
-    parts = tl.load(o_part_ptr + (batch_head * n_splits + splits)[:, None] * head_dim_v
-                    + dims_v[None, :],
-                    mask=(splits[:, None] < n_splits) & (dims_v[None, :] < head_dim_v), other=0.0)
-    total = tl.sum(weights, axis=0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    batch = batch_head // n_q_heads
-    head = batch_head % n_q_heads
-    tl.store(o_ptr + batch * o_stride_b + head * o_stride_h + dims_v, out.to(o_ptr.dtype.element_ty),
-             mask=dims_v < head_dim_v)
+    out_mask = head_mask[:, None] & (dims_v[None, :] < head_dim_v)
+    out_at = o_ptr + batch * o_stride_b + heads[:, None] * o_stride_h + dims_v[None, :]
+    if not SPLIT:
+        tl.store(out_at, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
+        head_slots = (batch * n_q_heads + heads) * n_splits  # (B, Hq, splits) buffers
+        tl.store(o_part_ptr + (head_slots + split)[:, None] * head_dim_v + dims_v[None, :], out,
+                 mask=out_mask)
+        tl.store(lse_part_ptr + head_slots + split, lse, mask=head_mask)
+        tl.debug_barrier()  # every thread's stores issued before this program counts itself
+        arrived = tl.atomic_add(arrivals_ptr + batch_kv, 1, sem="acq_rel")
+        if arrived == n_splits - 1:  # the last split of this KV head: merge
+            splits = tl.arange(0, BLOCK_S)
+            split_mask = head_mask[:, None] & (splits[None, :] < n_splits)
+            # .cg: the other programs' results from L2, never from a stale L1 line
+            lses = tl.load(lse_part_ptr + head_slots[:, None] + splits[None, :], mask=split_mask,
+                           other=-float("inf"), cache_modifier=".cg")
+            top = tl.max(lses, axis=1)
+            weights = tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top[:, None]))
+            total = tl.sum(weights, axis=1)
+            merged = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+            for part in range(0, n_splits):
+                weight = tl.sum(tl.where(splits[None, :] == part, weights, 0.0), axis=1)
+                piece = tl.load(o_part_ptr + (head_slots + part)[:, None] * head_dim_v
+                                + dims_v[None, :], mask=out_mask, other=0.0,
+                                cache_modifier=".cg")
+                merged += piece * weight[:, None]
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(out_at, merged.to(o_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
 
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA"),
                                     shape_keys=("head_dim", "seq_q", "seq_kv"))
-DECODE_PARTIAL = runtime.TunedKernel("attention", "decode_partial", _decode_partial_kernel,
-                                     tunables=("BLOCK_N",), shape_keys=("head_dim", "seq_kv"))
+DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel, tunables=("BLOCK_N",),
+                             shape_keys=("head_dim", "seq_kv"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,8 +316,29 @@ def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: in
     return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
 
 
+_arrival_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters for the decode kernel's last-arrival merge. Kept per
+    device and stream and reused (the merging program puts its counter back to 0), so a
+    decode step allocates and clears nothing for them; while a CUDA graph is being captured,
+    fresh ones that belong to the graph."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    counters = _arrival_counters.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _arrival_counters[key] = counters
+    return counters
+
+
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
-    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches."""
+    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
+    of them when seqlens is None). One launch; see ``_decode_kernel``."""
     q, k_cache, v_cache = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
@@ -312,27 +347,27 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
         return out
     if cache_len == 0:
         return out.zero_()
-    config = DECODE_PARTIAL.planned_config((head_dim, cache_len))
-    block_n = config.meta_dict["BLOCK_N"]
+    block_n = DECODE.planned_config((head_dim, cache_len)).meta_dict["BLOCK_N"]
     n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0)
     split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
     n_splits = runtime.cdiv(cache_len, split_len)
-    o_part = torch.empty((batch, n_q_heads, n_splits, head_dim_v), dtype=torch.float32,
-                         device=q.device)
-    lse_part = torch.empty((batch, n_q_heads, n_splits), dtype=torch.float32, device=q.device)
+    if n_splits > 1:
+        parts = torch.empty(batch * n_q_heads * n_splits * (head_dim_v + 1), dtype=torch.float32,
+                            device=q.device)
+        o_part, lse_part = parts[batch * n_q_heads * n_splits:], parts
+        arrivals = _arrivals(q.device, batch * n_kv_heads)
+    else:
+        o_part = lse_part = arrivals = out  # not touched
     group_size = n_q_heads // n_kv_heads
-    DECODE_PARTIAL.launch(
+    DECODE.launch(
         lambda meta: (n_splits, batch * n_kv_heads),
-        q, k_cache, v_cache, seqlens, o_part, lse_part, n_q_heads, n_kv_heads, group_size,
-        head_dim, head_dim_v, split_len, n_splits, scale * 1.4426950408889634,
-        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        q, k_cache, v_cache, seqlens if seqlens is not None else out, out, o_part, lse_part,
+        arrivals, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
+        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *out.stride()[:2], seqlens is not None, n_splits > 1,
         q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
         max(16, runtime.next_power_of_2(head_dim)), max(16, runtime.next_power_of_2(head_dim_v)),
-        shape=(head_dim, cache_len))
-    _decode_merge_kernel[(batch * n_q_heads,)](
-        o_part, lse_part, out, n_q_heads, n_splits, head_dim_v, *out.stride()[:2],
-        BLOCK_S=max(2, runtime.next_power_of_2(n_splits)),
-        BLOCK_DV=runtime.next_power_of_2(head_dim_v))
+        max(2, runtime.next_power_of_2(n_splits)), shape=(head_dim, cache_len))
     return out
 
 
@@ -355,10 +390,12 @@ def attention_reference(q, k, v, causal=False, scale=None):
 
 
 def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
-    """One query per sequence against the first seqlens[b] cache positions, by definition."""
+    """One query per sequence against the first seqlens[b] cache positions (clamped to
+    [0, L]), by definition."""
     outs = []
     for b in range(q.shape[0]):
-        length = k_cache.shape[2] if seqlens is None else int(seqlens[b])
+        length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
+                                                               k_cache.shape[2])
         out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, :length],
                                      v_cache[b:b + 1, :, :length], False, scale)
         outs.append(out[:, :, 0] if length else torch.zeros_like(out[:, :, 0]))
@@ -441,11 +478,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"{name}: q must be (B, Hq, D), got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
     _check(q[:, :, None], k_cache, v_cache, scale, name)
-    batch, cache_len = q.shape[0], k_cache.shape[2]
-    if seqlens is None:
-        seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=q.device)
-    elif not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,) or \
-            seqlens.is_floating_point() or seqlens.device != q.device:
+    batch = q.shape[0]
+    if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
+                                or seqlens.is_floating_point() or seqlens.device != q.device):
         raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
                          f"{q.device}, got {seqlens!r:.80}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -459,13 +494,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale).to(q.dtype)
-    # lengths past the cache would read out of bounds: clamp on the device, no host sync
-    return _launch_decode(q, k_cache, v_cache, seqlens.clamp(0, k_cache.shape[2]), scale)
+    # the kernel clamps the lengths to [0, L] itself: no host sync, no extra launch
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale)
 
 
 _decode_attention_op = torch.library.custom_op("gemslib::decode_attention",

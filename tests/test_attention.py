@@ -163,6 +163,39 @@ def test_decode_splits_the_cache_over_programs():
     assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0) == 1
 
 
+def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
+    """Several splits per KV head: the last split to arrive merges them and resets its
+    counter, so repeated calls (reusing the counters) give the same answer, in one launch."""
+    q = random_tensor((2, 4, 32), torch.float32)
+    k = random_tensor((2, 1, 300, 32), torch.float32)
+    v = random_tensor((2, 1, 300, 32), torch.float32)
+    monkeypatch.setattr(attention_ops, "_decode_splits", lambda *args: 4)  # 128-key splits
+    launches = []
+    original = attention_ops.DECODE.run
+    monkeypatch.setattr(attention_ops.DECODE, "run", lambda config, grid, args: (
+        launches.append(grid(config.meta_dict)), original(config, grid, args)))
+    first = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
+    second = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
+    assert launches == [(3, 2), (3, 2)]  # 3 splits of 128 keys x (B * Hkv), once per call
+    assert torch.equal(first, second)
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                        torch.tensor([300, 130]))
+    assert_close_to_reference(first, expected, torch.float32, reduction_len=300)
+    for counters in attention_ops._arrival_counters.values():
+        assert not counters.any()
+
+
+def test_decode_clamps_lengths_to_the_cache():
+    q = random_tensor((3, 2, 16), torch.float32)
+    k = random_tensor((3, 1, 40, 16), torch.float32)
+    lengths = torch.tensor([-5, 1000, 40], device=q.device)
+    out = gemslib.decode_attention(q, k, k, lengths)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros, as for length 0
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), k.double(),
+                                                        torch.tensor([0, 40, 40]))
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=40)
+
+
 def test_decode_agrees_with_prefill_attention_of_one_query():
     q = random_tensor((2, 4, 32), torch.float32)
     k = random_tensor((2, 2, 70, 32), torch.float32)

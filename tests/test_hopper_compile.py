@@ -170,7 +170,9 @@ CALLS = [
     lambda: _attention_with_descriptors(_bf16(1, 4, 40, 128), _bf16(1, 2, 50, 128),
                                         _bf16(1, 2, 50, 128), causal=True),
     lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
-                                     torch.tensor([300, 7])),  # the partial and merge kernels
+                                     torch.tensor([300, 7])),  # one split: output written directly
+    lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
+                                     _bf16(1, 1, 300, 128)),  # two splits merged, no seqlens
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
@@ -188,7 +190,7 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_attention_fwd_kernel",
-            "_decode_partial_kernel", "_decode_merge_kernel"} <= kernels
+            "_decode_kernel"} <= kernels
     # the attention launch through tensor descriptors (TMA) is among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
