@@ -68,3 +68,43 @@ def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
     (row,) = harness.summarize(results)
     assert row["error"].startswith("output check failed: RuntimeError: kernel does not compile")
     assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0
+
+
+def test_sweep_precompile_worker_runs_exactly_its_share(monkeypatch):
+    """A compile worker runs each (problem, candidate) pair of its share once, with that
+    candidate forced, and nothing else."""
+    import contextlib
+    import sys
+    import types
+
+    from benchmark import sweep
+
+    ran = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name, self.config = name, None
+
+        @contextlib.contextmanager
+        def forced(self, config):
+            self.config = config
+            yield
+            self.config = None
+
+    kernels = [Kernel("a"), Kernel("b")]
+
+    def problems():
+        for index, kernel in enumerate(kernels):
+            yield kernel, f"p{index}", 0, lambda k=kernel, i=index: ran.append((i, k.config))
+
+    fake = types.SimpleNamespace(
+        sweep_problems=problems,
+        SWEEP_CANDIDATES={"a": [{"X": 1, "num_warps": 2}, {"X": 2, "num_warps": 8}],
+                          "b": [{"X": 3, "num_stages": 3}]})
+    monkeypatch.setitem(sys.modules, "benchmark.bench_fake", fake)
+    assert sweep._compile_share("fake", None, [(0, 1), (1, 0)]) == 2
+    assert [(i, c.meta, c.num_warps, c.num_stages) for i, c in ran] == \
+        [(0, (("X", 2),), 8, 1), (1, (("X", 3),), 4, 3)]
+    ran.clear()
+    assert sweep._compile_share("fake", ["p1"], [(0, 0), (1, 0)]) == 1
+    assert [i for i, _ in ran] == [1]
