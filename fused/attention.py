@@ -60,18 +60,23 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
             k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
                         mask=key_mask & (dims[:, None] < head_dim), other=0.0)
         if IEEE:
-            scores = tl.dot(q, k, input_precision="ieee") * scale_log2
+            qk = tl.dot(q, k, input_precision="ieee")
         else:
-            scores = tl.dot(q, k) * scale_log2
+            qk = tl.dot(q, k)
         if MASKED:
             visible = key_mask
             if CAUSAL:
                 visible = visible & (keys[None, :] <= rows[:, None])
-            scores = tl.where(visible, scores, -float("inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            scores = tl.where(visible, qk * scale_log2, -float("inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            p = tl.exp2(scores - new_max[:, None])
+        else:
+            # scale_log2 >= 0 (the launcher flips q's sign otherwise), so the scaled maximum is
+            # the maximum scaled, and the exponent is one fused multiply-add per score
+            new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
+            p = tl.exp2(qk * scale_log2 - new_max[:, None])
         # every row sees key 0 in the first block it folds, so new_max is finite from then on
         rescale = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(p, axis=1)
         if TMA:
             v = v_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_DV)
@@ -269,6 +274,8 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
+        q, scale = -q, -scale
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)

@@ -95,6 +95,21 @@ def test_matches_sdpa_semantics_with_views_and_scale():
         assert_close_to_reference(ours, expected, torch.float32, reduction_len=23)
 
 
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-3])
+def test_any_scale_sign_in_masked_and_unmasked_blocks(scale):
+    """Unmasked key blocks fold the scale into the exponent's multiply-add, which needs a
+    scale >= 0 (a negative one flips q's sign); 75 keys give full blocks and a ragged end."""
+    q = random_tensor((1, 2, 70, 32), torch.float32, scale=1.0)
+    k = random_tensor((1, 1, 75, 32), torch.float32, scale=1.0)
+    v = random_tensor((1, 1, 75, 32), torch.float32, scale=1.0)
+    for causal in (False, True):
+        ours = gemslib.attention(q, k, v, causal=causal, scale=scale)
+        # by definition: torch 2.13's math SDPA gives NaN for a negative scale with causal
+        expected, _ = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                        causal, scale)
+        assert_close_to_reference(ours, expected, torch.float32, reduction_len=75)
+
+
 def test_empty_and_keyless_inputs_behave_like_sdpa():
     q = random_tensor((1, 2, 3, 16), torch.float32)
     no_keys = random_tensor((1, 2, 0, 16), torch.float32)
