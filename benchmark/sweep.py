@@ -6,7 +6,9 @@ the best config per kernel and problem, and writes the table as JSON if ``--out`
 Each candidate's output is compared with the shipped config's before it is timed; a candidate
 that fails or disagrees is reported and left out. Compiling dominates a sweep, so ``--jobs``
 worker processes first run every (problem, candidate) once to fill Triton's on-disk cache, and
-the timing process then loads the kernels from it.
+the timing process then loads the kernels from it. ``--yaml PATH`` writes the config file in use
+with each swept kernel's entry led by one bucket per problem (bounded by the problem's shape,
+holding its best config), for ``GEMSLIB_TUNE_CONFIG=PATH python -m benchmark`` straight after.
 This is the measurement behind the shipped ``tune_configs/<gpu>.yaml`` entries.
 """
 
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("op", help="operator file name, e.g. silu")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--only", nargs="+", help="problem labels to sweep (default: all)")
+    parser.add_argument("--yaml", type=Path, help="write the config file in use with the best "
+                        "config of each problem in front of the swept kernels' buckets")
     parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the candidates first (1: compile while "
                              "timing)")
@@ -97,11 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
     module = importlib.import_module(f"benchmark.bench_{args.op}")
     table = []
+    best_by_kernel: dict = {}  # kernel -> [(shape, best config)]
     for kernel, label, bytes_moved, fn in module.sweep_problems():
         if args.only and label not in args.only:
             continue
         timings = []
         expected = _first_tensor(fn()).float()  # with the shipped config
+        shape = tuple(int(size) for size in kernel.last_shape)
         for raw in module.SWEEP_CANDIDATES[kernel.name]:
             with kernel.forced(_config(raw)):
                 try:
@@ -118,12 +124,39 @@ def main(argv: list[str] | None = None) -> int:
                           "us": ms * 1e3, "gbps": bytes_moved / ms / 1e6})
         timings.sort(key=lambda item: item[0])
         best_ms, best = timings[0]
+        best_by_kernel.setdefault(kernel, []).append((shape, best))
         runner_up = ", ".join(f"{c} {ms * 1e3:.1f}" for ms, c in timings[1:4])
         print(f"{kernel.name:<20}{label:<14} best {best} {best_ms * 1e3:.1f} us "
               f"({bytes_moved / best_ms / 1e6:.0f} GB/s); next: {runner_up}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(table, indent=1))
+    if args.yaml:
+        write_yaml(args.yaml, best_by_kernel, f"python -m benchmark.sweep {args.op}")
+        print(f"wrote {args.yaml}")
     return 0
+
+
+def write_yaml(path: Path, best_by_kernel: dict, source: str) -> None:
+    """The config file in use, each kernel of ``best_by_kernel`` ({kernel: [(shape, config)]})
+    led by a bucket per swept shape. Sorted by shape, every swept shape meets its own bucket
+    first (a bucket admits the shapes <= its bound in every key, and one that admits a shape
+    that sorts after it would have to equal it). Other shapes take the first swept bucket that
+    bounds them, else the kernel's earlier buckets (from the file, else default.yaml): a file
+    for benchmarking the swept shapes, to be edited into shipped buckets by hand."""
+    import yaml
+
+    from gemslib import runtime
+
+    data = yaml.safe_load(runtime.config_path().read_text())
+    default = yaml.safe_load((runtime.shipped_configs_dir() / "default.yaml").read_text())
+    for kernel, entries in best_by_kernel.items():
+        kept = data["ops"].get(kernel.op, {}).get(kernel.name) or \
+            default["ops"][kernel.op][kernel.name]
+        swept = [{"max": dict(zip(kernel.shape_keys, shape)), "config": config}
+                 for shape, config in sorted(entries, key=lambda entry: entry[0])]
+        data["ops"].setdefault(kernel.op, {})[kernel.name] = swept + kept
+    data["source"] = f"{data.get('source', '')}; {source} (best per swept shape)"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 if __name__ == "__main__":
