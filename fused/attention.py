@@ -257,7 +257,7 @@ def _decode_kernel(
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA"),
-                                    shape_keys=("head_dim", "seq_q", "seq_kv"))
+                                    shape_keys=("head_dim", "causal", "seq_q", "seq_kv"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel, tunables=("BLOCK_N",),
                              shape_keys=("head_dim", "seq_kv"))
 
@@ -284,7 +284,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
         return out, lse.fill_(-float("inf"))
     if seq_kv == 0:  # no keys: SDPA gives zeros
         return out.zero_(), lse.fill_(-float("inf"))
-    shape = (head_dim, seq_q, seq_kv)
+    shape = (head_dim, int(causal), seq_q, seq_kv)
     block_d = max(16, runtime.next_power_of_2(head_dim))
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     config = ATTENTION_FWD.planned_config(shape)
