@@ -200,6 +200,22 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
         assert not counters.any()
 
 
+def test_decode_merges_many_splits_in_chunks_for_a_group_that_is_not_a_power_of_two(monkeypatch):
+    """40 splits of 64 keys, merged 32 at a time (Dv 256), for 3 query heads per KV head
+    (one padded member of the merge masked off); a sequence that ends in the first split
+    leaves 39 empty ones."""
+    q = random_tensor((2, 3, 16), torch.float32)
+    k = random_tensor((2, 1, 2560, 16), torch.float32)
+    v = random_tensor((2, 1, 2560, 256), torch.float32)
+    monkeypatch.setattr(attention_ops, "_decode_splits", lambda *args: 40)
+    seqlens = torch.tensor([2500, 7], device=q.device)
+    with attention_ops.DECODE.forced(runtime.LaunchConfig((("BLOCK_N", 64),), 4, 1)):
+        out = gemslib.decode_attention(q, k, v, seqlens)
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                        seqlens.cpu())
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=2500)
+
+
 def test_decode_clamps_lengths_to_the_cache():
     q = random_tensor((3, 2, 16), torch.float32)
     k = random_tensor((3, 1, 40, 16), torch.float32)
