@@ -43,10 +43,11 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
                    k_desc, v_desc, batch, kv_head,
                    rows, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                   TMA: tl.constexpr,
+                   TMA: tl.constexpr, LAZY: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Fold keys [key_start, key_end) into the running (acc, row_max, row_sum); row_max is in
-    log2 units. MASKED blocks check key bounds (and causality); the others need no mask.
+    log2 units. MASKED blocks check key bounds (and causality); the others need no mask. With
+    LAZY, unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
     With TMA, K and V blocks come through tensor descriptors (Hopper's bulk copies; rows and
     features past the tensor's end read as zeros)."""
     dims = tl.arange(0, BLOCK_D)
@@ -70,23 +71,43 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
             scores = tl.where(visible, qk * scale_log2, -float("inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
             p = tl.exp2(scores - new_max[:, None])
+        elif LAZY:
+            # the running maximum moves only when some row's grows by more than 2^8: until
+            # then p <= 256 against a stale maximum, which fp32 sums and the output's
+            # normalisation absorb, and the block skips rescaling acc (one multiply per element)
+            block_max = tl.max(qk, axis=1) * scale_log2
+            if tl.max(block_max - row_max, axis=0) > 8.0:
+                new_max = tl.maximum(row_max, block_max)
+                rescale = tl.exp2(row_max - new_max)
+                acc = acc * rescale[:, None]
+                row_sum = row_sum * rescale
+                row_max = new_max
+            new_max = row_max
+            p = tl.exp2(qk * scale_log2 - row_max[:, None])
         else:
             # scale_log2 >= 0 (the launcher flips q's sign otherwise), so the scaled maximum is
             # the maximum scaled, and the exponent is one fused multiply-add per score
             new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
             p = tl.exp2(qk * scale_log2 - new_max[:, None])
-        # every row sees key 0 in the first block it folds, so new_max is finite from then on
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
         if TMA:
             v = v_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
                         mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        if LAZY and not MASKED:  # acc and row_sum are already on row_max's scale
+            row_sum = row_sum + tl.sum(p, axis=1)
+            if IEEE:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            # every row sees key 0 in the first block it folds, so new_max is finite from then on
+            rescale = tl.exp2(row_max - new_max)
+            row_sum = row_sum * rescale + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
     return acc, row_max, row_sum
 
@@ -99,7 +120,7 @@ def _attention_fwd_kernel(
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Grid (query blocks, B * Hq). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
@@ -140,11 +161,11 @@ def _attention_fwd_kernel(
     acc, row_max, row_sum = _attend_blocks(
         acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
         batch_i32, kv_head_i32, rows, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
-        False, CAUSAL, IEEE, TMA, BLOCK_N, BLOCK_D, BLOCK_DV)
+        False, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
     acc, row_max, row_sum = _attend_blocks(
         acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
         batch_i32, kv_head_i32, rows, full_end, key_end, seq_kv, head_dim, head_dim_v,
-        scale_log2, True, CAUSAL, IEEE, TMA, BLOCK_N, BLOCK_D, BLOCK_DV)
+        scale_log2, True, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     out = (acc / row_sum[:, None]).to(o_ptr.dtype.element_ty)
     if TMA:  # rows and features past o's end are not written
@@ -268,7 +289,7 @@ def _decode_kernel(
 
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
-                                    tunables=("BLOCK_M", "BLOCK_N", "USE_TMA"),
+                                    tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
                                     shape_keys=("head_dim", "causal", "seq_q", "seq_kv"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel, tunables=("BLOCK_N",),
                              shape_keys=("head_dim", "seq_kv"))

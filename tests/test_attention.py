@@ -47,17 +47,19 @@ def test_forward_matches_reference(case, dtype, causal):
     torch.testing.assert_close(public, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
 @pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
-def test_both_load_paths_match_reference(use_tma, causal, dtype):
+def test_both_load_paths_match_reference(use_tma, causal, dtype, lazy):
     """Pointers or tensor descriptors (TMA) for q, K, V and o: (B, S, H, D) storage seen as
     (B, H, S, D), GQA, ragged query and key blocks, Dv != D and head dims under the block's."""
     q = random_tensor((2, 37, 4, 24), dtype, scale=1.0).transpose(1, 2)
     k = random_tensor((2, 53, 2, 24), dtype, scale=1.0).transpose(1, 2)
     v = random_tensor((2, 53, 2, 40), dtype, scale=1.0).transpose(1, 2)
     assert attention_ops._tma_ready(q, k, v)  # so the descriptor case really uses them
-    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma)), 4, 1)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma),
+                                   ("LAZY", lazy)), 4, 1)
     with attention_ops.ATTENTION_FWD.forced(config):
         out, lse = attention_ops._launch_forward(q, k, v, causal, 0.2)
     expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
@@ -65,6 +67,25 @@ def test_both_load_paths_match_reference(use_tma, causal, dtype):
     rtol = tolerance(dtype)["rtol"]  # p rounded to the input dtype before p @ v (see above)
     torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * v.abs().max().item())
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
+
+
+@pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
+def test_scores_that_grow_along_the_keys(lazy):
+    """Keys scaled up along the sequence: each block's maxima pass the running ones, by less
+    than 2^8 in some blocks (kept stale by the lazy form) and by more in others (rescaled)."""
+    q = random_tensor((1, 2, 40, 32), torch.float32, scale=1.0)
+    growth = torch.linspace(0.0, 12.0, 160, device=q.device)[None, None, :, None]
+    k = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0) * growth
+    v = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 0),
+                                   ("LAZY", lazy)), 4, 1)
+    for causal in (False, True):
+        with attention_ops.ATTENTION_FWD.forced(config):
+            out, lse = attention_ops._launch_forward(q, k, v, causal, 0.5)
+        expected, expected_lse = attention_ops.attention_reference(
+            q.double(), k.double(), v.double(), causal, 0.5)
+        assert_close_to_reference(out, expected, torch.float32, reduction_len=160)
+        assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=160)
 
 
 def test_descriptors_are_used_only_where_the_strides_allow():
@@ -75,7 +96,8 @@ def test_descriptors_are_used_only_where_the_strides_allow():
     assert not attention_ops._tma_ready(random_tensor((1, 1, 4, 512), torch.float16))  # > 256
     # an unaligned head dim with TMA asked for: pointers, same results
     q = random_tensor((1, 2, 9, 12), torch.float16)
-    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 1)), 4, 1)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 1), ("LAZY", 0)),
+                                  4, 1)
     with attention_ops.ATTENTION_FWD.forced(config):
         out, _ = attention_ops._launch_forward(q, q, q, False, 0.5)
     expected, _ = attention_ops.attention_reference(q.double(), q.double(), q.double(), False, 0.5)

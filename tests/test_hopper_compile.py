@@ -127,7 +127,8 @@ def _split_softmax(x, chunk):
 
 
 def _attention_with_descriptors(q, k, v, causal):
-    config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1)), 4, 2)
+    config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1), ("LAZY", 1)),
+                                  4, 2)
     with attention_ops.ATTENTION_FWD.forced(config):
         return gemslib.attention(q, k, v, causal=causal)
 
