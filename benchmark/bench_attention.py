@@ -96,8 +96,10 @@ SWEEP_CANDIDATES = {
                       for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
                                               (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
                       for tma in (0, 1) for lazy in (0, 1) for st in stages],
-    "decode": [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
-               for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3)],
+    # the first H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
+    # 1 stage loses at B16; the split count (programs per SM) was fixed at 2 then
+    "decode": [{"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": w, "num_stages": st}
+               for n in (64, 128) for w in (4, 8) for st in (2, 3) for per_sm in (2, 4, 8, 16)],
 }
 
 
@@ -109,7 +111,7 @@ def sweep_problems():
         for causal in (False, True):
             yield (attention_ops.ATTENTION_FWD, f"S{seq} D{dim}" + (" causal" if causal else ""),
                    0, lambda c=causal: gemslib.attention(q, k, v, causal=c))
-    for batch, cache_len in QUICK_DECODE:
+    for batch, cache_len in QUICK_DECODE + EXTRA_DECODE:
         q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
         k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
                                         device="cuda", dtype=DTYPE) for _ in range(2))

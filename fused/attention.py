@@ -187,7 +187,7 @@ def _decode_kernel(
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
     HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (clamped to [0, L]; all L without seqlens) cache positions, whose K/V
@@ -197,7 +197,8 @@ def _decode_kernel(
     normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
     itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
     log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
-    launch per decode step instead of a partial and a merge launch.
+    launch per decode step instead of a partial and a merge launch. PROGRAMS_PER_SM is the
+    launcher's (it sets the number of splits); the kernel does not use it.
     """
     split = tl.program_id(0)
     batch_kv = tl.program_id(1)
@@ -291,7 +292,8 @@ def _decode_kernel(
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
                                     shape_keys=("head_dim", "causal", "seq_q", "seq_kv"))
-DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel, tunables=("BLOCK_N",),
+DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
+                             tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
                              shape_keys=("head_dim", "seq_kv"))
 
 
@@ -349,10 +351,13 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
     return max(t.shape[-1] for t in tensors) <= 256
 
 
-def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int) -> int:
-    """Splits of the KV length: enough programs for two waves over the SMs, but no split
-    shorter than one block of keys."""
-    wanted = runtime.cdiv(2 * runtime.multiprocessor_count(device_index), max(batch_kv, 1))
+def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int,
+                   programs_per_sm: int) -> int:
+    """Splits of the KV length: enough programs for ``programs_per_sm`` per SM (a config
+    choice: streaming the cache wants several resident per SM to keep loads in flight), but no
+    split shorter than one block of keys and at most 256."""
+    wanted = runtime.cdiv(programs_per_sm * runtime.multiprocessor_count(device_index),
+                          max(batch_kv, 1))
     return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
 
 
@@ -387,8 +392,10 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
         return out
     if cache_len == 0:
         return out.zero_()
-    block_n = DECODE.planned_config((head_dim, cache_len)).meta_dict["BLOCK_N"]
-    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0)
+    meta = DECODE.planned_config((head_dim, cache_len)).meta_dict
+    block_n = meta["BLOCK_N"]
+    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
+                              meta["PROGRAMS_PER_SM"])
     split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
     n_splits = runtime.cdiv(cache_len, split_len)
     if n_splits > 1:

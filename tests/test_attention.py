@@ -192,12 +192,14 @@ def test_decode_matches_reference(case, dtype):
 
 
 def test_decode_splits_the_cache_over_programs():
-    """Two programs per SM are wanted (the interpreter counts one SM), never a split shorter
-    than one block of keys, and none when the heads alone fill the GPU."""
+    """The config's programs per SM (the interpreter counts one SM), never a split shorter
+    than one block of keys, none when the heads alone fill the GPU, and at most 256."""
     sms = runtime.multiprocessor_count(0) if ON_GPU else 1
-    assert attention_ops._decode_splits(1, 10_000_000, 64, 0) == min(2 * sms, 256)
-    assert attention_ops._decode_splits(1, 100, 64, 0) == min(2 * sms, 2)
-    assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0) == 1
+    assert attention_ops._decode_splits(1, 10_000_000, 64, 0, 2) == min(2 * sms, 256)
+    assert attention_ops._decode_splits(3, 10_000_000, 64, 0, 8) == min(-(-8 * sms // 3), 256)
+    assert attention_ops._decode_splits(1, 100, 64, 0, 2) == min(2 * sms, 2)
+    assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0, 2) == 1
+    assert attention_ops._decode_splits(1, 10_000_000, 16, 0, 1000) == 256
 
 
 def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
@@ -231,7 +233,8 @@ def test_decode_merges_many_splits_in_chunks_for_a_group_that_is_not_a_power_of_
     v = random_tensor((2, 1, 2560, 256), torch.float32)
     monkeypatch.setattr(attention_ops, "_decode_splits", lambda *args: 40)
     seqlens = torch.tensor([2500, 7], device=q.device)
-    with attention_ops.DECODE.forced(runtime.LaunchConfig((("BLOCK_N", 64),), 4, 1)):
+    with attention_ops.DECODE.forced(runtime.LaunchConfig((("BLOCK_N", 64),
+                                                            ("PROGRAMS_PER_SM", 2)), 4, 1)):
         out = gemslib.decode_attention(q, k, v, seqlens)
     expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
                                                         seqlens.cpu())
