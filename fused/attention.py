@@ -381,6 +381,36 @@ def _arrivals(device: torch.device, count: int) -> torch.Tensor:
     return counters
 
 
+_decode_plans: dict[tuple, tuple] = {}
+
+
+def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -> tuple:
+    """(config, grid, n_splits, scalar and constexpr arguments) of a decode launch: everything
+    that follows from the shapes, strides and dtype, worked out once per layout (decode calls
+    the same layout every step, and at B1 the host's time is most of a step)."""
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    meta = config.meta_dict
+    block_n = meta["BLOCK_N"]
+    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
+                              meta["PROGRAMS_PER_SM"])
+    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
+    n_splits = runtime.cdiv(cache_len, split_len)
+    group_size = n_q_heads // n_kv_heads
+    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    block_s = max(2, runtime.next_power_of_2(n_splits))  # merged in chunks of <= 8192 values
+    out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
+    arguments = (
+        cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
+        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1,
+        q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
+        runtime.next_power_of_2(group_size), max(16, runtime.next_power_of_2(head_dim)),
+        block_dv, block_s, min(block_s, max(2, 8192 // block_dv)))
+    grid = (n_splits, batch * n_kv_heads)
+    return config, lambda meta: grid, n_splits, arguments
+
+
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None). One launch; see ``_decode_kernel``."""
@@ -392,31 +422,24 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
         return out
     if cache_len == 0:
         return out.zero_()
-    meta = DECODE.planned_config((head_dim, cache_len)).meta_dict
-    block_n = meta["BLOCK_N"]
-    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
-                              meta["PROGRAMS_PER_SM"])
-    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
-    n_splits = runtime.cdiv(cache_len, split_len)
+    config = DECODE.planned_config((head_dim, cache_len))
+    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype,
+           q.device, seqlens is None, scale, config)
+    plan = _decode_plans.get(key)
+    if plan is None:
+        plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale, config)
+        if len(_decode_plans) < 1024:
+            _decode_plans[key] = plan
+    config, grid, n_splits, arguments = plan
     if n_splits > 1:
-        parts = torch.empty(batch * n_q_heads * n_splits * (head_dim_v + 1), dtype=torch.float32,
-                            device=q.device)
-        o_part, lse_part = parts[batch * n_q_heads * n_splits:], parts
+        lse_count = batch * n_q_heads * n_splits
+        parts = torch.empty(lse_count * (head_dim_v + 1), dtype=torch.float32, device=q.device)
+        o_part, lse_part = parts[lse_count:], parts
         arrivals = _arrivals(q.device, batch * n_kv_heads)
     else:
         o_part = lse_part = arrivals = out  # not touched
-    group_size = n_q_heads // n_kv_heads
-    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
-    block_s = max(2, runtime.next_power_of_2(n_splits))  # merged in chunks of <= 8192 values
-    DECODE.launch(
-        lambda meta: (n_splits, batch * n_kv_heads),
-        q, k_cache, v_cache, seqlens if seqlens is not None else out, out, o_part, lse_part,
-        arrivals, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
-        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], *out.stride()[:2], seqlens is not None, n_splits > 1,
-        q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
-        runtime.next_power_of_2(group_size), max(16, runtime.next_power_of_2(head_dim)),
-        block_dv, block_s, min(block_s, max(2, 8192 // block_dv)), shape=(head_dim, cache_len))
+    DECODE.run(config, grid, (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
+                              o_part, lse_part, arrivals, *arguments))
     return out
 
 
@@ -480,6 +503,34 @@ def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
         raise TypeError(f"{name}: scale must be a number or None, got {type(scale).__name__}")
 
 
+_checked_decode_layouts: set = set()
+
+
+def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
+    """Validate decode_attention's arguments; a combination of shapes, dtypes and devices that
+    passed once is not checked again (the checks were a fifth of a B1 step's host time)."""
+    name = "gemslib.decode_attention"
+    try:
+        key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype,
+               q.device, k_cache.device, v_cache.device, type(scale),
+               None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device))
+    except AttributeError:  # not tensors: the checks below say which
+        key = None
+    if key is not None and key in _checked_decode_layouts:
+        return
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"{name}: q must be (B, Hq, D), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    _check(q[:, :, None], k_cache, v_cache, scale, name)
+    batch = q.shape[0]
+    if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
+                                or seqlens.is_floating_point() or seqlens.device != q.device):
+        raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
+                         f"{q.device}, got {seqlens!r:.80}")
+    if key is not None and len(_checked_decode_layouts) < 4096:
+        _checked_decode_layouts.add(key)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               scale: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -522,16 +573,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
     split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
     of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
-    name = "gemslib.decode_attention"
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"{name}: q must be (B, Hq, D), got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    _check(q[:, :, None], k_cache, v_cache, scale, name)
-    batch = q.shape[0]
-    if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
-                                or seqlens.is_floating_point() or seqlens.device != q.device):
-        raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
-                         f"{q.device}, got {seqlens!r:.80}")
+    _check_decode(q, k_cache, v_cache, seqlens, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):

@@ -369,7 +369,7 @@ class TunedKernel:
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
-        self.last_shape: tuple[int, ...] | None = None  # of the last launch (the sweep's YAML)
+        self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
@@ -445,6 +445,7 @@ class TunedKernel:
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
+        self.last_shape = shape
         if self._forced is not None:
             return self._forced
         key = ("planned", *shape)
