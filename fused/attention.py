@@ -291,7 +291,8 @@ def _decode_kernel(
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
-                                    shape_keys=("head_dim", "causal", "seq_q", "seq_kv"))
+                                    shape_keys=("head_dim", "causal", "elem_bytes", "seq_q",
+                                                "seq_kv"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
                              tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
                              shape_keys=("head_dim", "seq_kv"))
@@ -319,7 +320,8 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
         return out, lse.fill_(-float("inf"))
     if seq_kv == 0:  # no keys: SDPA gives zeros
         return out.zero_(), lse.fill_(-float("inf"))
-    shape = (head_dim, int(causal), seq_q, seq_kv)
+    # elem_bytes: fp32 inputs need smaller tiles than the 16-bit ones (shared memory)
+    shape = (head_dim, int(causal), q.element_size(), seq_q, seq_kv)
     block_d = max(16, runtime.next_power_of_2(head_dim))
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     config = ATTENTION_FWD.planned_config(shape)

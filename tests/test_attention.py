@@ -286,7 +286,12 @@ def test_sdpa_runs_gemslib_under_enable(dtype):
         outs = {causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
                 for causal in (False, True)}
     served = sum(activation.calls.values())
-    assert served == 2 and not activation.fallbacks, (activation.calls, activation.fallbacks)
+    if ON_GPU and dtype == torch.float32:
+        # no CUDA backend of torch takes fp32 with grouped heads: torch's math path, which
+        # gemslib leaves alone, serves the calls
+        assert served == 0 and not activation.fallbacks, (activation.calls, activation.fallbacks)
+    else:
+        assert served == 2 and not activation.fallbacks, (activation.calls, activation.fallbacks)
     if not ON_GPU:  # on the GPU torch may pick any of its three backends, all overridden
         assert activation.calls == {SDPA_OP: 2}
     rtol = tolerance(dtype)["rtol"]
