@@ -409,8 +409,7 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -
         q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
         runtime.next_power_of_2(group_size), max(16, runtime.next_power_of_2(head_dim)),
         block_dv, block_s, min(block_s, max(2, 8192 // block_dv)))
-    grid = (n_splits, batch * n_kv_heads)
-    return config, lambda meta: grid, n_splits, arguments
+    return config, (n_splits, batch * n_kv_heads), n_splits, arguments
 
 
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
@@ -425,8 +424,8 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
     if cache_len == 0:
         return out.zero_()
     config = DECODE.planned_config((head_dim, cache_len))
-    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(), q.dtype,
-           q.device, seqlens is None, scale, config)
+    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+           q.dtype, q.device, seqlens is None, scale, config)
     plan = _decode_plans.get(key)
     if plan is None:
         plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale, config)
@@ -440,8 +439,9 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
         arrivals = _arrivals(q.device, batch * n_kv_heads)
     else:
         o_part = lse_part = arrivals = out  # not touched
-    DECODE.run(config, grid, (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
-                              o_part, lse_part, arrivals, *arguments))
+    DECODE.replay(key, config, grid, (q, k_cache, v_cache,
+                                      seqlens if seqlens is not None else out, out, o_part,
+                                      lse_part, arrivals, *arguments))
     return out
 
 

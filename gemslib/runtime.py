@@ -370,11 +370,13 @@ class TunedKernel:
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
         self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
+        self._compiled: dict[tuple, tuple] = {}  # replay key -> (compiled kernel, constexprs)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
         self._chosen.clear()
         self._checked.clear()
+        self._compiled.clear()
 
     @contextlib.contextmanager
     def forced(self, config: LaunchConfig):
@@ -462,6 +464,33 @@ class TunedKernel:
 
     def run(self, config: LaunchConfig, grid, args) -> None:
         self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs)
+
+    def replay(self, key, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
+        """:meth:`run` for a launch that repeats every step with new tensors (decode).
+
+        The first call with ``key`` goes through Triton and keeps the compiled kernel; later
+        calls whose tensors have the same dtypes and 16-byte alignment (all Triton specialises
+        a tensor on) launch it directly, skipping Triton's argument binding and cache lookup,
+        which are most of a small launch's host time. ``key`` must determine ``config``,
+        ``grid`` and every argument that is not a tensor, and the config's constexprs must be
+        the kernel's last parameters.
+        """
+        if INTERPRETER:
+            self.run(config, lambda meta: grid, args)
+            return
+        tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args
+                        if isinstance(a, torch.Tensor))
+        full_key = (key, tensors, torch.cuda.current_device())
+        compiled = self._compiled.get(full_key)
+        if compiled is None:
+            kernel = self.fn[grid](*args, **config.launch_kwargs)
+            meta = config.meta_dict
+            constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
+            if len(self._compiled) < 1024:
+                self._compiled[full_key] = (kernel, constexprs)
+            return
+        kernel, constexprs = compiled
+        kernel[grid](*args, *constexprs)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)

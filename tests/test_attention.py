@@ -241,6 +241,24 @@ def test_decode_merges_many_splits_in_chunks_for_a_group_that_is_not_a_power_of_
     assert_close_to_reference(out, expected, torch.float32, reduction_len=2500)
 
 
+def test_decode_repeated_layout_with_caches_at_other_alignments():
+    """Decode steps replay the compiled kernel of their layout; a step whose caches start at
+    an address Triton did not specialise for (one element past 16 bytes) gets its own."""
+    q = random_tensor((2, 4, 32), torch.float16)
+    storage = random_tensor((2 * 2 * 2 * 300 * 32 + 1,), torch.float16, scale=1.0)
+    outputs = []
+    for offset in (0, 1, 0):
+        caches = storage[offset:offset + storage.numel() - 1].view(2, 2, 2, 300, 32)
+        k, v = caches[0], caches[1]
+        out = gemslib.decode_attention(q, k, v)
+        expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double())
+        rtol = tolerance(torch.float16)["rtol"]
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[2])
+
+
 def test_decode_clamps_lengths_to_the_cache():
     q = random_tensor((3, 2, 16), torch.float32)
     k = random_tensor((3, 1, 40, 16), torch.float32)
