@@ -4,7 +4,7 @@
 
 For gemslib and SDPA: the host's time per call (back-to-back calls, no sync), the GPU's kernel
 time per call (torch.profiler, an L2 flush before each call, flush kernels left out), and the
-benchmark's figure (do_bench median with its flush), which shows host time only past what the
+benchmark's figure; gemslib also without ``TunedKernel.replay`` (Triton's full launch path), (do_bench median with its flush), which shows host time only past what the
 flush hides. Results: benchmark/NOTES.md.
 """
 
@@ -19,6 +19,20 @@ from benchmark.bench_attention import (DECODE_DIM, DECODE_HEADS, DECODE_KV_HEADS
                                        EXTRA_DECODE, QUICK_DECODE)
 from benchmark.experiments.host_overhead import host_us
 from benchmark.harness import median_ms
+from gemslib.fused import attention as attention_ops
+
+
+def without_replay(fn):
+    """``fn`` with decode launching through Triton's full path, as before TunedKernel.replay."""
+    def call():
+        kernel = attention_ops.DECODE
+        kernel.replay = lambda key, config, grid, args: kernel.run(config, lambda meta: grid,
+                                                                   args)
+        try:
+            return fn()
+        finally:
+            del kernel.replay
+    return call
 
 
 def kernel_us(fn, calls: int = 20) -> float:
@@ -44,12 +58,14 @@ def main():
         k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
                                         device="cuda", dtype=DTYPE) for _ in range(2))
         calls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
+                 "no replay": without_replay(lambda: gemslib.decode_attention(q, k_cache,
+                                                                              v_cache)),
                  "SDPA": lambda: F.scaled_dot_product_attention(q[:, :, None], k_cache, v_cache,
                                                                 enable_gqa=True)}
         gigabytes = 2 * k_cache.numel() * k_cache.element_size() / 1e9
         for name, fn in calls.items():
             kernel = kernel_us(fn)
-            print(f"B{batch} L{cache_len:<7} {name:<8} host {host_us(fn, 300):6.1f} us/call, "
+            print(f"B{batch} L{cache_len:<7} {name:<9} host {host_us(fn, 300):6.1f} us/call, "
                   f"kernels {kernel:7.1f} us ({gigabytes / kernel * 1e6:5.0f} GB/s), "
                   f"benchmark {median_ms(fn) * 1e3:7.1f} us", flush=True)
 
