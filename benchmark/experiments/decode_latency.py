@@ -4,8 +4,9 @@
 
 For gemslib and SDPA: the host's time per call (back-to-back calls, no sync), the GPU's kernel
 time per call (torch.profiler, an L2 flush before each call, flush kernels left out), and the
-benchmark's figure; gemslib also without ``TunedKernel.replay`` (Triton's full launch path), (do_bench median with its flush), which shows host time only past what the
-flush hides. Results: benchmark/NOTES.md.
+benchmark's figure (do_bench median with its flush), which shows host time only past what the
+flush hides. gemslib also runs without ``TunedKernel.replay`` (Triton's full launch path).
+Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
