@@ -370,7 +370,7 @@ class TunedKernel:
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
         self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
-        self._compiled: dict[tuple, tuple] = {}  # replay key -> (compiled kernel, constexprs)
+        self._compiled: dict[tuple, tuple] = {}  # replay key -> (launcher, constexprs)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
@@ -486,11 +486,11 @@ class TunedKernel:
             kernel = self.fn[grid](*args, **config.launch_kwargs)
             meta = config.meta_dict
             constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
-            if len(self._compiled) < 1024:
-                self._compiled[full_key] = (kernel, constexprs)
+            if len(self._compiled) < 1024:  # a compiled kernel launches on a 3-d grid
+                self._compiled[full_key] = (kernel[(*grid, 1, 1)[:3]], constexprs)
             return
-        kernel, constexprs = compiled
-        kernel[grid](*args, *constexprs)
+        launcher, constexprs = compiled
+        launcher(*args, *constexprs)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)
