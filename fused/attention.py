@@ -258,34 +258,39 @@ def _decode_kernel(
         tl.debug_barrier()  # every thread's stores issued before this program counts itself
         arrived = tl.atomic_add(arrivals_ptr + batch_kv, 1, sem="acq_rel")
         if arrived == n_splits - 1:  # the last split of this KV head: merge
-            # unrolled over the group's heads and chunks of splits, with masks instead of
-            # branches, so every load can be in flight at once: a loop over the splits waited
-            # one L2 round trip per split (33 at B1 L8192: ~20 us)
-            for member in tl.static_range(GROUP):
-                slot = (batch * n_q_heads + kv_head * group_size + member) * n_splits
-                member_ok = member < group_size
-                # .cg: the other programs' results from L2, never from a stale L1 line
-                lses = tl.load(lse_part_ptr + slot + tl.arange(0, BLOCK_S),
-                               mask=member_ok & (tl.arange(0, BLOCK_S) < n_splits),
-                               other=-float("inf"), cache_modifier=".cg")
-                top = tl.max(lses, axis=0)
-                total = tl.sum(tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top)), axis=0)
-                merged = tl.zeros([BLOCK_DV], dtype=tl.float32)
-                for chunk_start in tl.static_range(0, BLOCK_S, MERGE_S):
-                    chunk = chunk_start + tl.arange(0, MERGE_S)
-                    in_chunk = member_ok & (chunk < n_splits)
-                    chunk_lses = tl.load(lse_part_ptr + slot + chunk, mask=in_chunk,
-                                         other=-float("inf"), cache_modifier=".cg")
-                    weights = tl.where(chunk_lses == -float("inf"), 0.0, tl.exp(chunk_lses - top))
-                    pieces = tl.load(o_part_ptr + (slot + chunk)[:, None] * head_dim_v
-                                     + dims_v[None, :],
-                                     mask=in_chunk[:, None] & (dims_v[None, :] < head_dim_v),
-                                     other=0.0, cache_modifier=".cg")
-                    merged += tl.sum(pieces * weights[:, None], axis=0)
-                merged = merged / tl.where(total == 0.0, 1.0, total)  # no keys at all: 0
-                tl.store(o_ptr + batch * o_stride_b + (kv_head * group_size + member) * o_stride_h
-                         + dims_v, merged.to(o_ptr.dtype.element_ty),
-                         mask=member_ok & (dims_v < head_dim_v))
+            # the whole group at once, [members, splits(, features)] tiles in chunks of splits
+            # with masks instead of branches, so every load can be in flight together (a loop
+            # over splits waited one L2 round trip each; one over members, a store between)
+            members = tl.arange(0, GROUP)
+            member_ok = members < group_size
+            slots = (batch * n_q_heads + kv_head * group_size + members) * n_splits
+            splits = tl.arange(0, BLOCK_S)
+            # .cg: the other programs' results from L2, never from a stale L1 line
+            lses = tl.load(lse_part_ptr + slots[:, None] + splits[None, :],
+                           mask=member_ok[:, None] & (splits[None, :] < n_splits),
+                           other=-float("inf"), cache_modifier=".cg")
+            top = tl.max(lses, axis=1)
+            total = tl.sum(tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top[:, None])),
+                           axis=1)
+            merged = tl.zeros([GROUP, BLOCK_DV], dtype=tl.float32)
+            for chunk_start in tl.static_range(0, BLOCK_S, MERGE_S):
+                chunk = chunk_start + tl.arange(0, MERGE_S)
+                in_chunk = member_ok[:, None] & (chunk[None, :] < n_splits)
+                chunk_lses = tl.load(lse_part_ptr + slots[:, None] + chunk[None, :],
+                                     mask=in_chunk, other=-float("inf"), cache_modifier=".cg")
+                weights = tl.where(chunk_lses == -float("inf"), 0.0,
+                                   tl.exp(chunk_lses - top[:, None]))
+                rows = (slots[:, None] + chunk[None, :]) * head_dim_v
+                pieces = tl.load(o_part_ptr + rows[:, :, None] + dims_v[None, None, :],
+                                 mask=in_chunk[:, :, None]
+                                 & (dims_v[None, None, :] < head_dim_v),
+                                 other=0.0, cache_modifier=".cg")
+                merged += tl.sum(pieces * weights[:, :, None], axis=1)
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]  # no keys at all: 0
+            tl.store(o_ptr + batch * o_stride_b
+                     + (kv_head * group_size + members)[:, None] * o_stride_h + dims_v[None, :],
+                     merged.to(o_ptr.dtype.element_ty),
+                     mask=member_ok[:, None] & (dims_v[None, :] < head_dim_v))
             tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
 
 
@@ -400,15 +405,16 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -
     n_splits = runtime.cdiv(cache_len, split_len)
     group_size = n_q_heads // n_kv_heads
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
-    block_s = max(2, runtime.next_power_of_2(n_splits))  # merged in chunks of <= 8192 values
+    block_s = max(2, runtime.next_power_of_2(n_splits))
+    group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
     out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
     arguments = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
         n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
         *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1,
-        q.dtype == torch.float32, max(16, runtime.next_power_of_2(group_size)),
-        runtime.next_power_of_2(group_size), max(16, runtime.next_power_of_2(head_dim)),
-        block_dv, block_s, min(block_s, max(2, 8192 // block_dv)))
+        q.dtype == torch.float32, max(16, group_pow2), group_pow2,
+        max(16, runtime.next_power_of_2(head_dim)),
+        block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     return config, (n_splits, batch * n_kv_heads), n_splits, arguments
 
 

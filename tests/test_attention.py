@@ -225,8 +225,8 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
 
 
 def test_decode_merges_many_splits_in_chunks_for_a_group_that_is_not_a_power_of_two(monkeypatch):
-    """40 splits of 64 keys, merged 32 at a time (Dv 256), for 3 query heads per KV head
-    (one padded member of the merge masked off); a sequence that ends in the first split
+    """40 splits of 64 keys, merged 8 at a time (Dv 256, 4 members), for 3 query heads per KV
+    head (one padded member of the merge masked off); a sequence that ends in the first split
     leaves 39 empty ones."""
     q = random_tensor((2, 3, 16), torch.float32)
     k = random_tensor((2, 1, 2560, 16), torch.float32)
