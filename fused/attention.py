@@ -17,7 +17,7 @@ separately with them. The row log-sum-exp (natural log) comes out too, for the b
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -360,41 +360,55 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
 
 def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int,
                    programs_per_sm: int) -> int:
-    """Splits of the KV length: enough programs for ``programs_per_sm`` per SM (a config
-    choice: streaming the cache wants several resident per SM to keep loads in flight), but no
-    split shorter than one block of keys and at most 256."""
-    wanted = runtime.cdiv(programs_per_sm * runtime.multiprocessor_count(device_index),
-                          max(batch_kv, 1))
+    """Splits of the KV length: as many programs as fit ``programs_per_sm`` per SM (a config
+    choice: streaming the cache wants several resident per SM to keep loads in flight), rounded
+    down (a last wave that is partly full takes as long as a full one), but no split shorter
+    than one block of keys and at most 256."""
+    wanted = programs_per_sm * runtime.multiprocessor_count(device_index) // max(batch_kv, 1)
     return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
 
 
-_arrival_counters: dict[tuple, torch.Tensor] = {}
+_decode_scratch_cache: dict[tuple, tuple] = {}
 
 
-def _arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` zeroed int32 counters for the decode kernel's last-arrival merge. Kept per
-    device and stream and reused (the merging program puts its counter back to 0), so a
-    decode step allocates and clears nothing for them; while a CUDA graph is being captured,
-    fresh ones that belong to the graph."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing:
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    counters = _arrival_counters.get(key)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _arrival_counters[key] = counters
-    return counters
+def _decode_scratch(device: torch.device, n_counters: int, n_lse: int,
+                    head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(arrivals, lse_part, o_part) of a decode launch with splits: zeroed int32 counters for
+    the last-arrival merge, and fp32 room for the splits' log-sum-exps (n_lse) and partial
+    outputs (n_lse x head_dim_v). Kept per device, stream and size and reused: launches on one
+    stream run in order, and the merging program puts its counter back to 0, so a decode step
+    allocates and clears nothing. While a CUDA graph is being captured, fresh ones that belong
+    to the graph."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
+        return (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
+                parts[n_lse:])
+    stream = runtime.current_stream_handle(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream, n_counters, n_lse, head_dim_v)
+    scratch = _decode_scratch_cache.get(key)
+    if scratch is None:
+        if len(_decode_scratch_cache) >= 64:  # later work on the stream may reuse the memory
+            _decode_scratch_cache.clear()
+        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
+        scratch = (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
+                   parts[n_lse:])
+        _decode_scratch_cache[key] = scratch
+    return scratch
 
 
-_decode_plans: dict[tuple, tuple] = {}
+class _DecodePlan(NamedTuple):
+    """Everything about a decode launch that follows from the layout (shapes, strides, dtypes,
+    scale, config), worked out once: decode calls the same layout every step, and at B1 the
+    host's time is most of a step."""
+    config: runtime.LaunchConfig
+    grid: tuple[int, int]
+    out_shape: tuple[int, int, int]
+    scratch: tuple[int, int, int] | None  # _decode_scratch's sizes; None: one split
+    arguments: tuple  # the scalars and constexprs after the tensors
+    replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
 
 
-def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -> tuple:
-    """(config, grid, n_splits, scalar and constexpr arguments) of a decode launch: everything
-    that follows from the shapes, strides and dtype, worked out once per layout (decode calls
-    the same layout every step, and at B1 the host's time is most of a step)."""
+def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
@@ -415,40 +429,61 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -
         q.dtype == torch.float32, max(16, group_pow2), group_pow2,
         max(16, runtime.next_power_of_2(head_dim)),
         block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
-    return config, (n_splits, batch * n_kv_heads), n_splits, arguments
+    grid = (n_splits, batch * n_kv_heads)
+    scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
+               if n_splits > 1 else None)
+    return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
+                       (config, grid, arguments))
 
 
-def _launch_decode(q, k_cache, v_cache, seqlens, scale: float) -> torch.Tensor:
-    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
-    of them when seqlens is None). One launch; see ``_decode_kernel``."""
-    q, k_cache, v_cache = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
-    batch, n_q_heads, head_dim = q.shape
-    n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    out = torch.empty((batch, n_q_heads, head_dim_v), dtype=q.dtype, device=q.device)
-    if out.numel() == 0:
-        return out
-    if cache_len == 0:
-        return out.zero_()
-    config = DECODE.planned_config((head_dim, cache_len))
-    key = (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-           q.dtype, q.device, seqlens is None, scale, config)
-    plan = _decode_plans.get(key)
-    if plan is None:
-        plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale, config)
-        if len(_decode_plans) < 1024:
-            _decode_plans[key] = plan
-    config, grid, n_splits, arguments = plan
-    if n_splits > 1:
-        lse_count = batch * n_q_heads * n_splits
-        parts = torch.empty(lse_count * (head_dim_v + 1), dtype=torch.float32, device=q.device)
-        o_part, lse_part = parts[lse_count:], parts
-        arrivals = _arrivals(q.device, batch * n_kv_heads)
+def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens) -> torch.Tensor:
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    if plan.scratch is not None:
+        arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
-        o_part = lse_part = arrivals = out  # not touched
-    DECODE.replay(key, config, grid, (q, k_cache, v_cache,
-                                      seqlens if seqlens is not None else out, out, o_part,
-                                      lse_part, arrivals, *arguments))
+        arrivals = lse_part = o_part = out  # not touched
+    DECODE.replay(plan.replay_key, plan.config, plan.grid,
+                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out, o_part,
+                   lse_part, arrivals, *plan.arguments))
     return out
+
+
+# layout key (``_decode_layout``) -> plan, for layouts that launched the kernel before
+_decode_plans: dict[tuple, _DecodePlan] = {}
+
+
+def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
+    """What a decode plan depends on, from decode_attention's raw arguments (None for
+    arguments that are not tensors)."""
+    try:
+        return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape,
+                v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device,
+                k_cache.device, v_cache.device,
+                None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
+                scale, DECODE.planned_config((q.shape[-1], k_cache.shape[-2])))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
+                   layout: tuple | None = None) -> torch.Tensor:
+    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
+    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (validated
+    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls."""
+    unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
+    q, k_cache, v_cache = unit_last
+    batch, n_q_heads, head_dim = q.shape
+    cache_len, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    if batch * n_q_heads * head_dim_v == 0:
+        return q.new_empty((batch, n_q_heads, head_dim_v))
+    if cache_len == 0:
+        return q.new_zeros((batch, n_q_heads, head_dim_v))
+    plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
+                        DECODE.planned_config((head_dim, cache_len)))
+    if layout is not None and not copied and len(_decode_plans) < 1024:
+        _decode_plans[layout] = plan
+    return _run_decode(plan, q, k_cache, v_cache, seqlens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,6 +616,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
     split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
     of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
+    layout = _decode_layout(q, k_cache, v_cache, seqlens, scale)
+    plan = _decode_plans.get(layout) if layout is not None else None
+    if plan is not None and not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
+                                         or v_cache.requires_grad)):
+        return _run_decode(plan, q, k_cache, v_cache, seqlens)  # checked when it was planned
     _check_decode(q, k_cache, v_cache, seqlens, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
@@ -589,17 +630,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
     if torch.compiler.is_compiling():
         return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
-    return _decode_attention_impl(q, k_cache, v_cache, seqlens, scale)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, layout)
 
 
-def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None):
     if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale).to(q.dtype)
     # the kernel clamps the lengths to [0, L] itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale)
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale, layout)
+
+
+def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
 
 
 _decode_attention_op = torch.library.custom_op("gemslib::decode_attention",

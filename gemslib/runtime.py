@@ -130,6 +130,15 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def current_stream_handle(device_index: int | None) -> int:
+    """The raw handle of the current CUDA stream (what Triton launches on), without building a
+    ``torch.cuda.Stream`` object: this runs on decode's hot path."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:  # not exposed by this torch build
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return getter(torch.cuda.current_device() if device_index is None else device_index)
+
+
 def next_power_of_2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
     1 for n <= 1."""

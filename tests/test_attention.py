@@ -192,11 +192,13 @@ def test_decode_matches_reference(case, dtype):
 
 
 def test_decode_splits_the_cache_over_programs():
-    """The config's programs per SM (the interpreter counts one SM), never a split shorter
-    than one block of keys, none when the heads alone fill the GPU, and at most 256."""
+    """The config's programs per SM (the interpreter counts one SM), rounded down to whole
+    waves, never a split shorter than one block of keys, none when the heads alone fill the
+    GPU, and at most 256."""
     sms = runtime.multiprocessor_count(0) if ON_GPU else 1
     assert attention_ops._decode_splits(1, 10_000_000, 64, 0, 2) == min(2 * sms, 256)
-    assert attention_ops._decode_splits(3, 10_000_000, 64, 0, 8) == min(-(-8 * sms // 3), 256)
+    assert attention_ops._decode_splits(3, 10_000_000, 64, 0, 8) == min(8 * sms // 3, 256)
+    assert attention_ops._decode_splits(sms + 1, 10_000_000, 64, 0, 2) == 1  # not 2: a 2nd wave
     assert attention_ops._decode_splits(1, 100, 64, 0, 2) == min(2 * sms, 2)
     assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0, 2) == 1
     assert attention_ops._decode_splits(1, 10_000_000, 16, 0, 1000) == 256
@@ -220,7 +222,7 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
     expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
                                                         torch.tensor([300, 130]))
     assert_close_to_reference(first, expected, torch.float32, reduction_len=300)
-    for counters in attention_ops._arrival_counters.values():
+    for counters, _, _ in attention_ops._decode_scratch_cache.values():
         assert not counters.any()
 
 
