@@ -616,11 +616,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
     split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
     of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
-    layout = _decode_layout(q, k_cache, v_cache, seqlens, scale)
+    compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
+    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
     plan = _decode_plans.get(layout) if layout is not None else None
-    if plan is not None and not torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad
-                                         or v_cache.requires_grad)):
+    if plan is not None and not (torch.is_grad_enabled() and (
+            q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
         return _run_decode(plan, q, k_cache, v_cache, seqlens)  # checked when it was planned
     _check_decode(q, k_cache, v_cache, seqlens, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -628,7 +628,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                     v_cache.requires_grad):
         # no backward kernel: the reference, in torch ops, keeps gradients right
         return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
     return _decode_eager(q, k_cache, v_cache, seqlens, scale, layout)
 
