@@ -96,14 +96,12 @@ SWEEP_CANDIDATES = {
                       for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
                                               (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
                       for tma in (0, 1) for lazy in (0, 1) for st in stages],
-    # the first H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
-    # 1 stage loses at B16; the split count (programs per SM) was fixed at 2 then
-    # 1 per SM and 4 stages of 64 keys added once the host path was short enough for the
-    # sweep's do_bench to time the kernel at B1
-    "decode": [{"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": w, "num_stages": st}
-               for n, w, st in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 2), (64, 8, 3),
-                                (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3))
-               for per_sm in (1, 2, 4, 8, 16)],
+    # the earlier H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
+    # 1 stage and 8 warps never won, nor 8-16 per SM. 3 per SM: the 64-key configs fit three
+    # programs on an SM (ncu), and the split count now rounds down to whole waves
+    "decode": [{"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
+               for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
+               for per_sm in (1, 2, 3, 4)],
 }
 
 
