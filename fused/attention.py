@@ -300,7 +300,7 @@ ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd
                                                 "seq_kv"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
                              tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
-                             shape_keys=("head_dim", "seq_kv"))
+                             shape_keys=("head_dim", "elem_bytes", "seq_kv"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
                 v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device,
                 k_cache.device, v_cache.device,
                 None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
-                scale, DECODE.planned_config((q.shape[-1], k_cache.shape[-2])))
+                scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -480,7 +480,8 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
     if cache_len == 0:
         return q.new_zeros((batch, n_q_heads, head_dim_v))
     plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
-                        DECODE.planned_config((head_dim, cache_len)))
+                        # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
+                        DECODE.planned_config((head_dim, q.element_size(), cache_len)))
     if layout is not None and not copied and len(_decode_plans) < 1024:
         _decode_plans[layout] = plan
     return _run_decode(plan, q, k_cache, v_cache, seqlens)

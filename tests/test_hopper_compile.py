@@ -95,6 +95,8 @@ for record in json.load(sys.stdin):
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm["cubin"], "no cubin"
+        # the launch would fail with OutOfResources past sm_90's 227 KB per block
+        assert compiled.metadata.shared <= 232448, f"{compiled.metadata.shared} B of shared memory"
     except Exception as err:
         failures.append(f"{record['kernel']} {constexprs} {options}:\n{err}")
 print(json.dumps(failures))
@@ -194,11 +196,45 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
             "_decode_kernel"} <= kernels
     # the attention launch through tensor descriptors (TMA) is among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
+    failures = _compile_failures(launches)
+    assert not failures, "\n\n".join(failures)
+
+
+def _compile_failures(launches) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the whole suite compiles the kernels for real")
+@pytest.mark.parametrize("config_file", ["nvidia_h200.yaml", "default.yaml"])
+def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_file):
+    """A shipped file's attention and decode configs, as launched for bf16 and fp32 inputs at
+    head dims 64, 128 and 256, compile for sm_90 within its shared memory (an fp32 call once
+    picked a bf16-sized config on the H200)."""
+    monkeypatch.setenv(runtime.CONFIG_ENV, str(runtime.shipped_configs_dir() / config_file))
+    runtime.reload_configs()
+    try:
+        calls = []
+        for dtype in (torch.bfloat16, torch.float32):
+            for dim in (64, 128, 256):
+                def tensors(*shape, dtype=dtype):
+                    return random_tensor(shape, dtype, scale=1.0)
+                calls += [
+                    lambda t=tensors, d=dim: gemslib.attention(t(1, 2, 40, d), t(1, 2, 40, d),
+                                                               t(1, 2, 40, d), causal=True),
+                    lambda t=tensors, d=dim: gemslib.decode_attention(
+                        t(1, 4, d), t(1, 1, 300, d), t(1, 1, 300, d)),
+                ]
+        launches = _record_launches(monkeypatch, calls)
+    finally:
+        monkeypatch.undo()
+        runtime.reload_configs()
+    assert {launch["kernel"] for launch in launches} == {"_attention_fwd_kernel", "_decode_kernel"}
+    assert len(launches) >= 12
+    failures = _compile_failures(launches)
     assert not failures, "\n\n".join(failures)
 
 
