@@ -448,8 +448,11 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens) -> torch.Tensor
     return out
 
 
-# layout key (``_decode_layout``) -> plan, for layouts that launched the kernel before
-_decode_plans: dict[tuple, _DecodePlan] = {}
+# layout key (``_decode_layout``) of arguments that passed the checks -> the plan of their
+# kernel launch, or None where the call copies or falls back to torch (the checks were a fifth
+# of a B1 step's host time, the plan arithmetic as much again)
+_decode_layouts: dict[tuple, _DecodePlan | None] = {}
+_UNCHECKED = object()
 
 
 def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
@@ -468,7 +471,7 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
                    layout: tuple | None = None) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
-    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (validated
+    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (the checked
     arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls."""
     unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
     copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
@@ -482,8 +485,8 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
     plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)))
-    if layout is not None and not copied and len(_decode_plans) < 1024:
-        _decode_plans[layout] = plan
+    if layout is not None and not copied and layout in _decode_layouts:
+        _decode_layouts[layout] = plan
     return _run_decode(plan, q, k_cache, v_cache, seqlens)
 
 
@@ -547,21 +550,9 @@ def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
         raise TypeError(f"{name}: scale must be a number or None, got {type(scale).__name__}")
 
 
-_checked_decode_layouts: set = set()
-
-
 def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
-    """Validate decode_attention's arguments; a combination of shapes, dtypes and devices that
-    passed once is not checked again (the checks were a fifth of a B1 step's host time)."""
+    """Validate decode_attention's arguments (once per layout: see ``_decode_layouts``)."""
     name = "gemslib.decode_attention"
-    try:
-        key = (q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype,
-               q.device, k_cache.device, v_cache.device, type(scale),
-               None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device))
-    except AttributeError:  # not tensors: the checks below say which
-        key = None
-    if key is not None and key in _checked_decode_layouts:
-        return
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"{name}: q must be (B, Hq, D), got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
@@ -571,8 +562,6 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
                                 or seqlens.is_floating_point() or seqlens.device != q.device):
         raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
                          f"{q.device}, got {seqlens!r:.80}")
-    if key is not None and len(_checked_decode_layouts) < 4096:
-        _checked_decode_layouts.add(key)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -619,11 +608,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
     layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
-    plan = _decode_plans.get(layout) if layout is not None else None
-    if plan is not None and not (torch.is_grad_enabled() and (
+    plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
+    if plan is _UNCHECKED:
+        _check_decode(q, k_cache, v_cache, seqlens, scale)
+        if layout is not None and len(_decode_layouts) < 4096:
+            _decode_layouts[layout] = None  # checked; the launch adds its plan
+    elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
-        return _run_decode(plan, q, k_cache, v_cache, seqlens)  # checked when it was planned
-    _check_decode(q, k_cache, v_cache, seqlens, scale)
+        return _run_decode(plan, q, k_cache, v_cache, seqlens)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):
