@@ -1,5 +1,5 @@
-"""Fused attention: the prefill forward, flash-attention style. (Work in progress: decode, the
-SDPA override and the H200 tuning follow.)
+"""Fused attention: the prefill forward (flash-attention style), split-KV decode and the SDPA
+override.
 
     attention(q, k, v)[b, h, i] = sum_j p_ij v[b, g(h), j],
     p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  over the keys j row i may see
@@ -12,6 +12,8 @@ One program per BLOCK_M query rows of one head walks the keys BLOCK_N at a time 
 softmax in the exp2 domain (scale * log2(e) folded into the scores) and fp32 accumulators;
 blocks every row sees in full run without masks, the causal diagonal and the ragged end
 separately with them. The row log-sum-exp (natural log) comes out too, for the backward.
+On Hopper (sm_90), 16-bit inputs with head dim 128 take the warp-specialised Gluon kernel of
+``_attention_hopper.py`` instead: same math, FlashAttention-3's schedule.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import runtime
 from gemslib.registry import AtenOverride
+
+try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
+    from gemslib.fused import _attention_hopper
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
+    _attention_hopper = None
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -312,6 +319,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+# On sm_90, 16-bit inputs with D = Dv = 128 go to the warp-specialised Gluon kernel
+# (_attention_hopper.py, 1.2x the Triton kernel's speed there); False keeps every call on the
+# Triton kernel (benchmarks compare the two this way).
+use_hopper_kernel = True
+
+
 def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -319,6 +332,9 @@ def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, 
         q, scale = -q, -scale
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if use_hopper_kernel and _attention_hopper is not None and batch * n_q_heads * seq_q * \
+            seq_kv and _attention_hopper.eligible(q, k, v):
+        return _attention_hopper.forward(q, k, v, causal, scale)
     out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:

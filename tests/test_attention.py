@@ -132,6 +132,64 @@ def test_any_scale_sign_in_masked_and_unmasked_blocks(scale):
         assert_close_to_reference(ours, expected, torch.float32, reduction_len=75)
 
 
+# the warp-specialised Gluon kernel serves 16-bit D128 inputs on sm_90 (the H200)
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+# (B, Hq, Hkv, Sq, Skv, (B, S, H, D) storage, scale)
+HOPPER_CASES = [
+    (1, 2, 2, 256, 256, False, None),     # whole blocks
+    (2, 8, 2, 300, 517, True, 0.05),      # GQA, ragged rows and keys, Sq < Skv, views
+    (1, 4, 1, 700, 130, False, -0.09),    # MQA, Sq > Skv (causal rows past the keys), < 0 scale
+    (1, 2, 2, 1, 1000, False, None),      # one query row
+    (1, 2, 1, 129, 1, True, None),        # one key
+] if HOPPER else [(1, 2, 1, 40, 70, True, -0.09)]  # the interpreter: the Triton kernel serves
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("case", HOPPER_CASES)
+def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
+                                                                       monkeypatch):
+    """On sm_90 every such call runs the Gluon kernel (counted), and matches float64 in o and
+    the log-sum-exp; elsewhere the Triton kernel gives the same answers."""
+    batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
+    shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
+    if views:  # (B, S, H, D) storage: strided but TMA-addressable
+        q, k, v = (random_tensor((b, s, h, d), dtype, scale=1.0).transpose(1, 2)
+                   for b, h, s, d in shapes)
+    else:
+        q, k, v = (random_tensor(shape, dtype, scale=1.0) for shape in shapes)
+    scale = 128 ** -0.5 if scale is None else scale
+    calls = []
+    hopper_forward = attention_ops._attention_hopper.forward
+    monkeypatch.setattr(attention_ops._attention_hopper, "forward",
+                        lambda *args: calls.append(args) or hopper_forward(*args))
+    out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
+    assert len(calls) == int(HOPPER)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal, scale)
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+
+
+def test_hopper_kernel_is_not_offered_what_tma_cannot_address():
+    """A base off 16-byte alignment, a head dim other than 128, fp32 or a CPU tensor: the
+    Triton kernel's business."""
+    def dense(*shape, dtype=torch.bfloat16):
+        return random_tensor(shape, dtype, scale=1.0)
+    q = dense(1, 2, 64, 128)
+    assert attention_ops._attention_hopper.eligible(q, q, q) == HOPPER
+    shifted = dense(1 * 2 * 64 * 128 + 1)[1:].view(1, 2, 64, 128)  # 2 bytes off alignment
+    assert not attention_ops._attention_hopper.eligible(shifted, q, q)
+    assert not attention_ops._attention_hopper.eligible(q, shifted, q)
+    d64 = dense(1, 2, 64, 64)
+    assert not attention_ops._attention_hopper.eligible(d64, d64, d64)
+    fp32 = dense(1, 2, 64, 128, dtype=torch.float32)
+    assert not attention_ops._attention_hopper.eligible(fp32, fp32, fp32)
+    assert not attention_ops._attention_hopper.eligible(q.cpu(), q.cpu(), q.cpu())
+
+
 def test_empty_and_keyless_inputs_behave_like_sdpa():
     q = random_tensor((1, 2, 3, 16), torch.float32)
     no_keys = random_tensor((1, 2, 0, 16), torch.float32)

@@ -283,3 +283,37 @@ def test_off_alignment_rows_load_and_store_full_vectors():
     assert counts["_softmax_bwd_kernel 1"] == [0, 0]
     loads, stores = counts["_softmax_bwd_kernel 8"]
     assert loads >= 4 and stores >= 1  # dy and y in both passes
+
+
+_GLUON_COMPILER = r"""
+import json, torch
+from gemslib.fused import _attention_hopper as hopper
+report = {}
+for dtype in (torch.bfloat16, torch.float16):
+    for causal in (False, True):
+        compiled = hopper.compile_for_sm90(dtype, causal)
+        ptx = compiled.asm["ptx"]
+        report[f"{dtype} {causal}"] = {"shared": compiled.metadata.shared,
+                                       "cubin": bool(compiled.asm["cubin"]),
+                                       "wgmma": ptx.count("wgmma.mma_async"),
+                                       "setmaxnreg": ptx.count("setmaxnreg")}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the attention tests run this kernel for real")
+def test_hopper_attention_kernel_compiles_for_sm90():
+    """The Gluon kernel (bf16/fp16, causal or not) compiles to a cubin within an SM's shared
+    memory, with its warpgroups' register budgets rebalanced (setmaxnreg: producer down,
+    consumers up) and q.K and p.V both issued as wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILER], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
+        assert facts["setmaxnreg"] >= 2, variant
+        assert facts["wgmma"] >= 2 * (128 // 16), variant  # q.K and p.V, K = 128 in steps of 16
