@@ -161,22 +161,6 @@ def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
 
 
 @gluon.jit
-def _consumer_low(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
-                  first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2,
-                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(0, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
-              first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2, CAUSAL, STAGES)
-
-
-@gluon.jit
-def _consumer_high(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
-                   first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2,
-                   CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(1, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
-              first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2, CAUSAL, STAGES)
-
-
-@gluon.jit
 def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_kv, n_q_heads,
                           group_size, scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -216,9 +200,10 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
     consumer_args = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                      out_ptr + head_rows * HEAD_D, lse_ptr + head_rows, first_query, seq_q,
                      seq_kv, n_blocks, full_blocks, scale_log2, CAUSAL, STAGES)
+    low, high = gl.to_tensor(0), gl.to_tensor(1)  # which 64 of the 128 rows
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                      kv_empty, batch, head, head // group_size, first_query, n_blocks, STAGES)
-    gl.warp_specialize([(_consumer_low, consumer_args), (_consumer_high, consumer_args),
+    gl.warp_specialize([(_consumer, (low,) + consumer_args), (_consumer, (high,) + consumer_args),
                         (_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
