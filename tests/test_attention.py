@@ -398,6 +398,11 @@ def test_custom_ops_pass_opcheck():
     q = random_tensor((1, 4, 9, 16), torch.float32)
     k = random_tensor((1, 2, 11, 16), torch.float32)
     torch.library.opcheck(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    grad_q = q.detach().clone().requires_grad_()
+    torch.library.opcheck(torch.ops.gemslib.attention, (grad_q, k, k, False, 0.25))
+    out, lse = attention_ops._attention_impl(q, k, k, True, 0.25)
+    torch.library.opcheck(torch.ops.gemslib.attention_backward,
+                          (torch.randn_like(out), q, k, k, out, lse, None, True, 0.25))
     torch.library.opcheck(torch.ops.gemslib.decode_attention,
                           (q[:, :, 0], k, k, torch.tensor([11], device=q.device), 0.25))
 
@@ -416,16 +421,107 @@ def test_traces_under_torch_compile_fullgraph():
     assert_close_to_reference(compiled(q, k), step(q, k).double(), torch.float32,
                               reduction_len=9 * 16)
 
+    def loss(q, k):  # forward and backward through the custom ops
+        return gemslib.attention(q, k, k, causal=True).square().sum()
 
-def test_inputs_that_need_grad_get_torch_gradients_until_there_is_a_backward():
-    q = random_tensor((1, 4, 9, 16), torch.float32).requires_grad_()
+    compiled_loss = torch.compile(loss, fullgraph=True,
+                                  backend="inductor" if ON_GPU else "aot_eager")
+    q_grad = q.detach().clone().requires_grad_()
+    (ours,) = torch.autograd.grad(compiled_loss(q_grad, k), q_grad)
+    (expected,) = torch.autograd.grad(loss(q_grad, k), q_grad)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def _reference_grads(q, k, v, causal, scale, grad_out, grad_lse=None):
+    """(dq, dk, dv) of the float64 reference, optionally with a gradient into lse."""
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ops.attention_reference(*inputs, causal, scale)
+    outputs, grads = [out], [grad_out.double()]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse.double())
+    return torch.autograd.grad(outputs, inputs, grads)
+
+
+def _assert_grads_close(ours, expected, dtype):
+    """Within the dtype's rounding at the gradients' scale (the largest entry of the three):
+    p and ds are rounded to the input dtype before their matmuls, as in every flash-attention
+    backward, and a gradient that cancels to ~0 (dq when a row sees one key) keeps that
+    absolute error."""
+    rtol = 1e-4 if dtype == torch.float32 else tolerance(dtype)["rtol"] * 4
+    magnitude = max(want.abs().max().item() if want.numel() else 0.0 for want in expected)
+    for name, got, want in zip(("dq", "dk", "dv"), ours, expected):
+        assert got.shape == want.shape and got.dtype == dtype, name
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * magnitude + 1e-12,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_float64_reference(case, dtype, causal, monkeypatch):
+    """dq, dk, dv from the Triton backward (counted) for GQA/MQA, odd lengths, Sq != Skv,
+    Dv != D, head dims not a power of two."""
+    batch, n_q, n_kv, seq_q, seq_kv, dim, dim_v = case
+    q = random_tensor((batch, n_q, seq_q, dim), dtype, scale=1.0).requires_grad_()
+    k = random_tensor((batch, n_kv, seq_kv, dim), dtype, scale=1.0).requires_grad_()
+    v = random_tensor((batch, n_kv, seq_kv, dim_v), dtype, scale=1.0).requires_grad_()
+    launches = []
+    launch_backward = attention_ops._launch_backward
+    monkeypatch.setattr(attention_ops, "_launch_backward",
+                        lambda *args: launches.append(1) or launch_backward(*args))
+    out = gemslib.attention(q, k, v, causal=causal)
+    grad_out = random_tensor(out.shape, dtype, scale=1.0)
+    ours = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert len(launches) == 1
+    _assert_grads_close(ours, _reference_grads(q, k, v, causal, dim ** -0.5, grad_out), dtype)
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.3])
+def test_gradients_through_views_scale_and_lse(scale):
+    """(B, S, H, D) storage seen as (B, H, S, D), either sign of scale, and a gradient into
+    the row log-sum-exp as well as the output (torch.ops.gemslib.attention returns both)."""
+    q = random_tensor((2, 19, 4, 32), torch.float32).transpose(1, 2).requires_grad_()
+    k = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2).requires_grad_()
+    v = random_tensor((2, 23, 2, 24), torch.float32).transpose(1, 2).requires_grad_()
+    for causal in (False, True):
+        out, lse = torch.ops.gemslib.attention(q, k, v, causal, scale)
+        grad_out = random_tensor(out.shape, torch.float32)
+        grad_lse = random_tensor(lse.shape, torch.float32)
+        ours = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+        _assert_grads_close(ours, _reference_grads(q, k, v, causal, scale, grad_out, grad_lse),
+                            torch.float32)
+
+
+def test_gradients_of_empty_and_keyless_inputs():
+    """No keys: the output is 0 whatever q is, so every gradient is 0 (and dk, dv are empty);
+    no query rows: nothing flows to k and v."""
+    q = random_tensor((1, 2, 5, 16), torch.float32).requires_grad_()
+    k = random_tensor((1, 2, 0, 16), torch.float32).requires_grad_()
+    dq, dk, dv = torch.autograd.grad(gemslib.attention(q, k, k).sum(), (q, k, k))
+    assert dq.shape == q.shape and not dq.any() and dk.shape == k.shape
+    q0 = random_tensor((1, 2, 0, 16), torch.float32).requires_grad_()
+    k1 = random_tensor((1, 2, 7, 16), torch.float32).requires_grad_()
+    _, dk1 = torch.autograd.grad(gemslib.attention(q0, k1, k1).sum(), (q0, k1))
+    assert dk1.shape == k1.shape and not dk1.any()
+
+
+def test_float64_gradients_come_from_torch_and_second_derivatives_raise():
+    q = random_tensor((1, 2, 7, 16), torch.float64).requires_grad_()
+    k = random_tensor((1, 1, 9, 16), torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda q, k: gemslib.attention(q, k, k, causal=True), (q, k))
+    q32 = q.detach().float().requires_grad_()
+    k32 = k.detach().float()
+    (dq,) = torch.autograd.grad(gemslib.attention(q32, k32, k32).sum(), q32, create_graph=False)
+    assert torch.isfinite(dq).all()
+    with pytest.raises(RuntimeError, match="second derivative"):
+        out = gemslib.attention(q32, k32, k32)
+        (dq,) = torch.autograd.grad(out.square().sum(), q32, create_graph=True)
+        dq.sum().backward()
+
+
+def test_decode_inputs_that_need_grad_get_gradients_through_torch():
+    q = random_tensor((1, 4, 16), torch.float32).requires_grad_()
     k = random_tensor((1, 2, 11, 16), torch.float32).requires_grad_()
-    gemslib.attention(q, k, k, causal=True).square().sum().backward()
-    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    attention_ops.attention_reference(q64, k64, k64, True)[0].square().sum().backward()
-    for ours, expected in ((q.grad, q64.grad), (k.grad, k64.grad)):  # torch's fp32 backward
-        torch.testing.assert_close(ours.double(), expected, rtol=1e-4,
-                                   atol=1e-5 * expected.abs().max().item())
-    q.grad = None
-    gemslib.decode_attention(q[:, :, 0], k, k).sum().backward()
+    gemslib.decode_attention(q, k, k).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
