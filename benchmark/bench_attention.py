@@ -1,10 +1,12 @@
 """attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
 SDPA's default choice, and FlagGems.
 
-    python -m benchmark --ops attention decode_attention
+    python -m benchmark --ops attention decode_attention [--backward]
 
 Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
-bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements).
+bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). ``--backward`` adds
+attention_backward cases: the backward alone (dq, dk, dv from a graph built once), at 2.5x the
+forward's FLOPs (five matmuls of the forward's size against two).
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def _sdpa_peers():
             "SDPA efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION)}
 
 
+def _backward_only(fn, q, k, v):
+    """Time torch.autograd.grad of a graph built once (retain_graph)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
     peers = _sdpa_peers()
@@ -68,6 +78,19 @@ def cases(quick: bool = False, backward: bool = False):
                            lambda c=causal: gemslib.attention(q, k, v, causal=c),
                            lambda c=causal: F.scaled_dot_product_attention(
                                q.float(), k.float(), v.float(), is_causal=c)))
+            if backward:
+                impls = {"gemslib": _backward_only(
+                    lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c), q, k, v)}
+                for name, run in peers.items():
+                    if name != "SDPA efficient":  # 3-4x behind in the forward already
+                        impls[name] = _backward_only(lambda q, k, v, run=run, c=causal:
+                                                     run(q, k, v, c), q, k, v)
+                if sdpa is not None:
+                    impls["FlagGems"] = _backward_only(
+                        lambda q, k, v, c=causal: sdpa(q, k, v, is_causal=c), q, k, v)
+                yield Case("attention_backward" + ("_causal" if causal else ""),
+                           f"B{batch} H{heads} S{seq} D{dim}", "bf16", 0, impls,
+                           flops=flops * 5 // 2)
         del q, k, v
     for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
         q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
