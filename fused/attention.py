@@ -22,6 +22,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1032,6 +1033,19 @@ def _decode_inputs(device, dtype, cache_len):
               for _ in range(2)))
 
 
+def _gradients(attend, q, k, v, grad_out):
+    """(dq, dk, dv) of ``attend(q, k, v, causal=True)`` for ``grad_out``, flattened into one."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        grads = torch.autograd.grad(attend(*leaves), leaves, grad_out)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def _attention_backward_inputs(device, dtype, seq):
+    q, k, v = _attention_inputs(device, dtype, seq)
+    return q, k, v, torch.randn_like(q[..., :v.shape[-1]])
+
+
 # bf16 tl.dot is wrong in Triton 3.6's interpreter, so the CPU run checks fp16 and fp32
 _CHECK_DTYPES = (torch.float16, torch.float32) if runtime.INTERPRETER else \
     (torch.float16, torch.bfloat16, torch.float32)
@@ -1043,6 +1057,19 @@ SELF_CHECKS = (
               torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
                   q, k, v, is_causal=True, enable_gqa=True),
               dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
+    SelfCheck("attention_backward", _attention_backward_inputs,
+              run=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention(q, k, v, causal=True), q, k, v, grad),
+              reference=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention_reference(q, k, v, True)[0], q, k, v, grad),
+              torch_peer=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: F.scaled_dot_product_attention(
+                      q, k, v, is_causal=True, enable_gqa=True), q, k, v, grad),
+              dtypes=_CHECK_DTYPES,
+              # the gradients' own scale: p and ds are rounded to the dtype before their matmuls
+              term_scale=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention_reference(q, k, v, True)[0],
+                  *(t.double() for t in (q, k, v, grad))).abs().max().item()),
     SelfCheck("decode_attention", _decode_inputs,
               run=decode_attention, reference=decode_attention_reference,
               torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
