@@ -921,16 +921,20 @@ def _(q, k_cache, v_cache, seqlens, scale):
 # --------------------------------------------------------------------------------------------
 
 
-def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None,
+                  paired_backward=False):
+    """Why the kernels do not take this SDPA call (None: they do). ``paired_backward``: the
+    backend's backward operator is overridden too, so inputs that need grad are served (the
+    saved lse is then ours, in that backend's layout, and so is the backward that reads it)."""
     if query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype}"
     if attn_bias is not None:
         return "an attention mask or bias"
     if dropout_p:
         return "dropout"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
-                                    value.requires_grad):
-        return "inputs that need grad (no backward yet)"
+    if not paired_backward and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad):
+        return "inputs that need grad (this backend's backward is not overridden yet)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs that are not (B, H, S, D)"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[-1] != query.shape[-1]:
@@ -952,7 +956,23 @@ def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, at
 
 def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                            scale=None):
-    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
+    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale, paired_backward=True)
+
+
+def _aten_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                                 is_causal, *, attn_mask=None, scale=None):
+    default = 1.0 / math.sqrt(query.shape[-1])
+    return _launch_backward(grad_out, query, key, value, out, logsumexp.float().contiguous(),
+                            None, is_causal, default if scale is None else scale)
+
+
+def _why_not_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                                    is_causal, *, attn_mask=None, scale=None):
+    # the same call's forward went to the kernels exactly when this says None: the pair matches
+    if grad_out.dtype != query.dtype:
+        return f"grad_out in {grad_out.dtype}, inputs in {query.dtype}"
+    return _why_not_flash_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
+                                  scale=scale)
 
 
 def _placeholder(query, dtype=torch.int64):
@@ -1003,6 +1023,9 @@ def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout
 ATEN_OVERRIDES = (
     AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu", _aten_flash_for_cpu,
                  _why_not_flash_for_cpu, dispatch_keys=("CPU",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                 _aten_flash_for_cpu_backward, _why_not_flash_for_cpu_backward,
+                 dispatch_keys=("CPU",)),
     AtenOverride("aten::_scaled_dot_product_flash_attention", _aten_flash, _why_not_flash,
                  dispatch_keys=("CUDA",)),
     AtenOverride("aten::_scaled_dot_product_cudnn_attention", _aten_cudnn, _why_not_cudnn,

@@ -379,6 +379,8 @@ def test_sdpa_runs_gemslib_under_enable(dtype):
 
 
 def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
+    """A mask, and (on CUDA, whose SDPA backward operators are not overridden yet) inputs that
+    need grad: torch's own forward and backward, as a pair."""
     q = random_tensor((1, 2, 9, 32), torch.float32)
     mask = torch.rand(9, 9, device=q.device) > 0.3
     leaf = q.detach().requires_grad_()
@@ -386,12 +388,46 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
         masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
         needs_grad.sum().backward()
-    assert sum(activation.calls.values()) == 0
+    # on the CPU the flash pair serves the call that needs grad (forward and backward)
+    assert sum(activation.calls.values()) == (0 if ON_GPU else 2), activation.calls
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     reference_leaf = q.detach().double().requires_grad_()
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
                                    is_causal=True).sum().backward()
     assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scopes", ["both", "forward-only", "backward-only"])
+def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, dtype):
+    """Under enable() SDPA's CPU flash pair runs gemslib's forward and backward; with only one
+    of them inside the block, torch's other half reads the same lse layout, so the gradients
+    are right either way (on CUDA torch keeps both halves until its backward is overridden)."""
+    shapes = ((2, 4, 33, 64), (2, 2, 40, 64), (2, 2, 40, 64))
+    q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
+    grad_out = random_tensor(shapes[0], dtype, scale=1.0)
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def backward(out):
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    if scopes == "backward-only":
+        out = forward()
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        if scopes == "both":
+            grads = backward(forward())
+        elif scopes == "forward-only":
+            out = forward()
+        else:
+            grads = backward(out)
+    if scopes == "forward-only":
+        grads = backward(out)
+    expected_ops = {"both": {SDPA_OP, SDPA_OP + "_backward"}, "forward-only": {SDPA_OP},
+                    "backward-only": {SDPA_OP + "_backward"}}[scopes]
+    assert set(activation.calls) == (set() if ON_GPU else expected_ops), activation.calls
+    _assert_grads_close(grads, _reference_grads(q, k, v, True, 64 ** -0.5, grad_out), dtype)
 
 
 def test_custom_ops_pass_opcheck():
