@@ -557,16 +557,16 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
         head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
         BLOCK_M=64, BLOCK_DV=block_dv)
     shape = (head_dim, q.element_size())
-    common = (seq_q, seq_kv, None, n_q_heads // n_kv_heads, head_dim, head_dim_v, scale,
-              scale * 1.4426950408889634, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-              *grad_out.stride()[:3], causal, q.dtype == torch.float32, block_d, block_dv)
+    # after the sequence lengths and the head count each kernel's grid runs over
+    rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * 1.4426950408889634,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
+            q.dtype == torch.float32, block_d, block_dv)
     ATTENTION_BWD_DKDV.launch(
         lambda meta: (runtime.cdiv(seq_kv, meta["BLOCK_N"]), batch * n_kv_heads),
-        q, k, v, grad_out, lse, delta, dk, dv, *common[:2], n_kv_heads, *common[3:],
-        shape=shape)
+        q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest, shape=shape)
     ATTENTION_BWD_DQ.launch(
         lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
-        q, k, v, grad_out, lse, delta, dq, *common[:2], n_q_heads, *common[3:], shape=shape)
+        q, k, v, grad_out, lse, delta, dq, seq_q, seq_kv, n_q_heads, *rest, shape=shape)
     return dq, dk, dv
 
 
