@@ -214,21 +214,36 @@ def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n
 
 @triton.jit
 def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv, scale_log2,
-                        CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """For one (BLOCK_M queries, BLOCK_N keys) block: p (the forward's probabilities,
-    recomputed from the saved lse) and ds = p * (do . v - delta), masked to the visible
-    (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv)."""
-    if IEEE:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                        KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """For one block of BLOCK_M queries and BLOCK_N keys: p (the forward's probabilities,
+    recomputed from the saved lse) and ds = p * (do . v - delta), zero outside the visible
+    (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N), or (N, M)
+    with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left operand
+    straight from registers instead of transposing them through shared memory."""
+    if KEYS_MAJOR:
+        if IEEE:
+            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dp = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            qk = tl.dot(k, tl.trans(q))
+            dp = tl.dot(v, tl.trans(do))
+        visible = (keys[:, None] < seq_kv) & (rows[None, :] < seq_q)
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= rows[None, :])
+        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[None, :]), 0.0)
+        ds = p * (dp - delta[None, :])
     else:
-        qk = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))
-    visible = (rows[:, None] < seq_q) & (keys[None, :] < seq_kv)
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None])
-    p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[:, None]), 0.0)
-    ds = p * (dp - delta[:, None])
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        visible = (rows[:, None] < seq_q) & (keys[None, :] < seq_kv)
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
     return p, ds
 
 
@@ -262,28 +277,28 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # causal: query rows before the block's first key see none of it
     first_row = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    n_q_heads = n_kv_heads * group_size
-    for member in range(group_size):
-        head = kv_head * group_size + member
-        q_head = q_ptr + batch * q_stride_b + head * q_stride_h
-        do_head = do_ptr + batch * do_stride_b + head * do_stride_h
-        row_offsets = (batch * n_q_heads + head) * seq_q
-        for start in range(first_row, seq_q, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q = tl.load(q_head + rows[:, None] * q_stride_s + dims[None, :],
-                        mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim), other=0.0)
-            do = tl.load(do_head + rows[:, None] * do_stride_s + dims_v[None, :],
-                         mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v), other=0.0)
-            lse_log2 = tl.load(lse_ptr + row_offsets + rows, mask=rows < seq_q, other=0.0) * LOG2E
-            delta = tl.load(delta_ptr + row_offsets + rows, mask=rows < seq_q, other=0.0)
-            p, ds = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
-                                        scale_log2, CAUSAL, IEEE)
-            if IEEE:
-                dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-                dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
-            else:
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    row_blocks = tl.cdiv(seq_q - first_row, BLOCK_M)
+    # one flat loop over (group member, query block): one software pipeline across members
+    for step in range(0, group_size * row_blocks):
+        head = kv_head * group_size + step // row_blocks
+        rows = first_row + (step % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = tl.load(q_ptr + batch * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_s
+                    + dims[None, :], mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim),
+                    other=0.0)
+        do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h
+                     + rows[:, None] * do_stride_s + dims_v[None, :],
+                     mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v), other=0.0)
+        row_offsets = (batch * n_kv_heads * group_size + head) * seq_q + rows
+        lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
+        delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
+        p_t, ds_t = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
+                                        scale_log2, True, CAUSAL, IEEE)
+        if IEEE:
+            dv += tl.dot(p_t, do, input_precision="ieee")
+            dk += tl.dot(ds_t, q, input_precision="ieee")
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dk += tl.dot(ds_t.to(q.dtype), q)
     out_rows = batch_kv_head.to(tl.int64) * seq_kv + keys
     tl.store(dk_ptr + out_rows[:, None] * head_dim + dims[None, :],
              (dk * scale).to(dk_ptr.dtype.element_ty),
@@ -332,7 +347,7 @@ def _attention_bwd_dq_kernel(
         v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
                     mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
         _, ds = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
-                                    scale_log2, CAUSAL, IEEE)
+                                    scale_log2, False, CAUSAL, IEEE)
         if IEEE:
             dq += tl.dot(ds, k, input_precision="ieee")
         else:

@@ -523,7 +523,7 @@ def _assert_grads_close(ours, expected, dtype):
     for name, got, want in zip(("dq", "dk", "dv"), ours, expected):
         assert got.shape == want.shape and got.dtype == dtype, name
         torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * magnitude + 1e-12,
-                                   msg=name)
+                                   msg=lambda detail, name=name: f"{name}: {detail}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
