@@ -936,26 +936,21 @@ def _(q, k_cache, v_cache, seqlens, scale):
 
 # --------------------------------------------------------------------------------------------
 # aten overrides: the SDPA backend operators F.scaled_dot_product_attention reaches
-# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel).
-# Forward only for now: a call whose inputs need grad goes to torch's kernels, so the backward
-# torch runs pairs with torch's own forward and its saved log-sum-exp.
+# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel), each
+# with its backward operator. Each forward saves the lse in its backend's own layout and units
+# (natural log), so a forward and a backward may run in different enable() scopes: either half
+# reads what the other wrote.
 # --------------------------------------------------------------------------------------------
 
 
-def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None,
-                  paired_backward=False):
-    """Why the kernels do not take this SDPA call (None: they do). ``paired_backward``: the
-    backend's backward operator is overridden too, so inputs that need grad are served (the
-    saved lse is then ours, in that backend's layout, and so is the backward that reads it)."""
+def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+    """Why the kernels do not take this SDPA call (None: they do)."""
     if query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype}"
     if attn_bias is not None:
         return "an attention mask or bias"
     if dropout_p:
         return "dropout"
-    if not paired_backward and torch.is_grad_enabled() and (
-            query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs that need grad (this backend's backward is not overridden yet)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs that are not (B, H, S, D)"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[-1] != query.shape[-1]:
@@ -994,23 +989,43 @@ def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, at
 
 def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                            scale=None):
-    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale, paired_backward=True)
+    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
+
+
+def _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                    heads_last: bool):
+    """(dq, dk, dv) for an SDPA backward operator. ``logsumexp``: the forward's, in any
+    backend's layout ((B, H, Sq), cuDNN's (B, H, Sq, 1), efficient's padded (B, H, >= Sq), CPU's
+    strided). The gradients take the layout of torch's fake kernel for the operator: like the
+    inputs (CUDA flash, cuDNN), or ``heads_last`` (B, S, H, D) memory (CPU flash, efficient)."""
+    default = 1.0 / math.sqrt(query.shape[-1])
+    lse = logsumexp[..., 0] if logsumexp.dim() == 4 else logsumexp[..., :query.shape[2]]
+    grads = _launch_backward(grad_out, query, key, value, out, lse.float().contiguous(), None,
+                             is_causal, default if scale is None else scale)
+    layouts = [torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+               if heads_last else torch.empty_like(t) for t in (query, key, value)]
+    return tuple(grad if grad.stride() == want.stride() else want.copy_(grad)
+                 for grad, want in zip(grads, layouts))
+
+
+def _why_not_sdpa_backward(grad_out, query, key, value, attn_bias=None, dropout_p=0.0,
+                           scale=None):
+    # the same call's forward went to the kernels exactly when _why_not_sdpa said None, and
+    # when it did not, torch's forward saved the lse in the layout the backward reads
+    if grad_out.dtype != query.dtype:
+        return f"grad_out in {grad_out.dtype}, inputs in {query.dtype}"
+    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
 
 
 def _aten_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                                  is_causal, *, attn_mask=None, scale=None):
-    default = 1.0 / math.sqrt(query.shape[-1])
-    return _launch_backward(grad_out, query, key, value, out, logsumexp.float().contiguous(),
-                            None, is_causal, default if scale is None else scale)
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=True)
 
 
 def _why_not_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
                                     is_causal, *, attn_mask=None, scale=None):
-    # the same call's forward went to the kernels exactly when this says None: the pair matches
-    if grad_out.dtype != query.dtype:
-        return f"grad_out in {grad_out.dtype}, inputs in {query.dtype}"
-    return _why_not_flash_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
-                                  scale=scale)
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_mask, dropout_p, scale)
 
 
 def _placeholder(query, dtype=torch.int64):
@@ -1065,6 +1080,46 @@ def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout
     return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
 
 
+def _aten_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                         max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                         scale=None):
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=False)
+
+
+def _why_not_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                            max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                            scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, None, dropout_p, scale)
+
+
+def _aten_cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
+                         philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                         dropout_p, is_causal, *, scale=None):
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=False)
+
+
+def _why_not_cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
+                            philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                            dropout_p, is_causal, *, scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_bias, dropout_p, scale)
+
+
+def _aten_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                             philox_seed, philox_offset, dropout_p, grad_input_mask,
+                             is_causal=False, *, scale=None):
+    dq, dk, dv = _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                                 heads_last=True)
+    return dq, dk, dv, _placeholder(query, query.dtype)  # no bias, no bias gradient
+
+
+def _why_not_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                                philox_seed, philox_offset, dropout_p, grad_input_mask,
+                                is_causal=False, *, scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_bias, dropout_p, scale)
+
+
 ATEN_OVERRIDES = (
     AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu", _aten_flash_for_cpu,
                  _why_not_flash_for_cpu, dispatch_keys=("CPU",)),
@@ -1073,10 +1128,16 @@ ATEN_OVERRIDES = (
                  dispatch_keys=("CPU",)),
     AtenOverride("aten::_scaled_dot_product_flash_attention", _aten_flash, _why_not_flash,
                  dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention_backward", _aten_flash_backward,
+                 _why_not_flash_backward, dispatch_keys=("CUDA",)),
     AtenOverride("aten::_scaled_dot_product_cudnn_attention", _aten_cudnn, _why_not_cudnn,
                  dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_cudnn_attention_backward", _aten_cudnn_backward,
+                 _why_not_cudnn_backward, dispatch_keys=("CUDA",)),
     AtenOverride("aten::_scaled_dot_product_efficient_attention", _aten_efficient,
                  _why_not_efficient, dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_efficient_attention_backward",
+                 _aten_efficient_backward, _why_not_efficient_backward, dispatch_keys=("CUDA",)),
 )
 
 

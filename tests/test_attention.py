@@ -413,8 +413,8 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
 
 
 def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
-    """A mask, and (on CUDA, whose SDPA backward operators are not overridden yet) inputs that
-    need grad: torch's own forward and backward, as a pair."""
+    """A mask goes to torch's kernel; a call whose inputs need grad is served forward and
+    backward (on the GPU fp32 reaches the memory-efficient pair, on the CPU the flash pair)."""
     q = random_tensor((1, 2, 9, 32), torch.float32)
     mask = torch.rand(9, 9, device=q.device) > 0.3
     leaf = q.detach().requires_grad_()
@@ -422,8 +422,7 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
         masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
         needs_grad.sum().backward()
-    # on the CPU the flash pair serves the call that needs grad (forward and backward)
-    assert sum(activation.calls.values()) == (0 if ON_GPU else 2), activation.calls
+    assert sum(activation.calls.values()) == 2, activation.calls
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     reference_leaf = q.detach().double().requires_grad_()
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
@@ -431,18 +430,39 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
     assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+# (SDPA backend, dtype, head dim) each backend takes: CUDA flash and cuDNN 16-bit only
+SDPA_PAIRS = ([("flash", torch.float16, 64), ("cudnn", torch.bfloat16, 64),
+               ("efficient", torch.float16, 64), ("efficient", torch.float32, 64),
+               ("flash", torch.bfloat16, 128), ("cudnn", torch.float16, 128),
+               ("efficient", torch.bfloat16, 128)] if ON_GPU else
+              [("cpu", torch.float16, 64), ("cpu", torch.float32, 64)])
+
+
+def _sdpa_backend_op(backend):
+    return SDPA_OP if backend == "cpu" else f"aten::_scaled_dot_product_{backend}_attention"
+
+
+@pytest.mark.parametrize("backend,dtype,dim", SDPA_PAIRS)
 @pytest.mark.parametrize("scopes", ["both", "forward-only", "backward-only"])
-def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, dtype):
-    """Under enable() SDPA's CPU flash pair runs gemslib's forward and backward; with only one
-    of them inside the block, torch's other half reads the same lse layout, so the gradients
-    are right either way (on CUDA torch keeps both halves until its backward is overridden)."""
-    shapes = ((2, 4, 33, 64), (2, 2, 40, 64), (2, 2, 40, 64))
+def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, backend, dtype, dim):
+    """Under enable() each SDPA backend's forward and backward run gemslib's kernels; with only
+    one of them inside the block, torch's other half reads the lse as that backend saves it
+    (layout and units), so the gradients are right either way."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if ON_GPU:  # cuDNN at a multiple of 64 rows; the others at odd lengths
+        seq = 64 if backend == "cudnn" else 77
+        shapes = ((2, 4, seq, dim), (2, 4, seq, dim), (2, 4, seq, dim))
+    else:  # grouped heads, Sq < Skv
+        shapes = ((2, 4, 33, dim), (2, 2, 40, dim), (2, 2, 40, dim))
     q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
     grad_out = random_tensor(shapes[0], dtype, scale=1.0)
+    forced = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "cpu": SDPBackend.FLASH_ATTENTION}
 
     def forward():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        with sdpa_kernel(forced[backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not ON_GPU)
 
     def backward(out):
         return torch.autograd.grad(out, (q, k, v), grad_out)
@@ -458,10 +478,47 @@ def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, dtype):
             grads = backward(out)
     if scopes == "forward-only":
         grads = backward(out)
-    expected_ops = {"both": {SDPA_OP, SDPA_OP + "_backward"}, "forward-only": {SDPA_OP},
-                    "backward-only": {SDPA_OP + "_backward"}}[scopes]
-    assert set(activation.calls) == (set() if ON_GPU else expected_ops), activation.calls
-    _assert_grads_close(grads, _reference_grads(q, k, v, True, 64 ** -0.5, grad_out), dtype)
+    op = _sdpa_backend_op(backend)
+    expected_ops = {"both": {op, op + "_backward"}, "forward-only": {op},
+                    "backward-only": {op + "_backward"}}[scopes]
+    assert set(activation.calls) == expected_ops and not activation.fallbacks, \
+        (activation.calls, activation.fallbacks)
+    _assert_grads_close(grads, _reference_grads(q, k, v, True, dim ** -0.5, grad_out), dtype)
+
+
+@pytest.mark.parametrize("backend,dtype,dim", SDPA_PAIRS)
+def test_sdpa_backward_overrides_return_torchs_gradient_layouts(backend, dtype, dim):
+    """The backward overrides' gradients have the shapes and strides of torch's fake kernels
+    (like the inputs for CUDA flash and cuDNN, (B, S, H, D) memory for the CPU flash and the
+    efficient kernel), for inputs seen through (B, S, H, D) storage, and the right values."""
+    q, k, v = (random_tensor((2, seq, 4, dim), dtype, scale=1.0).transpose(1, 2)
+               for seq in (64, 64, 64))
+    grad_out = random_tensor((2, 4, 64, dim), dtype, scale=1.0)
+    name = _sdpa_backend_op(backend)[len("aten::"):]
+    forward_args = {"cpu": (q, k, v, 0.0, True), "flash": (q, k, v, 0.0, True, False),
+                    "cudnn": (q, k, v, None, True, 0.0, True, False),
+                    "efficient": (q, k, v, None, True, 0.0, True)}[backend]
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        forward = getattr(torch.ops.aten, name)(*forward_args)
+        out, lse = forward[0], forward[1]
+        if backend == "cpu":
+            args = (grad_out, q, k, v, out, lse, 0.0, True)
+        elif backend == "flash":
+            args = (grad_out, q, k, v, out, lse, *forward[2:6], 0.0, True, *forward[6:8])
+        elif backend == "cudnn":
+            args = (grad_out, q, k, v, out, lse, *forward[6:8], None, *forward[2:6], 0.0, True)
+        else:
+            args = (grad_out, q, k, v, None, out, lse, *forward[2:4], 0.0,
+                    [True, True, True, False], True)
+        backward = getattr(torch.ops.aten, name + "_backward")
+        grads = backward(*args)[:3]
+    assert activation.calls == {f"aten::{name}": 1, f"aten::{name}_backward": 1}, \
+        activation.calls
+    expected = backward(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    for what, ours, torchs in zip(("dq", "dk", "dv"), grads, expected):
+        assert (ours.shape, ours.stride(), ours.dtype) == \
+            (torchs.shape, torchs.stride(), torchs.dtype), what
+    _assert_grads_close(grads, _reference_grads(q, k, v, True, dim ** -0.5, grad_out), dtype)
 
 
 def test_custom_ops_pass_opcheck():
