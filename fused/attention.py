@@ -1028,17 +1028,27 @@ def _why_not_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp,
     return _why_not_sdpa_backward(grad_out, query, key, value, attn_mask, dropout_p, scale)
 
 
-def _placeholder(query, dtype=torch.int64):
-    return torch.empty(0, dtype=dtype, device=query.device)
+def _placeholder(query):
+    """An empty tensor where the operator returns one that is unused here (debug mask)."""
+    return torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def _philox_placeholders(query):
+    """(seed, offset) as torch's cuDNN and efficient kernels give them: 0-d int64 (no dropout
+    here, so never read)."""
+    return tuple(torch.zeros((), dtype=torch.int64, device=query.device) for _ in range(2))
 
 
 def _aten_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                 scale=None):
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
-    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
-            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
-            _placeholder(query, query.dtype))
+    # as torch's kernel gives them without dropout: undefined cum_seq (defined ones would
+    # tell torch's backward the batch is nested), a (2,) rng state and a 0-d unused
+    return (out, lse, None, None, query.shape[2], key.shape[2],
+            torch.zeros(2, dtype=torch.uint64, device=query.device),
+            torch.zeros((), dtype=torch.uint64, device=query.device),
+            _placeholder(query))
 
 
 def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
@@ -1052,9 +1062,8 @@ def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask);
     # cuDNN keeps lse as (B, H, Sq, 1)
-    return (out, lse.unsqueeze(-1), _placeholder(query, torch.int32),
-            _placeholder(query, torch.int32), query.shape[2], key.shape[2], _placeholder(query),
-            _placeholder(query), _placeholder(query, query.dtype))
+    return (out, lse.unsqueeze(-1), None, None, query.shape[2], key.shape[2],
+            *_philox_placeholders(query), _placeholder(query))
 
 
 def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -1072,7 +1081,7 @@ def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale, out)
     padded = lse.new_zeros((batch, heads, -(-seq_q // 32) * 32 if compute_log_sumexp else 0))
     padded[..., :seq_q] = lse[..., :padded.shape[-1]]
-    return out, padded, _placeholder(query), _placeholder(query)
+    return out, padded, *_philox_placeholders(query)
 
 
 def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -1111,7 +1120,7 @@ def _aten_efficient_backward(grad_out, query, key, value, attn_bias, out, logsum
                              is_causal=False, *, scale=None):
     dq, dk, dv = _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
                                  heads_last=True)
-    return dq, dk, dv, _placeholder(query, query.dtype)  # no bias, no bias gradient
+    return dq, dk, dv, _placeholder(query)  # no bias, no bias gradient
 
 
 def _why_not_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,

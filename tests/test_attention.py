@@ -403,6 +403,14 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
         for what, ours, torchs in zip(("o", "lse"), actual, expected):
             assert (ours.shape, ours.stride(), ours.dtype) == \
                 (torchs.shape, torchs.stride(), torchs.dtype), (name, what)
+        # the rest as torch gives it too: torch's backward reads them (a defined cum_seq_q,
+        # for one, would mean a nested batch)
+        assert len(actual) == len(expected), name
+        for index, (ours, torchs) in enumerate(zip(actual[2:], expected[2:]), start=2):
+            if isinstance(torchs, torch.Tensor):
+                assert (ours.shape, ours.dtype) == (torchs.shape, torchs.dtype), (name, index)
+            else:
+                assert ours == torchs, (name, index)
         reference, reference_lse = attention_ops.attention_reference(
             q.double(), k.double(), v.double(), True)
         rtol = tolerance(dtype)["rtol"]
