@@ -319,7 +319,11 @@ def _attention_bwd_dq_kernel(
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
     keys those rows see. Grid (query blocks, B * Hq); dq contiguous (B, Hq, Sq, D)."""
-    m_block = tl.program_id(0)
+    # causal: the last query blocks see the most keys; launched first, they do not trail
+    if CAUSAL:
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        m_block = tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
@@ -1063,7 +1067,7 @@ def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask);
     # cuDNN keeps lse as (B, H, Sq, 1)
     return (out, lse.unsqueeze(-1), None, None, query.shape[2], key.shape[2],
-            *_philox_placeholders(query), _placeholder(query))
+            *_philox_placeholders(query), None)
 
 
 def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
