@@ -319,11 +319,7 @@ def _attention_bwd_dq_kernel(
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
     keys those rows see. Grid (query blocks, B * Hq); dq contiguous (B, Hq, Sq, D)."""
-    # causal: the last query blocks see the most keys; launched first, they do not trail
-    if CAUSAL:
-        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        m_block = tl.program_id(0)
+    m_block = tl.program_id(0)
     batch_head = tl.program_id(1)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
