@@ -20,6 +20,9 @@ import gemslib
 from benchmark.harness import Case, optional_peer, outputs_close
 from gemslib.fused import attention as attention_ops
 
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("attention", "attention_causal", "attention_backward",
+       "attention_backward_causal", "decode_attention")
 DTYPE = torch.bfloat16
 # (batch, heads, seq, head dim)
 QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
