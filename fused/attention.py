@@ -258,10 +258,12 @@ def _attention_bwd_dkdv_kernel(
 ):
     """dK and dV of one block of BLOCK_N keys of one KV head, summed over the group's query
     heads and every query block that sees the keys (no atomics, K/V never repeated):
-    dv = sum p^T do, dk = scale * sum ds^T q. Grid (key blocks, B * Hkv); dk and dv contiguous
-    (B, Hkv, Skv, D / Dv)."""
-    n_block = tl.program_id(0)
-    batch_kv_head = tl.program_id(1)
+    dv = sum p^T do, dk = scale * sum ds^T q. Grid (B * Hkv, key blocks): every head's first
+    key blocks, the heaviest when causal (they see the most query rows), start before any
+    head's last ones, so no heavy program is left to run alone at the end; dk and dv
+    contiguous (B, Hkv, Skv, D / Dv)."""
+    batch_kv_head = tl.program_id(0)
+    n_block = tl.program_id(1)
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
     keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -318,9 +320,13 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
-    keys those rows see. Grid (query blocks, B * Hq); dq contiguous (B, Hq, Sq, D)."""
-    m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    keys those rows see. Grid (B * Hq, query blocks), the last query blocks first when causal
+    (they see the most keys; see the dK/dV kernel); dq contiguous (B, Hq, Sq, D)."""
+    batch_head = tl.program_id(0)
+    if CAUSAL:
+        m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        m_block = tl.program_id(1)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
     kv_head = head // group_size
@@ -577,10 +583,10 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
             q.dtype == torch.float32, block_d, block_dv)
     ATTENTION_BWD_DKDV.launch(
-        lambda meta: (runtime.cdiv(seq_kv, meta["BLOCK_N"]), batch * n_kv_heads),
+        lambda meta: (batch * n_kv_heads, runtime.cdiv(seq_kv, meta["BLOCK_N"])),
         q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest, shape=shape)
     ATTENTION_BWD_DQ.launch(
-        lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
+        lambda meta: (batch * n_q_heads, runtime.cdiv(seq_q, meta["BLOCK_M"])),
         q, k, v, grad_out, lse, delta, dq, seq_q, seq_kv, n_q_heads, *rest, shape=shape)
     return dq, dk, dv
 
