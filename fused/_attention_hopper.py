@@ -166,17 +166,22 @@ def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
 def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_kv, n_q_heads,
                           group_size, scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (cdiv(Sq, 2 * ROWS), B * Hq). q_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks,
+    """Grid (B * Hq, cdiv(Sq, 2 * ROWS)): heads fastest, and the query blocks from the last
+    (the heaviest when causal) to the first, so no heavy block is left to run alone at the end
+    of the grid. q_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks,
     k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks; out (B, Hq, Sq, D) and
     lse (B, Hq, Sq) contiguous. scale_log2 = scale * log2(e) >= 0."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    batch_head = gl.program_id(1)
+    batch_head = gl.program_id(0)
     batch = batch_head // n_q_heads
     head = batch_head % n_q_heads
-    first_query = gl.program_id(0) * 2 * ROWS
+    if CAUSAL:
+        first_query = (gl.num_programs(1) - 1 - gl.program_id(1)) * 2 * ROWS
+    else:
+        first_query = gl.program_id(1) * 2 * ROWS
     if CAUSAL:  # top-left aligned: row i sees keys j <= i
         n_blocks = gl.cdiv(gl.minimum(seq_kv, first_query + 2 * ROWS), BLOCK_N)
         full_blocks = gl.minimum(seq_kv, first_query) // BLOCK_N
@@ -238,7 +243,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
                       for t in (k, v))
     with torch.cuda.device(q.device):
-        _attention_fwd_hopper[(runtime.cdiv(seq_q, 2 * ROWS), batch * n_q_heads)](
+        _attention_fwd_hopper[(batch * n_q_heads, runtime.cdiv(seq_q, 2 * ROWS))](
             q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
             scale * LOG2E, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -129,14 +129,16 @@ def _attention_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr,
 ):
-    """Grid (query blocks, B * Hq). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
+    """Grid (B * Hq, query blocks). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
-    m_block = tl.program_id(0)
-    if CAUSAL:  # the query blocks with the most keys first, so the last wave is the short ones
-        m_block = tl.num_programs(0) - 1 - m_block
-    batch_head = tl.program_id(1)
+    # heads fastest, query blocks with the most keys (causal: the last) first: every head's
+    # heavy blocks go out before any head's light ones, and the last wave is the short ones
+    m_block = tl.program_id(1)
+    if CAUSAL:
+        m_block = tl.num_programs(1) - 1 - m_block
+    batch_head = tl.program_id(0)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
     kv_head = head // group_size
@@ -549,7 +551,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
     else:
         descriptors, config = [None] * 4, None
     ATTENTION_FWD.launch(
-        lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
+        lambda meta: (batch * n_q_heads, runtime.cdiv(seq_q, meta["BLOCK_M"])),
         q, k, v, out, lse, *descriptors, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
         head_dim, head_dim_v, scale * 1.4426950408889634,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
