@@ -62,6 +62,17 @@ def _backward_only(fn, q, k, v):
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
+def _with_hopper_backward(run):
+    """``run`` with attention_ops.use_hopper_backward on (the flag is read at backward time)."""
+    def timed():
+        previous, attention_ops.use_hopper_backward = attention_ops.use_hopper_backward, True
+        try:
+            return run()
+        finally:
+            attention_ops.use_hopper_backward = previous
+    return timed
+
+
 def _pin_flag_gems_backward(flag_gems) -> bool:
     """FlagGems 5.0.2's attention backward autotunes over 18 configs, some of which fault on
     the H200 under Triton 3.6 (an illegal address that ends the process; triton-lang/triton
@@ -104,6 +115,8 @@ def cases(quick: bool = False, backward: bool = False):
             if backward:
                 impls = {"gemslib": _backward_only(
                     lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c), q, k, v)}
+                if dim == 128:  # the Gluon dK/dV kernel, off by default until measured
+                    impls["gemslib Gluon dK/dV"] = _with_hopper_backward(impls["gemslib"])
                 for name, run in peers.items():
                     if name != "SDPA efficient":  # 3-4x behind in the forward already
                         impls[name] = _backward_only(lambda q, k, v, run=run, c=causal:

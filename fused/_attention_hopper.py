@@ -36,6 +36,11 @@ BLOCK_N = 128      # keys per block
 STAGES = 3         # K/V ring depth: 32 KB of q + 3 x 64 KB of K/V fit the 227 KB of an SM
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# the backward's dK/dV kernel: KEYS keys per consumer warpgroup (two per program), query rows
+# BWD_ROWS at a time through a ring of BWD_STAGES q / do tiles; K and V stay in shared memory
+KEYS = 64
+BWD_ROWS = 64
+BWD_STAGES = 2
 LOG2E = 1.4426950408889634
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -214,6 +219,156 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
                         (_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+# --------------------------------------------------------------------------------------------
+# Backward: dK and dV (dQ and delta come from the Triton kernels in attention.py)
+# --------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                  qdo_ready, qdo_empty, batch, kv_head, first_key, group_size, first_row_block,
+                  row_blocks, STAGES: gl.constexpr):
+    """One warp: both consumers' K and V blocks once, then for each (group member, query block)
+    the q and do tiles into stage step % STAGES, refilled once both consumers released it."""
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    mbarrier.expect(kv_ready.index(0), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, first_key + half * KEYS, 0],
+                                        kv_ready.index(0), k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, first_key + half * KEYS, 0],
+                                        kv_ready.index(0), v_smem.index(half))
+    for step in range(group_size * row_blocks):
+        stage = step % STAGES
+        head = kv_head * group_size + step // row_blocks
+        row = (first_row_block + step % row_blocks) * ROWS
+        mbarrier.wait(qdo_empty.index(stage), ((step // STAGES) + 1) & 1, pred=step >= STAGES)
+        mbarrier.expect(qdo_ready.index(stage),
+                        q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, row, 0], qdo_ready.index(stage),
+                                        q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [batch, head, row, 0], qdo_ready.index(stage),
+                                        do_smem.index(stage))
+
+
+@gluon.jit
+def _bwd_consumer(half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, first_key, seq_q, seq_kv, group_size,
+                  first_row_block, row_blocks, scale, scale_log2,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: keys first_key + half * KEYS + [0, KEYS) of one KV head, keys-major like
+    the Triton kernel: s^T = k q^T and dp^T = v do^T (K and V straight from shared memory),
+    p^T = 2^(s^T scale_log2 - lse log2 e), ds^T = p^T (dp^T - delta), then dv += p^T do and
+    dk += ds^T q with p^T and ds^T as register operands. lse_ptr / delta_ptr point at the
+    group's first query head ((Sq,) per member, consecutive); dk_ptr / dv_ptr at the KV head's
+    (Skv, D) slices."""
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    ROWS: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = k_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                       k_width=2)
+    k_tile = k_smem.index(half).reshape([KEYS, HEAD_D])
+    v_tile = v_smem.index(half).reshape([KEYS, HEAD_D])
+    keys = first_key + half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+    dk = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
+    zero_s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+    mbarrier.wait(kv_ready.index(0), 0)
+    for step in range(group_size * row_blocks):
+        stage = step % STAGES
+        rows = (first_row_block + step % row_blocks) * ROWS + cols
+        mbarrier.wait(qdo_ready.index(stage), (step // STAGES) & 1)
+        q_tile = q_smem.index(stage).reshape([ROWS, HEAD_D])
+        do_tile = do_smem.index(stage).reshape([ROWS, HEAD_D])
+        s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zero_s, use_acc=False,
+                                is_async=True)
+        dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zero_s, use_acc=False,
+                                 is_async=True)
+        # the rows' lse and delta load under the two matmuls
+        row_offsets = (step // row_blocks).to(gl.int64) * seq_q + rows
+        in_rows = rows < seq_q
+        lse_log2 = gl.load(lse_ptr + row_offsets, mask=in_rows, other=0.0) * 1.4426950408889634
+        delta = gl.load(delta_ptr + row_offsets, mask=in_rows, other=0.0)
+        s_t, dp_t, _, _, _, _ = warpgroup_mma_wait(
+            0, deps=[s_token, dp_token, k_tile, v_tile, q_tile, do_tile])
+        keep = (keys[:, None] < seq_kv) & in_rows[None, :]
+        if CAUSAL:  # top-left aligned: row i sees keys j <= i
+            keep = keep & (keys[:, None] <= rows[None, :])
+        p_t = gl.where(keep, gl.exp2(s_t * scale_log2 - lse_log2[None, :]), 0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        p_operand = gl.convert_layout(p_t.to(dtype), operand_layout)
+        ds_operand = gl.convert_layout(ds_t.to(dtype), operand_layout)
+        dv_token = warpgroup_mma(p_operand, do_tile, dv, is_async=True)
+        dk_token = warpgroup_mma(ds_operand, q_tile, dk, is_async=True)
+        dv, dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+        mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+
+    out_keys = first_key + half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    offsets = out_keys[:, None].to(gl.int64) * HEAD_D + dims[None, :]
+    in_keys = (out_keys < seq_kv)[:, None]
+    gl.store(dk_ptr + offsets, (dk * scale).to(dtype), mask=in_keys)
+    gl.store(dv_ptr + offsets, dv.to(dtype), mask=in_keys)
+
+
+@gluon.jit
+def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr,
+                               dv_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale, scale_log2,
+                               CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Grid (B * Hkv, cdiv(Skv, 2 * KEYS)): one program per 2 * KEYS keys of one KV head (the
+    first key blocks, the heaviest when causal, dispatched first). q_desc / do_desc over
+    (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
+    (1, 1, KEYS, D) blocks; lse and delta (B, Hq, Sq) fp32, dk and dv (B, Hkv, Skv, D)
+    contiguous. Rows and keys past the ends read as zeros and are masked."""
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    batch_kv_head = gl.program_id(0)
+    batch = batch_kv_head // n_kv_heads
+    kv_head = batch_kv_head % n_kv_heads
+    first_key = gl.program_id(1) * 2 * KEYS
+    if CAUSAL:  # query rows before the first key see none of the program's keys
+        first_row_block = gl.minimum(first_key, seq_q) // ROWS
+    else:
+        first_row_block = first_key * 0
+    row_blocks = gl.cdiv(seq_q, ROWS) - first_row_block
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+                                        do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i), count=1)
+        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+    group_rows = (batch * n_kv_heads + kv_head).to(gl.int64) * group_size * seq_q
+    kv_rows = batch_kv_head.to(gl.int64) * seq_kv
+    consumer_args = (q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty,
+                     lse_ptr + group_rows, delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
+                     dv_ptr + kv_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
+                     first_row_block, row_blocks, scale, scale_log2, CAUSAL, STAGES)
+    low, high = gl.to_tensor(0), gl.to_tensor(1)  # which KEYS of the program's keys
+    producer_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                     qdo_ready, qdo_empty, batch, kv_head, first_key, group_size,
+                     first_row_block, row_blocks, STAGES)
+    gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                        (_bwd_consumer, (high,) + consumer_args),
+                        (_bwd_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 def shared_layouts(dtype: torch.dtype):
     """NVMMA shared layouts of the q and the K/V blocks for ``dtype``."""
     element = _GL_DTYPES[dtype]
@@ -250,22 +405,55 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False):
-    """Compile the kernel for sm_90 without a GPU (tests): returns triton's CompiledKernel."""
+def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) for ``eligible`` q, k, v with a TMA-addressable grad_out (B, Hq, Sq, 128), the
+    forward's lse and delta = rowsum(o * do) - grad_lse, both (B, Hq, Sq) fp32 contiguous:
+    dk, dv (B, Hkv, Skv, 128) contiguous in k's dtype."""
+    batch, n_q_heads, seq_q, _ = q.shape
+    n_kv_heads, seq_kv = k.shape[1], k.shape[2]
+    dk = torch.empty((batch, n_kv_heads, seq_kv, HEAD_DIM), dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    block_layout = gl.NVMMASharedLayout.get_default_for([1, 1, KEYS, HEAD_DIM],
+                                                        _GL_DTYPES[q.dtype])
+    q_desc, do_desc = (TensorDescriptor.from_tensor(t, [1, 1, BWD_ROWS, HEAD_DIM], block_layout)
+                       for t in (q, grad_out))
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, KEYS, HEAD_DIM], block_layout)
+                      for t in (k, v))
+    with torch.cuda.device(q.device):
+        _attention_bwd_dkdv_hopper[(batch * n_kv_heads, runtime.cdiv(seq_kv, 2 * KEYS))](
+            q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads,
+            n_q_heads // n_kv_heads, scale, scale * LOG2E, CAUSAL=causal, STAGES=BWD_STAGES,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+    return dk, dv
+
+
+def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                     backward: bool = False):
+    """Compile the forward kernel (or the backward's dK/dV kernel) for sm_90 without a GPU
+    (tests): returns triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     q_layout, kv_layout = shared_layouts(dtype)
-    signature = {"q_desc": f"tensordesc<{name}[1, 1, {ROWS}, {HEAD_DIM}],{q_layout!r}>",
-                 "k_desc": f"tensordesc<{name}[1, 1, {BLOCK_N}, {HEAD_DIM}],{kv_layout!r}>",
-                 "v_desc": f"tensordesc<{name}[1, 1, {BLOCK_N}, {HEAD_DIM}],{kv_layout!r}>",
-                 "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
-                 "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32",
-                 "CAUSAL": "constexpr", "STAGES": "constexpr", "CONSUMER_REGS": "constexpr",
-                 "PRODUCER_REGS": "constexpr"}
-    constexprs = {"CAUSAL": causal, "STAGES": STAGES, "CONSUMER_REGS": CONSUMER_REGS,
-                  "PRODUCER_REGS": PRODUCER_REGS}
-    source = GluonASTSource(_attention_fwd_hopper, signature, constexprs)
+    constexprs = {"CAUSAL": causal, "STAGES": BWD_STAGES if backward else STAGES,
+                  "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
+    block = f"tensordesc<{name}[1, 1, {ROWS}, {HEAD_DIM}],{q_layout!r}>"  # also KEYS, BWD_ROWS
+    if backward:
+        kernel = _attention_bwd_dkdv_hopper
+        signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
+                     "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
+                     "dv_ptr": f"*{name}", "seq_q": "i32", "seq_kv": "i32", "n_kv_heads": "i32",
+                     "group_size": "i32", "scale": "fp32", "scale_log2": "fp32"}
+    else:
+        kernel = _attention_fwd_hopper
+        kv_block = f"tensordesc<{name}[1, 1, {BLOCK_N}, {HEAD_DIM}],{kv_layout!r}>"
+        signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
+                     "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
+                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32"}
+    signature.update({key: "constexpr" for key in constexprs})
+    source = GluonASTSource(kernel, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

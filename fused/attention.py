@@ -509,6 +509,10 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 # (_attention_hopper.py, 1.2x the Triton kernel's speed there); False keeps every call on the
 # Triton kernel (benchmarks compare the two this way).
 use_hopper_kernel = True
+# The backward's dK/dV in Gluon for the same inputs (_attention_hopper.backward_dkdv: K and V
+# kept in shared memory, warp-specialised). Off until it has run on a GPU: it compiles for
+# sm_90 (tested on the CPU) but has not been executed yet.
+use_hopper_backward = False
 
 
 def _launch_forward(q, k, v, causal: bool, scale: float,
@@ -584,9 +588,14 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * 1.4426950408889634,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
             q.dtype == torch.float32, block_d, block_dv)
-    ATTENTION_BWD_DKDV.launch(
-        lambda meta: (batch * n_kv_heads, runtime.cdiv(seq_kv, meta["BLOCK_N"])),
-        q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest, shape=shape)
+    if use_hopper_backward and _attention_hopper is not None and \
+            _attention_hopper.eligible(q, k, v) and layout.tma_addressable(grad_out):
+        dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
+    else:
+        ATTENTION_BWD_DKDV.launch(
+            lambda meta: (batch * n_kv_heads, runtime.cdiv(seq_kv, meta["BLOCK_N"])),
+            q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest,
+            shape=shape)
     ATTENTION_BWD_DQ.launch(
         lambda meta: (batch * n_q_heads, runtime.cdiv(seq_q, meta["BLOCK_M"])),
         q, k, v, grad_out, lse, delta, dq, seq_q, seq_kv, n_q_heads, *rest, shape=shape)

@@ -296,10 +296,10 @@ import json, torch
 from gemslib.fused import _attention_hopper as hopper
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
-    for causal in (False, True):
-        compiled = hopper.compile_for_sm90(dtype, causal)
+    for causal, backward in ((False, False), (True, False), (False, True), (True, True)):
+        compiled = hopper.compile_for_sm90(dtype, causal, backward)
         ptx = compiled.asm["ptx"]
-        report[f"{dtype} {causal}"] = {"shared": compiled.metadata.shared,
+        report[f"{dtype} {causal} {backward}"] = {"shared": compiled.metadata.shared,
                                        "cubin": bool(compiled.asm["cubin"]),
                                        "wgmma": ptx.count("wgmma.mma_async"),
                                        "setmaxnreg": ptx.count("setmaxnreg")}
@@ -309,17 +309,21 @@ print(json.dumps(report))
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the attention tests run this kernel for real")
 def test_hopper_attention_kernel_compiles_for_sm90():
-    """The Gluon kernel (bf16/fp16, causal or not) compiles to a cubin within an SM's shared
-    memory, with its warpgroups' register budgets rebalanced (setmaxnreg: producer down,
-    consumers up) and q.K and p.V both issued as wgmma."""
+    """The Gluon kernels, forward and the backward's dK/dV (bf16/fp16, causal or not), compile
+    to cubins within an SM's shared memory, with their warpgroups' register budgets rebalanced
+    (setmaxnreg: producer down, consumers up) and every product issued as wgmma (forward: q.K
+    and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over 64 rows)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _GLUON_COMPILER], capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(report) == 4
+    assert len(report) == 8
     for variant, facts in report.items():
         assert facts["cubin"], variant
         assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
         assert facts["setmaxnreg"] >= 2, variant
-        assert facts["wgmma"] >= 2 * (128 // 16), variant  # q.K and p.V, K = 128 in steps of 16
+        # wgmma steps of K = 16: forward 2 x 128 / 16; backward 2 x 128 / 16 + 2 x 64 / 16
+        backward = variant.endswith("True")
+        assert facts["wgmma"] >= (2 * 128 // 16 + 2 * 64 // 16 if backward else 2 * 128 // 16), \
+            variant
