@@ -17,6 +17,13 @@ and rows past a head's end read as zeros, so ragged lengths need only the key ma
 block (keys >= Skv) and the causal diagonal (keys > row, top-left aligned). Used by
 ``attention._launch_forward`` for 16-bit inputs with D = Dv = 128 on sm_90; see ``eligible``.
 Measured in benchmark/NOTES.md (the session of 2026-11-30 05:14).
+
+The backward's dK/dV (``backward_dkdv``) follows the same plan with the roles of queries and
+keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup) in shared
+memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
+of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
+dk += ds^T q with p^T and ds^T as register operands. Behind ``attention.use_hopper_backward``
+(off: not yet run on a GPU).
 """
 
 from __future__ import annotations
