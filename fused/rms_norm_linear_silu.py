@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import layout, runtime
 
@@ -36,13 +37,17 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 @triton.jit
 def _rms_norm_linear_silu_kernel(
-    x_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr,
+    x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr,
     n_rows, n_out, n_in, eps, x_row_stride, weight_row_stride, out_row_stride,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program; 1-d grid in grouped
-    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides."""
+    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
+    decision: the config asks with USE_TMA and W's layout allows): W tiles come through the
+    tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past W's end); x always
+    goes through registers, where it is scaled by the norm weight."""
     pid = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -66,7 +71,10 @@ def _rms_norm_linear_silu_kernel(
         k_mask = ks < n_in
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         g = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0)
-        w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:
+            w = tl.trans(weight_desc.load([n_tile * BLOCK_N, k_start]))
+        else:
+            w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         x32 = x.to(tl.float32)
         sum_squares += tl.sum(x32 * x32, axis=1)
         scaled = (x32 * g.to(tl.float32)[None, :]).to(x.dtype)
@@ -86,7 +94,7 @@ def _rms_norm_linear_silu_kernel(
 
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"), shape_keys=("rows", "n", "k"))
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA"), shape_keys=("rows", "n", "k"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,13 +119,28 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     x_rows = layout.as_rows(_unit_last(x))
     weight = _unit_last(weight)
     out_rows = out.view(n_rows, n_out)
+    shape = (n_rows, n_out, n_in)
+    config = RMS_NORM_LINEAR_SILU.planned_config(shape)
+    meta = config.meta_dict
+    tma = bool(meta["USE_TMA"]) and _tma_ready(weight)
+    if tma:  # the descriptor's block follows the config, so the launch must use this one
+        weight_desc = TensorDescriptor.from_tensor(weight, [meta["BLOCK_N"], meta["BLOCK_K"]])
+    else:
+        weight_desc, config = None, None
     RMS_NORM_LINEAR_SILU.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
-        x_rows, norm_weight.contiguous(), weight, bias.contiguous() if bias is not None else weight,
-        out_rows, n_rows, n_out, n_in, eps, x_rows.stride(0), weight.stride(0),
-        out_rows.stride(0), bias is not None, x.dtype == torch.float32,
-        shape=(n_rows, n_out, n_in))
+        x_rows, norm_weight.contiguous(), weight, weight_desc,
+        bias.contiguous() if bias is not None else weight, out_rows, n_rows, n_out, n_in, eps,
+        x_rows.stride(0), weight.stride(0), out_rows.stride(0), bias is not None,
+        x.dtype == torch.float32, tma, shape=shape, config=config)
     return out
+
+
+def _tma_ready(weight: torch.Tensor) -> bool:
+    """A tensor descriptor needs a 16-byte aligned base and row stride."""
+    size = weight.element_size()
+    return (weight.data_ptr() % 16 == 0 and weight.stride(1) == 1
+            and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size >= 16)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,10 +15,12 @@ import sys
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import gemslib
 from conftest import ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.fused import rms_norm_linear_silu as fused_ops
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import softmax as softmax_ops
 
@@ -30,6 +32,9 @@ _SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 def _describe(value):
     if isinstance(value, torch.Tensor):
         return {"pointer": _SHORT_DTYPE[value.dtype]}
+    if isinstance(value, TensorDescriptor):  # Triton's signature string for a host descriptor
+        block = ", ".join(str(size) for size in value.block_shape)
+        return {"descriptor": f"tensordesc<{_SHORT_DTYPE[value.base.dtype]}[{block}]>"}
     if isinstance(value, (bool, int, float)) or value is None:
         return {"value": value}
     raise TypeError(f"unexpected kernel argument {type(value).__name__}")
@@ -78,6 +83,8 @@ for record in json.load(sys.stdin):
             constexprs[param.name] = arg["value"]
         elif "pointer" in arg:
             signature[param.name] = "*" + arg["pointer"]
+        elif "descriptor" in arg:
+            signature[param.name] = arg["descriptor"]
         elif isinstance(arg["value"], bool):
             signature[param.name] = "i1"
         elif isinstance(arg["value"], float):
@@ -119,6 +126,13 @@ def _split_softmax(x, chunk):
         return gemslib.log_softmax(x)
 
 
+def _fused_with_weight_descriptor(x, norm_weight, weight):
+    config = runtime.LaunchConfig((("BLOCK_M", 128), ("BLOCK_N", 128), ("BLOCK_K", 64),
+                                   ("GROUP_M", 8), ("USE_TMA", 1)), 8, 3)
+    with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
+        return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
+
+
 def _under_enable(fn, *args):
     with gemslib.enable():
         return fn(*args)
@@ -145,6 +159,7 @@ CALLS = [
     # rms_norm_linear_silu: both buckets (decode tiles, matmul tiles), bias or not, fp32 (IEEE)
     lambda: gemslib.rms_norm_linear_silu(_bf16(3, 256), _bf16(256), _bf16(100, 256), _bf16(100)),
     lambda: gemslib.rms_norm_linear_silu(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
+    lambda: _fused_with_weight_descriptor(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
     lambda: gemslib.rms_norm_linear_silu(*(random_tensor(s, torch.float32)
                                            for s in ((70, 64), (64,), (40, 64), (40,)))),  # both launches of the two-launch form
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
@@ -164,6 +179,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel"} <= kernels
+    # the launch through a tensor descriptor (TMA) is among them
+    assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)

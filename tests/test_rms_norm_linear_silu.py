@@ -69,9 +69,30 @@ def test_group_order_covers_every_tile():
     last group, and each output tile written exactly once (NaN-filled output otherwise)."""
     inputs = _inputs((100, 32), 70, torch.float32)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 3)), 4, 1)
+                                   ("GROUP_M", 3), ("USE_TMA", 0)), 4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptor"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_both_weight_load_paths_match_reference(use_tma, dtype):
+    """The weight through pointers or a tensor descriptor (TMA): ragged last row, column and
+    K tiles (70 x 40 weight in 16 x 16 blocks)."""
+    inputs = _inputs((37, 40), 70, dtype)
+    assert fused_ops._tma_ready(inputs[2])  # so the descriptor case really uses one
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 2), ("USE_TMA", use_tma)), 4, 1)
+    with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
+        _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
+
+
+def test_weight_descriptor_only_where_the_layout_allows():
+    weight = random_tensor((8, 24), torch.float16)
+    assert fused_ops._tma_ready(weight)
+    assert not fused_ops._tma_ready(random_tensor((8, 12), torch.float16)[:, :4])  # 8 B wide
+    assert not fused_ops._tma_ready(random_tensor((8, 13), torch.float16))  # 26 B rows
+    assert not fused_ops._tma_ready(weight[:, 1:])  # base off 16 bytes
 
 
 def test_empty_and_zero_width_inputs():
