@@ -9,7 +9,7 @@ Rows that fit one block are read once. Wider rows (vocabulary-sized) take an onl
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
 writes the outputs: two reads and one write. A second form for wide rows splits each row over
 several programs that exchange their pieces' statistics and write from registers, one read
-(``softmax_split_fwd``; off in the shipped configs until it is measured on a GPU). exp is
+(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). exp is
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a

@@ -94,8 +94,9 @@ def main() -> None:
 
         report("shipped loop (CHUNK 0)", lambda: _shipped(x, 0))
         report("shipped split (CHUNK 8192)", lambda: _shipped(x, 8192))
-        for (first, second, store), block_n, warps in itertools.product(HINTS, (4096, 8192),
-                                                                         (8, 16)):
+        # 32 warps: one program (one row) per SM, the fewest rows in flight
+        for (first, second, store), block_n, warps in itertools.product(
+                HINTS, (4096, 8192, 16384), (8, 16, 32)):
             name = f"hinted {first or '-'}/{second or '-'}/{store or '-'} {block_n}x{warps}w"
             report(name, lambda f=first, s=second, st=store, b=block_n, w=warps:
                    _hinted(x, b, w, f, s, st))
