@@ -12,8 +12,9 @@ from gemslib.fused import rms_norm_linear_silu as fused_ops
 DOT_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32]
 _UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
 
-# (x shape, N): one row (decode), odd sizes, several row tiles of both buckets, 3-d x
-CASES = [((1, 64), 48), ((5, 48), 24), ((40, 100), 70), ((130, 64), 130), ((2, 3, 40), 33)]
+# (x shape, N): one row (decode), odd sizes, several row tiles of both buckets, 3-d and 1-d x
+CASES = [((1, 64), 48), ((5, 48), 24), ((40, 100), 70), ((130, 64), 130), ((2, 3, 40), 33),
+         ((64,), 20)]
 if ON_GPU:
     CASES += [((16, 4096), 14336), ((4096, 4096), 11008), ((300, 1000), 777), ((1, 4096), 4096)]
 
