@@ -155,13 +155,13 @@ CALLS = [
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
-    lambda: _split_softmax(_bf16(3, 1000), chunk=256),
+    lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     # rms_norm_linear_silu: both buckets (decode tiles, matmul tiles), bias or not, fp32 (IEEE)
     lambda: gemslib.rms_norm_linear_silu(_bf16(3, 256), _bf16(256), _bf16(100, 256), _bf16(100)),
     lambda: gemslib.rms_norm_linear_silu(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
     lambda: _fused_with_weight_descriptor(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
     lambda: gemslib.rms_norm_linear_silu(*(random_tensor(s, torch.float32)
-                                           for s in ((70, 64), (64,), (40, 64), (40,)))),  # both launches of the two-launch form
+                                           for s in ((70, 64), (64,), (40, 64), (40,)))),
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
