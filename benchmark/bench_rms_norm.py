@@ -107,7 +107,8 @@ SWEEP_CANDIDATES = {
 def sweep_problems():
     """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
     size = torch.finfo(DTYPE).bits // 8
-    for rows, cols in [(65536, 4096), (4096, 4096), (8192, 5120), (16384, 8192)]:
+    for rows, cols in [(65536, 4096), (4096, 4096), (8192, 5120), (16384, 8192), (2048, 12288),
+                       (512, 65536)]:
         x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
         weight = torch.randn(cols, device="cuda", dtype=DTYPE)
         grad = torch.randn_like(x)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session in one call: install, test, check, sweep, benchmark; logs under $OUT.
 #   bash benchmark/gpu_session.sh [sweep-ops...]      (SKIP_TESTS=1 skips pytest and the main job,
-#   FULL=1 runs the full benchmark, backward kernels too, instead of the quick one, EXPERIMENT=name runs
-#   benchmark/experiments/<name>.py first)
+#   NO_BENCH=1 the benchmark,
+#   FULL=1 runs the full benchmark, backward kernels too, instead of the quick one, EXPERIMENT="a b" runs
+#   benchmark/experiments/a.py and b.py first)
 # Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gemslib_out}
@@ -24,13 +25,15 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     | tee "$OUT/pytest.log" | tail -35 || status=1
   python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
 fi
-if [ -n "${EXPERIMENT:-}" ]; then
-  python -m "benchmark.experiments.$EXPERIMENT" 2>&1 | tee "$OUT/experiment.log"
-fi
+for experiment in ${EXPERIMENT:-}; do  # a space-separated list
+  python -m "benchmark.experiments.$experiment" 2>&1 | tee "$OUT/experiment_$experiment.log"
+done
 for op in "$@"; do
   timeout "${SWEEP_TIMEOUT:-300}" python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
 done
-if [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too
+if [ "${NO_BENCH:-0}" = 1 ]; then
+  :
+elif [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too
   python -m benchmark --backward --no-plot --out "$OUT/full" 2>&1 | tee "$OUT/bench.log" || status=1
 else
   python -m benchmark --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1

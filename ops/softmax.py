@@ -44,16 +44,68 @@ def _row_block(n_rows, BLOCK_M: tl.constexpr):
     return rows.to(tl.int64)[:, None], rows[:, None] < n_rows
 
 
+@triton.jit
+def _in_row(cols, shift, n_cols, row_mask, ALIGN: tl.constexpr):
+    """Mask of the columns ``cols`` (counted from ``shift`` elements before the row) that
+    belong to a row of ``n_cols``; ``shift`` is 0 when ALIGN is 1."""
+    if ALIGN == 1:
+        return row_mask & (cols < n_cols)
+    else:
+        return row_mask & (cols >= shift) & (cols < shift + n_cols)
+
+
+@triton.jit
+def _aligned_start(offset, ALIGN: tl.constexpr):
+    """``offset`` rounded down to a multiple of ALIGN, written so that the compiler knows it
+    is one (and vectorizes the accesses from it)."""
+    return (offset // ALIGN) * ALIGN
+
+
+@triton.jit
+def _first_full_block(ALIGN: tl.constexpr):
+    """The first block of a looped row walk that lies inside every row: blocks start ``shift``
+    (< ALIGN <= BLOCK_N) elements before the row when ALIGN > 1."""
+    if ALIGN == 1:
+        return 0
+    else:
+        return 1
+
+
+@triton.jit
+def _write_block(x_at, y_at, mask, row_max, row_sum, LOG: tl.constexpr):
+    """y = softmax or log_softmax of the block at ``x_at``, from the row's max and sum."""
+    shifted = (tl.load(x_at, mask=mask, other=-float("inf")).to(tl.float32) - row_max) * LOG2E
+    if LOG:
+        y = (shifted - tl.log2(row_sum)) / LOG2E
+    else:
+        y = tl.exp2(shifted) / row_sum
+    tl.store(y_at, y.to(y_at.dtype.element_ty), mask=mask)
+
+
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_fwd_kernel(
     x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    LOG: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row."""
+    """BLOCK_M rows of ``n_cols`` per program; y = softmax or log_softmax of each row.
+
+    ALIGN > 1 (looped rows whose starts are not 16-byte aligned, e.g. 50257 columns): each row
+    is walked in blocks that start at the aligned address ``shift`` elements before the row,
+    so that every block but the first and the last loads and stores full vectors unmasked.
+    The launcher sets it only when x and y rows share the misalignment (equal strides mod ALIGN).
+    """
     row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    x_rows = x_ptr + row_index * x_row_stride
-    y_rows = y_ptr + row_index * y_row_stride
+    if ONE_PASS or ALIGN == 1:
+        shift = 0
+        x_rows = x_ptr + row_index * x_row_stride
+        y_rows = y_ptr + row_index * y_row_stride
+    else:
+        # y's rows start ``shift`` past alignment too (the launcher checks the strides)
+        shift = (row_index * x_row_stride) % ALIGN  # elements the row starts past alignment
+        x_rows = x_ptr + _aligned_start(row_index * x_row_stride, ALIGN)
+        y_rows = y_ptr + _aligned_start(row_index * y_row_stride, ALIGN)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask & (cols < n_cols)
@@ -67,12 +119,19 @@ def _softmax_fwd_kernel(
             y = exps / row_sum
         tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
+        # blocks [first_full, end_full) lie inside every row: no column mask, full vectors
+        first_full = _first_full_block(ALIGN)
+        end_full = n_cols // BLOCK_N
+        n_blocks = tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
         lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
         lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for col_start in range(0, n_cols, BLOCK_N):
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            x = tl.load(x_rows + cols, mask=row_mask & (cols < n_cols),
-                        other=-float("inf")).to(tl.float32)
+        for block in range(0, n_blocks):
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (block >= first_full) & (block < end_full):
+                x = tl.load(x_rows + cols, mask=row_mask, other=-float("inf")).to(tl.float32)
+            else:
+                x = tl.load(x_rows + cols, mask=_in_row(cols, shift, n_cols, row_mask, ALIGN),
+                            other=-float("inf")).to(tl.float32)
             # on the GPU tl.maximum drops NaN operands unless told otherwise
             new_max = tl.maximum(lane_max, x, propagate_nan=tl.PropagateNan.ALL)
             # a lane that has seen only -inf keeps a zero sum; (-inf) - (-inf) would make it
@@ -84,18 +143,16 @@ def _softmax_fwd_kernel(
             lane_max = new_max
         row_max = tl.max(lane_max, axis=1)[:, None]
         row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * LOG2E), axis=1)[:, None]
-        n_blocks = tl.cdiv(n_cols, BLOCK_N)
-        for block in range(0, n_blocks):  # last block first: it is the one still in cache
-            col_start = (n_blocks - 1 - block) * BLOCK_N
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < n_cols)
-            x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            shifted = (x - row_max) * LOG2E
-            if LOG:
-                y = (shifted - tl.log2(row_sum)) / LOG2E
+        for step in range(0, n_blocks):  # last block first: it is the one still in cache
+            block = n_blocks - 1 - step
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            # two calls, not one on a merged mask: the unmasked one must see a mask that is
+            # constant along the row, or its loads and stores are not vectorized
+            if (block >= first_full) & (block < end_full):
+                _write_block(x_rows + cols, y_rows + cols, row_mask, row_max, row_sum, LOG)
             else:
-                y = tl.exp2(shifted) / row_sum
-            tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+                _write_block(x_rows + cols, y_rows + cols,
+                             _in_row(cols, shift, n_cols, row_mask, ALIGN), row_max, row_sum, LOG)
 
 
 @triton.jit
@@ -156,17 +213,48 @@ def _softmax_split_fwd_kernel(
         tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _grad_dot_terms(grad_at, y_at, mask, LOG: tl.constexpr):
+    """One block's terms of the row's sum: dy * y (softmax) or dy (log_softmax)."""
+    grad = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        return grad
+    else:
+        return grad * tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _write_grad_block(grad_at, y_at, dx_at, mask, row_dot, LOG: tl.constexpr):
+    """dx of one block from the row's sum of dy * y (softmax) or of dy (log_softmax)."""
+    grad = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    if LOG:
+        dx = grad - tl.exp(y) * row_dot
+    else:
+        dx = y * (grad - row_dot)
+    tl.store(dx_at, dx.to(dx_at.dtype.element_ty), mask=mask)
+
+
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_bwd_kernel(
     grad_ptr, y_ptr, dx_ptr, n_rows, n_cols, grad_row_stride, y_row_stride, dx_row_stride,
-    LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    LOG: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
-    """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy)."""
+    """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy).
+    ALIGN as in softmax_fwd (all three tensors' rows share the offset)."""
     row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    grad_rows = grad_ptr + row_index * grad_row_stride
-    y_rows = y_ptr + row_index * y_row_stride
-    dx_rows = dx_ptr + row_index * dx_row_stride
+    if ONE_PASS or ALIGN == 1:
+        shift = 0
+        grad_rows = grad_ptr + row_index * grad_row_stride
+        y_rows = y_ptr + row_index * y_row_stride
+        dx_rows = dx_ptr + row_index * dx_row_stride
+    else:
+        shift = (row_index * grad_row_stride) % ALIGN
+        grad_rows = grad_ptr + _aligned_start(row_index * grad_row_stride, ALIGN)
+        y_rows = y_ptr + _aligned_start(row_index * y_row_stride, ALIGN)
+        dx_rows = dx_ptr + _aligned_start(row_index * dx_row_stride, ALIGN)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask & (cols < n_cols)
@@ -178,28 +266,27 @@ def _softmax_bwd_kernel(
             dx = y * (grad - tl.sum(grad * y, axis=1)[:, None])
         tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     else:
+        first_full = _first_full_block(ALIGN)
+        end_full = n_cols // BLOCK_N
+        n_blocks = tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
         lane_dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for col_start in range(0, n_cols, BLOCK_N):
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < n_cols)
-            grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            if LOG:
-                lane_dot += grad
+        for block in range(0, n_blocks):
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (block >= first_full) & (block < end_full):  # a call per mask, see forward
+                lane_dot += _grad_dot_terms(grad_rows + cols, y_rows + cols, row_mask, LOG)
             else:
-                lane_dot += grad * tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
+                lane_dot += _grad_dot_terms(grad_rows + cols, y_rows + cols,
+                                            _in_row(cols, shift, n_cols, row_mask, ALIGN), LOG)
         row_dot = tl.sum(lane_dot, axis=1)[:, None]
-        n_blocks = tl.cdiv(n_cols, BLOCK_N)
-        for block in range(0, n_blocks):  # last block first: it is the one still in cache
-            col_start = (n_blocks - 1 - block) * BLOCK_N
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask & (cols < n_cols)
-            grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            if LOG:
-                dx = grad - tl.exp(y) * row_dot
+        for step in range(0, n_blocks):  # last block first: it is the one still in cache
+            block = n_blocks - 1 - step
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (block >= first_full) & (block < end_full):
+                _write_grad_block(grad_rows + cols, y_rows + cols, dx_rows + cols, row_mask,
+                                  row_dot, LOG)
             else:
-                dx = y * (grad - row_dot)
-            tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                _write_grad_block(grad_rows + cols, y_rows + cols, dx_rows + cols,
+                                  _in_row(cols, shift, n_cols, row_mask, ALIGN), row_dot, LOG)
 
 
 SOFTMAX_FWD = runtime.TunedKernel("softmax", "softmax_fwd", _softmax_fwd_kernel,
@@ -224,6 +311,18 @@ def _normalize_dim(function: str, x: torch.Tensor, dim: int) -> int:
     return dim % rank
 
 
+def _row_alignment(rows: list[tuple[torch.Tensor, int]]) -> int:
+    """The row kernels' ALIGN for (tensor, row stride) pairs, the first setting the pace: the
+    elements in 16 bytes of it where its rows start off that alignment in a way every other
+    tensor's rows share (equal strides modulo it, 16-byte aligned bases), else 1."""
+    first, first_stride = rows[0]
+    per_vector = 16 // first.element_size()
+    if first_stride % per_vector == 0 or any(
+            (stride - first_stride) % per_vector or t.data_ptr() % 16 for t, stride in rows):
+        return 1
+    return per_vector
+
+
 def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: torch.Tensor,
                  log: bool) -> None:
     """``inputs`` and ``out`` are (..., n) with the reduction on the last dim; out contiguous."""
@@ -232,9 +331,10 @@ def _launch_rows(kernel: runtime.TunedKernel, inputs: list[torch.Tensor], out: t
     n_cols = out.shape[-1]
     n_rows = out.numel() // n_cols
     rows = [layout.rows_of(t) for t in inputs]
+    align = _row_alignment(rows + [(out, n_cols)])
     kernel.launch(lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
                   *[r for r, _ in rows], out, n_rows, n_cols, *[stride for _, stride in rows],
-                  n_cols, log, shape=(n_rows, n_cols))
+                  n_cols, log, align, shape=(n_rows, n_cols))
 
 
 def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk: int) -> None:

@@ -133,6 +133,12 @@ def _fused_with_weight_descriptor(x, norm_weight, weight):
         return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
 
 
+def _looped_softmax(x):
+    config = runtime.LaunchConfig((("BLOCK_M", 1), ("BLOCK_N", 64)), 4, 1)
+    with softmax_ops.SOFTMAX_FWD.forced(config), softmax_ops.SOFTMAX_BWD.forced(config):
+        _backward(gemslib.softmax, x)
+
+
 def _under_enable(fn, *args):
     with gemslib.enable():
         return fn(*args)
@@ -155,6 +161,7 @@ CALLS = [
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
     lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
+    lambda: _looped_softmax(_bf16(3, 1011)[:, :1003]),  # rows off 16-byte alignment (ALIGN 8)
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
     # rms_norm_linear_silu: both buckets (decode tiles, matmul tiles), bias or not, fp32 (IEEE)
     lambda: gemslib.rms_norm_linear_silu(_bf16(3, 256), _bf16(256), _bf16(100, 256), _bf16(100)),
@@ -187,3 +194,50 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert done.returncode == 0, done.stderr[-3000:]
     failures = json.loads(done.stdout.strip().splitlines()[-1])
     assert not failures, "\n\n".join(failures)
+
+
+_VECTOR_COUNTER = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gemslib.ops import softmax as softmax_ops
+counts = {}
+for kernel, n_pointers in ((softmax_ops._softmax_fwd_kernel, 2),
+                           (softmax_ops._softmax_bwd_kernel, 3)):
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    for align in (1, 8):
+        names = [param.name for param in kernel.params]
+        # pointers 16-byte aligned (as torch allocates), then the sizes and strides, unknown
+        signature = {name: "*bf16" if i < n_pointers else "i32"
+                     for i, name in enumerate(names[:2 * n_pointers + 2])}
+        constexprs = {"LOG": False, "ALIGN": align, "BLOCK_M": 1, "BLOCK_N": 4096,
+                      "ONE_PASS": False}
+        signature.update({name: "constexpr" for name in constexprs})
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                           attrs={(i,): [["tt.divisibility", 16]] for i in range(n_pointers)})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 16}).asm["ptx"]
+        counts[f"{kernel.__name__} {align}"] = [
+            len(re.findall(r"ld\.global[.a-z0-9]*\.v4", ptx)),
+            len(re.findall(r"st\.global[.a-z0-9]*\.v4", ptx))]
+print(json.dumps(counts))
+"""
+
+
+def test_off_alignment_rows_load_and_store_full_vectors():
+    """softmax_fwd's and softmax_bwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
+    odd row stride) compile to 16-byte loads and stores for their inner blocks, where the
+    column-by-column walk (ALIGN 1) cannot use any."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _VECTOR_COUNTER], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["_softmax_fwd_kernel 1"] == [0, 0]
+    loads, stores = counts["_softmax_fwd_kernel 8"]
+    assert loads >= 2 and stores >= 1  # both passes load full vectors, the second stores them
+    assert counts["_softmax_bwd_kernel 1"] == [0, 0]
+    loads, stores = counts["_softmax_bwd_kernel 8"]
+    assert loads >= 4 and stores >= 1  # dy and y in both passes
