@@ -9,7 +9,9 @@ Rows that fit one block are read once. Wider rows (vocabulary-sized) take an onl
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
 writes the outputs: two reads and one write. A second form for wide rows splits each row over
 several programs that exchange their pieces' statistics and write from registers, one read
-(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). exp is
+(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). Looped rows that
+start off a 16-byte boundary (odd widths such as 50257) are walked from the boundary before
+them, so that all blocks but the first and last move full vectors (``ALIGN``). exp is
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
@@ -55,20 +57,35 @@ def _in_row(cols, shift, n_cols, row_mask, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _aligned_start(offset, ALIGN: tl.constexpr):
-    """``offset`` rounded down to a multiple of ALIGN, written so that the compiler knows it
-    is one (and vectorizes the accesses from it)."""
-    return (offset // ALIGN) * ALIGN
+def _row_start(ptr, row_index, row_stride, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Where a program walks its rows from: the rows themselves, or for looped rows with
+    ALIGN > 1 the aligned address before each, written as (offset // ALIGN) * ALIGN so that
+    the compiler knows it is aligned (and vectorizes the accesses from it)."""
+    if ONE_PASS or ALIGN == 1:
+        return ptr + row_index * row_stride
+    else:
+        return ptr + (row_index * row_stride // ALIGN) * ALIGN
 
 
 @triton.jit
-def _first_full_block(ALIGN: tl.constexpr):
-    """The first block of a looped row walk that lies inside every row: blocks start ``shift``
-    (< ALIGN <= BLOCK_N) elements before the row when ALIGN > 1."""
-    if ALIGN == 1:
+def _row_shift(row_index, row_stride, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Elements each row starts past the address ``_row_start`` gives (0 unless ALIGN > 1)."""
+    if ONE_PASS or ALIGN == 1:
         return 0
     else:
-        return 1
+        return (row_index * row_stride) % ALIGN
+
+
+@triton.jit
+def _block_range(n_cols, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first_full, end_full, n_blocks) of a looped row walk: blocks [first_full, end_full)
+    lie inside every row (no column mask, full vectors); blocks start ``shift`` (< ALIGN <=
+    BLOCK_N) elements before the row when ALIGN > 1, so block 0 is partial then."""
+    if ALIGN == 1:
+        first_full = 0
+    else:
+        first_full = 1
+    return first_full, n_cols // BLOCK_N, tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
 
 
 @triton.jit
@@ -97,15 +114,10 @@ def _softmax_fwd_kernel(
     The launcher sets it only when x and y rows share the misalignment (equal strides mod ALIGN).
     """
     row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    if ONE_PASS or ALIGN == 1:
-        shift = 0
-        x_rows = x_ptr + row_index * x_row_stride
-        y_rows = y_ptr + row_index * y_row_stride
-    else:
-        # y's rows start ``shift`` past alignment too (the launcher checks the strides)
-        shift = (row_index * x_row_stride) % ALIGN  # elements the row starts past alignment
-        x_rows = x_ptr + _aligned_start(row_index * x_row_stride, ALIGN)
-        y_rows = y_ptr + _aligned_start(row_index * y_row_stride, ALIGN)
+    # y's rows start ``shift`` past alignment too (the launcher checks the strides)
+    shift = _row_shift(row_index, x_row_stride, ALIGN, ONE_PASS)
+    x_rows = _row_start(x_ptr, row_index, x_row_stride, ALIGN, ONE_PASS)
+    y_rows = _row_start(y_ptr, row_index, y_row_stride, ALIGN, ONE_PASS)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask & (cols < n_cols)
@@ -119,10 +131,7 @@ def _softmax_fwd_kernel(
             y = exps / row_sum
         tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        # blocks [first_full, end_full) lie inside every row: no column mask, full vectors
-        first_full = _first_full_block(ALIGN)
-        end_full = n_cols // BLOCK_N
-        n_blocks = tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
+        first_full, end_full, n_blocks = _block_range(n_cols, ALIGN, BLOCK_N)
         lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
         lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for block in range(0, n_blocks):
@@ -245,16 +254,10 @@ def _softmax_bwd_kernel(
     """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy).
     ALIGN as in softmax_fwd (all three tensors' rows share the offset)."""
     row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    if ONE_PASS or ALIGN == 1:
-        shift = 0
-        grad_rows = grad_ptr + row_index * grad_row_stride
-        y_rows = y_ptr + row_index * y_row_stride
-        dx_rows = dx_ptr + row_index * dx_row_stride
-    else:
-        shift = (row_index * grad_row_stride) % ALIGN
-        grad_rows = grad_ptr + _aligned_start(row_index * grad_row_stride, ALIGN)
-        y_rows = y_ptr + _aligned_start(row_index * y_row_stride, ALIGN)
-        dx_rows = dx_ptr + _aligned_start(row_index * dx_row_stride, ALIGN)
+    shift = _row_shift(row_index, grad_row_stride, ALIGN, ONE_PASS)
+    grad_rows = _row_start(grad_ptr, row_index, grad_row_stride, ALIGN, ONE_PASS)
+    y_rows = _row_start(y_ptr, row_index, y_row_stride, ALIGN, ONE_PASS)
+    dx_rows = _row_start(dx_ptr, row_index, dx_row_stride, ALIGN, ONE_PASS)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_mask & (cols < n_cols)
@@ -266,9 +269,7 @@ def _softmax_bwd_kernel(
             dx = y * (grad - tl.sum(grad * y, axis=1)[:, None])
         tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     else:
-        first_full = _first_full_block(ALIGN)
-        end_full = n_cols // BLOCK_N
-        n_blocks = tl.cdiv(n_cols + ALIGN - 1, BLOCK_N)
+        first_full, end_full, n_blocks = _block_range(n_cols, ALIGN, BLOCK_N)
         lane_dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for block in range(0, n_blocks):
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
