@@ -368,6 +368,7 @@ class TunedKernel:
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
+        self.last_shape: tuple[int, ...] | None = None  # of the last launch (the sweep's YAML)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
@@ -428,6 +429,7 @@ class TunedKernel:
         ``restore`` lists tensors the kernel overwrites that are also inputs (in-place calls):
         they are saved and restored around autotuning runs. ``config`` forces a config (tuner).
         """
+        self.last_shape = shape
         if config is None:
             config = self._forced
         if config is None:

@@ -70,3 +70,79 @@ def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
     (row,) = harness.summarize(results)
     assert row["error"].startswith("output check failed: RuntimeError: kernel does not compile")
     assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0
+
+
+def test_sweep_precompile_worker_runs_exactly_its_share(monkeypatch):
+    """A compile worker runs each (problem, candidate) pair of its share once, with that
+    candidate forced, and nothing else."""
+    import contextlib
+    import sys
+    import types
+
+    from benchmark import sweep
+
+    ran = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name, self.config = name, None
+
+        @contextlib.contextmanager
+        def forced(self, config):
+            self.config = config
+            yield
+            self.config = None
+
+    kernels = [Kernel("a"), Kernel("b")]
+
+    def problems():
+        for index, kernel in enumerate(kernels):
+            yield kernel, f"p{index}", 0, lambda k=kernel, i=index: ran.append((i, k.config))
+
+    fake = types.SimpleNamespace(
+        sweep_problems=problems,
+        SWEEP_CANDIDATES={"a": [{"X": 1, "num_warps": 2}, {"X": 2, "num_warps": 8}],
+                          "b": [{"X": 3, "num_stages": 3}]})
+    monkeypatch.setitem(sys.modules, "benchmark.bench_fake", fake)
+    assert sweep._compile_share("fake", None, [(0, 1), (1, 0)]) == 2
+    assert [(i, c.meta, c.num_warps, c.num_stages) for i, c in ran] == \
+        [(0, (("X", 2),), 8, 1), (1, (("X", 3),), 4, 3)]
+    ran.clear()
+    assert sweep._compile_share("fake", ["p1"], [(0, 0), (1, 0)]) == 1
+    assert [i for i, _ in ran] == [1]
+
+
+def test_sweep_yaml_puts_each_swept_shape_first_and_keeps_the_rest(tmp_path):
+    """The file the sweep writes loads, gives each swept shape its best config (whatever the
+    order the problems came in) and a shape outside every swept bound the buckets it had."""
+    from benchmark import sweep
+    from gemslib import runtime
+    from gemslib.ops import rms_norm
+
+    kernel = rms_norm.RMS_NORM_FWD
+    best = {kernel: [((65536, 4096), {"BLOCK_M": 4, "BLOCK_N": 4096, "num_warps": 8}),
+                     ((512, 65536), {"BLOCK_M": 1, "BLOCK_N": 8192, "num_warps": 16}),
+                     ((4096, 4096), {"BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 4})]}
+    path = tmp_path / "tuned.yaml"
+    sweep.write_yaml(path, best, "a test")
+    loaded = runtime.load_tune_config(path)
+    buckets = loaded.ops["rms_norm"]["rms_norm_fwd"]
+    before = runtime.load_tune_config(runtime.config_path()).ops["rms_norm"]["rms_norm_fwd"]
+    def plain(buckets):
+        return [(b.max, b.configs, b.autotune) for b in buckets]
+
+    assert plain(buckets[3:]) == plain(before) and "a test" in path.read_text()
+
+    def chosen(shape):
+        named = dict(zip(kernel.shape_keys, shape))
+        return next(b for b in buckets if b.matches(named)).configs[0].as_dict()
+
+    for shape, config in best[kernel]:
+        assert chosen(shape) == {"num_stages": 1, **config}
+    # a shape past every swept bound in some key keeps the buckets it had
+    assert chosen((8, 131072)) == next(b for b in before if b.matches(
+        {"rows": 8, "cols": 131072})).configs[0].as_dict()
+    # the other kernels are untouched
+    silu_before = runtime.load_tune_config(runtime.config_path()).ops["silu"]
+    assert {name: plain(b) for name, b in loaded.ops["silu"].items()} == \
+        {name: plain(b) for name, b in silu_before.items()}
