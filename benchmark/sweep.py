@@ -60,8 +60,8 @@ def _compile_share(op: str, only: list[str] | None, share: list[tuple[int, int]]
 def precompile(op: str, only: list[str] | None, jobs: int) -> None:
     """Compile every candidate of every problem in ``jobs`` processes (spawned: CUDA)."""
     module = importlib.import_module(f"benchmark.bench_{op}")
-    sizes = [len(module.SWEEP_CANDIDATES[kernel.name])
-             for kernel, *_ in _problem_kernels(module)]
+    sizes = [len(module.SWEEP_CANDIDATES[kernel.name]) if not only or label in only else 0
+             for kernel, label in _problem_kernels(module)]
     pairs = [(index, candidate) for index, size in enumerate(sizes) for candidate in range(size)]
     shares = [pairs[start::jobs] for start in range(jobs)]
     context = multiprocessing.get_context("spawn")
@@ -72,9 +72,9 @@ def precompile(op: str, only: list[str] | None, jobs: int) -> None:
 
 
 def _problem_kernels(module):
-    """The kernel of each sweep problem, without keeping the problems' tensors alive."""
-    for kernel, *_ in module.sweep_problems():
-        yield (kernel,)
+    """(kernel, label) of each sweep problem, without keeping the problems' tensors alive."""
+    for kernel, label, *_ in module.sweep_problems():
+        yield kernel, label
 
 
 def main(argv: list[str] | None = None) -> int:

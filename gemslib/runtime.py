@@ -249,7 +249,8 @@ def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
     if "max" in raw:
         if not isinstance(raw["max"], dict) or not raw["max"]:
             raise _fail(path, f"{where}.max", f"expected a mapping of shape keys, got {raw['max']!r}")
-        bound = {k: _positive_int(path, f"{where}.max.{k}", v) for k, v in raw["max"].items()}
+        bound = {k: _positive_int(path, f"{where}.max.{k}", v, minimum=0)  # 0: a flag off
+                 for k, v in raw["max"].items()}
     if "config" in raw:
         configs = (_parse_launch_config(path, f"{where}.config", raw["config"]),)
     else:

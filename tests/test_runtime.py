@@ -152,6 +152,10 @@ MALFORMED = {
     "zero warps": (
         "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n      - config: {BLOCK: 64, num_stages: 0}\n",
         r"ops\.silu\.silu_fwd\[0\]\.config\.num_stages: expected a positive integer, got 0"),
+    "negative bound": (
+        "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
+        "      - {max: {numel: -1}, config: {BLOCK: 64}}\n      - config: {BLOCK: 64}\n",
+        r"ops\.silu\.silu_fwd\[0\]\.max\.numel: expected an integer >= 0, got -1"),
     "no catch-all bucket": (
         "schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
         "      - {max: {numel: 10}, config: {BLOCK: 64}}\n",
@@ -213,3 +217,13 @@ def test_forced_config_checks_its_parameters():
         with silu_ops.SILU_FWD.forced(runtime.LaunchConfig((("BLOCK_N", 64),))):
             pass
 
+
+
+def test_a_zero_bound_admits_only_zero(tmp_path):
+    """A shape key that is a flag (0 or 1) can be bounded by 0: that bucket is for the 0s."""
+    path = tmp_path / "flags.yaml"
+    path.write_text("schema: 1\ndevice: x\nops:\n  silu:\n    silu_fwd:\n"
+                    "      - {max: {numel: 0}, config: {BLOCK: 64}}\n      - config: {BLOCK: 128}\n")
+    first, rest = runtime.load_tune_config(path).ops["silu"]["silu_fwd"]
+    assert first.matches({"numel": 0}) and not first.matches({"numel": 1})
+    assert rest.matches({"numel": 1})
