@@ -36,15 +36,16 @@ def _config(raw: dict):
     return LaunchConfig(meta, raw.get("num_warps", 4), raw.get("num_stages", 1))
 
 
-def _compile_share(op: str, only: list[str] | None, share: list[tuple[int, int]]) -> int:
+def _compile_share(op: str, share: list[tuple[int, int]]) -> int:
     """Worker: run the (problem index, candidate index) pairs of ``share`` once each, so their
-    kernels are compiled into Triton's cache. Returns how many ran."""
+    kernels are compiled into Triton's cache (``precompile`` left out the problems --only
+    skips). Returns how many ran."""
     module = importlib.import_module(f"benchmark.bench_{op}")
     wanted = set(share)
     ran = 0
-    for index, (kernel, label, _, fn) in enumerate(module.sweep_problems()):
+    for index, (kernel, _, _, fn) in enumerate(module.sweep_problems()):
         for candidate, raw in enumerate(module.SWEEP_CANDIDATES[kernel.name]):
-            if (index, candidate) not in wanted or (only and label not in only):
+            if (index, candidate) not in wanted:
                 continue
             with kernel.forced(_config(raw)):
                 try:
@@ -66,7 +67,7 @@ def precompile(op: str, only: list[str] | None, jobs: int) -> None:
     shares = [pairs[start::jobs] for start in range(jobs)]
     context = multiprocessing.get_context("spawn")
     with context.Pool(jobs) as pool:
-        ran = sum(pool.starmap(_compile_share, [(op, only, share) for share in shares if share]))
+        ran = sum(pool.starmap(_compile_share, [(op, share) for share in shares if share]))
     print(f"precompiled {ran} of {len(pairs)} (problem, candidate) pairs in {jobs} processes",
           flush=True)
 

@@ -104,11 +104,11 @@ def test_sweep_precompile_worker_runs_exactly_its_share(monkeypatch):
         SWEEP_CANDIDATES={"a": [{"X": 1, "num_warps": 2}, {"X": 2, "num_warps": 8}],
                           "b": [{"X": 3, "num_stages": 3}]})
     monkeypatch.setitem(sys.modules, "benchmark.bench_fake", fake)
-    assert sweep._compile_share("fake", None, [(0, 1), (1, 0)]) == 2
+    assert sweep._compile_share("fake", [(0, 1), (1, 0)]) == 2
     assert [(i, c.meta, c.num_warps, c.num_stages) for i, c in ran] == \
         [(0, (("X", 2),), 8, 1), (1, (("X", 3),), 4, 3)]
     ran.clear()
-    assert sweep._compile_share("fake", ["p1"], [(0, 0), (1, 0)]) == 1
+    assert sweep._compile_share("fake", [(1, 0)]) == 1
     assert [i for i, _ in ran] == [1]
 
 
