@@ -39,6 +39,7 @@ _map_source_checkout()
 
 from gemslib.registry import disable, enable, is_enabled, registered_ops
 from gemslib.runtime import TuneConfigError
+from gemslib.fused.attention import attention, decode_attention
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import silu, silu_and_mul
@@ -50,5 +51,5 @@ __version__ = "0.1.0"
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
-    "apply_rotary", "rms_norm_linear_silu",
+    "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
 ]

@@ -39,12 +39,15 @@ class AtenOverride:
     """``impl`` serves aten overload ``aten`` (e.g. ``"aten::silu.out"``) when ``unsupported``,
     called with the same arguments, returns ``None``; otherwise it returns the reason and the
     original kernel runs. ``fallback`` computes unsupported calls where the backend has no
-    kernel of its own for the op (e.g. ``_fused_rms_norm_backward`` on torch's CPU build)."""
+    kernel of its own for the op (e.g. ``_fused_rms_norm_backward`` on torch's CPU build).
+    ``dispatch_keys`` names the backends the override exists on: SDPA, for instance, reaches
+    different aten operators on CPU and on CUDA."""
 
     aten: str
     impl: Callable
     unsupported: Callable[..., str | None]
     fallback: Callable | None = None
+    dispatch_keys: tuple[str, ...] = ("CPU", "CUDA")
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ def operators() -> Mapping[str, Operator]:
                 module = importlib.import_module(f"{package_name}.{info.name}")
                 found[info.name] = Operator(
                     name=info.name, module=module,
-                    overrides=tuple(getattr(module, "ATEN_OVERRIDES", ())),
+                    overrides=tuple(o for o in getattr(module, "ATEN_OVERRIDES", ())
+                                    if runtime.dispatch_key() in o.dispatch_keys),
                     self_checks=tuple(getattr(module, "SELF_CHECKS", ())))
         _operators = found
     return _operators

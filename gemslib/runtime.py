@@ -130,6 +130,15 @@ def multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def current_stream_handle(device_index: int | None) -> int:
+    """The raw handle of the current CUDA stream (what Triton launches on), without building a
+    ``torch.cuda.Stream`` object: this runs on decode's hot path."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:  # not exposed by this torch build
+        return torch.cuda.current_stream(device_index).cuda_stream
+    return getter(torch.cuda.current_device() if device_index is None else device_index)
+
+
 def next_power_of_2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
     1 for n <= 1."""
@@ -369,12 +378,14 @@ class TunedKernel:
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
-        self.last_shape: tuple[int, ...] | None = None  # of the last launch (the sweep's YAML)
+        self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
+        self._compiled: dict[tuple, tuple] = {}  # replay key -> (launcher, constexprs)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
         self._chosen.clear()
         self._checked.clear()
+        self._compiled.clear()
 
     @contextlib.contextmanager
     def forced(self, config: LaunchConfig):
@@ -445,6 +456,7 @@ class TunedKernel:
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
+        self.last_shape = shape
         if self._forced is not None:
             return self._forced
         key = ("planned", *shape)
@@ -461,6 +473,33 @@ class TunedKernel:
 
     def run(self, config: LaunchConfig, grid, args) -> None:
         self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs)
+
+    def replay(self, key, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
+        """:meth:`run` for a launch that repeats every step with new tensors (decode).
+
+        The first call with ``key`` goes through Triton and keeps the compiled kernel; later
+        calls whose tensors have the same dtypes and 16-byte alignment (all Triton specialises
+        a tensor on) launch it directly, skipping Triton's argument binding and cache lookup,
+        which are most of a small launch's host time. ``key`` must determine ``config``,
+        ``grid`` and every argument that is not a tensor, and the config's constexprs must be
+        the kernel's last parameters.
+        """
+        if INTERPRETER:
+            self.run(config, lambda meta: grid, args)
+            return
+        tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args
+                        if isinstance(a, torch.Tensor))
+        full_key = (key, tensors, torch.cuda.current_device())
+        compiled = self._compiled.get(full_key)
+        if compiled is None:
+            kernel = self.fn[grid](*args, **config.launch_kwargs)
+            meta = config.meta_dict
+            constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
+            if len(self._compiled) < 1024:  # a compiled kernel launches on a 3-d grid
+                self._compiled[full_key] = (kernel[(*grid, 1, 1)[:3]], constexprs)
+            return
+        launcher, constexprs = compiled
+        launcher(*args, *constexprs)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)

@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import gemslib
 from conftest import ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.fused import attention as attention_ops
 from gemslib.fused import rms_norm_linear_silu as fused_ops
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import softmax as softmax_ops
@@ -95,6 +96,8 @@ for record in json.load(sys.stdin):
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm["cubin"], "no cubin"
+        # the launch would fail with OutOfResources past sm_90's 227 KB per block
+        assert compiled.metadata.shared <= 232448, f"{compiled.metadata.shared} B of shared memory"
     except Exception as err:
         failures.append(f"{record['kernel']} {constexprs} {options}:\n{err}")
 print(json.dumps(failures))
@@ -133,6 +136,13 @@ def _fused_with_weight_descriptor(x, norm_weight, weight):
         return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
 
 
+def _attention_with_descriptors(q, k, v, causal):
+    config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1), ("LAZY", 1)),
+                                  4, 2)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        return gemslib.attention(q, k, v, causal=causal)
+
+
 def _looped_softmax(x):
     config = runtime.LaunchConfig((("BLOCK_M", 1), ("BLOCK_N", 64)), 4, 1)
     with softmax_ops.SOFTMAX_FWD.forced(config), softmax_ops.SOFTMAX_BWD.forced(config):
@@ -169,6 +179,17 @@ CALLS = [
     lambda: _fused_with_weight_descriptor(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
     lambda: gemslib.rms_norm_linear_silu(*(random_tensor(s, torch.float32)
                                            for s in ((70, 64), (64,), (40, 64), (40,)))),
+    # attention: bf16 (values garbage in the interpreter's bf16 dot; only the launch matters)
+    lambda: gemslib.attention(_bf16(1, 4, 40, 64), _bf16(1, 2, 50, 64), _bf16(1, 2, 50, 64)),
+    lambda: gemslib.attention(_bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128),
+                              causal=True),
+    lambda: gemslib.attention(*(random_tensor((1, 1, 20, 40), torch.float32) for _ in range(3))),
+    lambda: _attention_with_descriptors(_bf16(1, 4, 40, 128), _bf16(1, 2, 50, 128),
+                                        _bf16(1, 2, 50, 128), causal=True),
+    lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
+                                     torch.tensor([300, 7])),  # one split: output written directly
+    lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
+                                     _bf16(1, 1, 300, 128)),  # two splits merged, no seqlens
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
@@ -185,14 +206,49 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     launches = _record_launches(monkeypatch, CALLS)
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
-            "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel"} <= kernels
-    # the launch through a tensor descriptor (TMA) is among them
+            "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel",
+            "_attention_fwd_kernel", "_decode_kernel"} <= kernels
+    # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
+    failures = _compile_failures(launches)
+    assert not failures, "\n\n".join(failures)
+
+
+def _compile_failures(launches) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the whole suite compiles the kernels for real")
+@pytest.mark.parametrize("config_file", ["nvidia_h200.yaml", "default.yaml"])
+def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_file):
+    """A shipped file's attention and decode configs, as launched for bf16 and fp32 inputs at
+    head dims 64, 128 and 256, compile for sm_90 within its shared memory (an fp32 call once
+    picked a bf16-sized config on the H200)."""
+    monkeypatch.setenv(runtime.CONFIG_ENV, str(runtime.shipped_configs_dir() / config_file))
+    runtime.reload_configs()
+    try:
+        calls = []
+        for dtype in (torch.bfloat16, torch.float32):
+            for dim in (64, 128, 256):
+                def tensors(*shape, dtype=dtype):
+                    return random_tensor(shape, dtype, scale=1.0)
+                calls += [
+                    lambda t=tensors, d=dim: gemslib.attention(t(1, 2, 40, d), t(1, 2, 40, d),
+                                                               t(1, 2, 40, d), causal=True),
+                    lambda t=tensors, d=dim: gemslib.decode_attention(
+                        t(1, 4, d), t(1, 1, 300, d), t(1, 1, 300, d)),
+                ]
+        launches = _record_launches(monkeypatch, calls)
+    finally:
+        monkeypatch.undo()
+        runtime.reload_configs()
+    assert {launch["kernel"] for launch in launches} == {"_attention_fwd_kernel", "_decode_kernel"}
+    assert len(launches) >= 12
+    failures = _compile_failures(launches)
     assert not failures, "\n\n".join(failures)
 
 
@@ -241,3 +297,37 @@ def test_off_alignment_rows_load_and_store_full_vectors():
     assert counts["_softmax_bwd_kernel 1"] == [0, 0]
     loads, stores = counts["_softmax_bwd_kernel 8"]
     assert loads >= 4 and stores >= 1  # dy and y in both passes
+
+
+_GLUON_COMPILER = r"""
+import json, torch
+from gemslib.fused import _attention_hopper as hopper
+report = {}
+for dtype in (torch.bfloat16, torch.float16):
+    for causal in (False, True):
+        compiled = hopper.compile_for_sm90(dtype, causal)
+        ptx = compiled.asm["ptx"]
+        report[f"{dtype} {causal}"] = {"shared": compiled.metadata.shared,
+                                       "cubin": bool(compiled.asm["cubin"]),
+                                       "wgmma": ptx.count("wgmma.mma_async"),
+                                       "setmaxnreg": ptx.count("setmaxnreg")}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the attention tests run this kernel for real")
+def test_hopper_attention_kernel_compiles_for_sm90():
+    """The Gluon kernel (bf16/fp16, causal or not) compiles to a cubin within an SM's shared
+    memory, with its warpgroups' register budgets rebalanced (setmaxnreg: producer down,
+    consumers up) and q.K and p.V both issued as wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILER], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
+        assert facts["setmaxnreg"] >= 2, variant
+        assert facts["wgmma"] >= 2 * (128 // 16), variant  # q.K and p.V, K = 128 in steps of 16

@@ -59,7 +59,7 @@ def test_installed_wheel_imports_and_finds_its_configs(wheel, tmp_path):
     configs_dir, ops = result.stdout.splitlines()
     assert Path(configs_dir) == target / "gemslib" / "tune_configs"
     assert (Path(configs_dir) / "nvidia_h200.yaml").is_file()
-    assert ops == "['rms_norm', 'silu', 'softmax']"
+    assert ops == "['attention', 'rms_norm', 'silu', 'softmax']"
     no_generic = subprocess.run([sys.executable, "-c", "import ops"], cwd=tmp_path, env=env,
                                 capture_output=True, text=True)
     assert no_generic.returncode != 0

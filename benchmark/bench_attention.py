@@ -1,0 +1,122 @@
+"""attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
+SDPA's default choice, and FlagGems.
+
+    python -m benchmark --ops attention decode_attention
+
+Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
+bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from benchmark.harness import Case, optional_peer, outputs_close
+from gemslib.fused import attention as attention_ops
+
+DTYPE = torch.bfloat16
+# (batch, heads, seq, head dim)
+QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
+EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128)]
+# (batch, cache length)
+QUICK_DECODE = [(1, 8192), (16, 32768)]
+EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
+
+
+def _sdpa_with(backend):
+    """SDPA with one backend forced (None: torch's own choice)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        context = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+        with context:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    return run
+
+
+def _sdpa_peers():
+    from torch.nn.attention import SDPBackend
+
+    return {"SDPA default": _sdpa_with(None),
+            "SDPA cuDNN": _sdpa_with(SDPBackend.CUDNN_ATTENTION),
+            "SDPA flash": _sdpa_with(SDPBackend.FLASH_ATTENTION),
+            "SDPA efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION)}
+
+
+def cases(quick: bool = False, backward: bool = False):
+    flag_gems = optional_peer("flag_gems")
+    peers = _sdpa_peers()
+    for batch, heads, seq, dim in QUICK_PREFILL + ([] if quick else EXTRA_PREFILL):
+        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
+                   for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * batch * heads * seq * seq * dim // (2 if causal else 1)
+            impls = {"gemslib": lambda c=causal: gemslib.attention(q, k, v, causal=c)}
+            for name, run in peers.items():
+                impls[name] = lambda run=run, c=causal: run(q, k, v, c)
+            sdpa = getattr(flag_gems, "scaled_dot_product_attention", None) if flag_gems else None
+            if sdpa is not None:
+                impls["FlagGems"] = lambda c=causal: sdpa(q, k, v, is_causal=c)
+            yield Case("attention" + ("_causal" if causal else ""),
+                       f"B{batch} H{heads} S{seq} D{dim}", "bf16", 0, impls, flops=flops,
+                       outputs_agree=outputs_close(
+                           lambda c=causal: gemslib.attention(q, k, v, causal=c),
+                           lambda c=causal: F.scaled_dot_product_attention(
+                               q.float(), k.float(), v.float(), is_causal=c)))
+        del q, k, v
+    for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
+        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+                                        device="cuda", dtype=DTYPE) for _ in range(2))
+        impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
+                 "SDPA default": lambda: F.scaled_dot_product_attention(
+                     q[:, :, None], k_cache, v_cache, enable_gqa=True)}
+        bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
+        yield Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
+                   f"L{cache_len} D{DECODE_DIM}", "bf16", bytes_moved, impls,
+                   outputs_agree=outputs_close(
+                       lambda: gemslib.decode_attention(q, k_cache, v_cache),
+                       lambda: attention_ops.decode_attention_reference(
+                           q.float(), k_cache.float(), v_cache.float())))
+        del q, k_cache, v_cache
+
+
+SWEEP_CANDIDATES = {
+    # screened on the CPU (sm_90a, ptxas -v, head dim 128, bf16): 128-row blocks spill with 4
+    # warps (88-1548 bytes), so only 8 warps there; 128-key blocks at 4 stages exceed 227 KB of
+    # shared memory. The first H200 sweep (NOTES) dropped 64-row blocks with 8 warps (1.5-2x
+    # slower) and 2 stages for 128-row blocks
+    "attention_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "LAZY": lazy, "num_warps": w,
+                       "num_stages": st}
+                      for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
+                                              (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
+                      for tma in (0, 1) for lazy in (0, 1) for st in stages],
+    # the earlier H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
+    # 1 stage and 8 warps never won, nor 8-16 per SM. 3 per SM: the 64-key configs fit three
+    # programs on an SM (ncu), and the split count now rounds down to whole waves
+    "decode": [{"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
+               for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
+               for per_sm in (1, 2, 3, 4)],
+}
+
+
+def sweep_problems():
+    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
+    for batch, heads, seq, dim in QUICK_PREFILL:
+        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
+                   for _ in range(3))
+        for causal in (False, True):
+            yield (attention_ops.ATTENTION_FWD, f"S{seq} D{dim}" + (" causal" if causal else ""),
+                   0, lambda c=causal: gemslib.attention(q, k, v, causal=c))
+    for batch, cache_len in QUICK_DECODE + EXTRA_DECODE:
+        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+                                        device="cuda", dtype=DTYPE) for _ in range(2))
+        yield (attention_ops.DECODE, f"B{batch} L{cache_len}",
+               2 * k_cache.numel() * k_cache.element_size(),
+               lambda: gemslib.decode_attention(q, k_cache, v_cache))

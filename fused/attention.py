@@ -1,0 +1,765 @@
+"""Fused attention: the prefill forward (flash-attention style), split-KV decode and the SDPA
+override.
+
+    attention(q, k, v)[b, h, i] = sum_j p_ij v[b, g(h), j],
+    p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  over the keys j row i may see
+
+with g(h) = h // (Hq / Hkv) (grouped-query attention: K/V are never repeated in memory) and,
+when causal, the keys j <= i (torch's top-left alignment when Sq != Skv). q is (B, Hq, Sq, D),
+k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv), any strides with a unit last stride.
+
+One program per BLOCK_M query rows of one head walks the keys BLOCK_N at a time with an online
+softmax in the exp2 domain (scale * log2(e) folded into the scores) and fp32 accumulators;
+blocks every row sees in full run without masks, the causal diagonal and the ragged end
+separately with them. The row log-sum-exp (natural log) comes out too, for the backward.
+On Hopper (sm_90), 16-bit inputs with head dim 128 take the warp-specialised Gluon kernel of
+``_attention_hopper.py`` instead: same math, FlashAttention-3's schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gemslib import runtime
+from gemslib.registry import AtenOverride
+
+try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
+    from gemslib.fused import _attention_hopper
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
+    _attention_hopper = None
+
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s,
+                   k_desc, v_desc, batch, kv_head,
+                   rows, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+                   TMA: tl.constexpr, LAZY: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Fold keys [key_start, key_end) into the running (acc, row_max, row_sum); row_max is in
+    log2 units. MASKED blocks check key bounds (and causality); the others need no mask. With
+    LAZY, unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
+    With TMA, K and V blocks come through tensor descriptors (Hopper's bulk copies; rows and
+    features past the tensor's end read as zeros)."""
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    for start in range(key_start, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = (keys[None, :] < seq_kv) if MASKED else (keys[None, :] >= 0)
+        if TMA:
+            k = tl.trans(k_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
+                        mask=key_mask & (dims[:, None] < head_dim), other=0.0)
+        if IEEE:
+            qk = tl.dot(q, k, input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)
+        if MASKED:
+            visible = key_mask
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None])
+            scores = tl.where(visible, qk * scale_log2, -float("inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            p = tl.exp2(scores - new_max[:, None])
+        elif LAZY:
+            # the running maximum moves only when some row's grows by more than 2^8: until
+            # then p <= 256 against a stale maximum, which fp32 sums and the output's
+            # normalisation absorb, and the block skips rescaling acc (one multiply per element)
+            block_max = tl.max(qk, axis=1) * scale_log2
+            if tl.max(block_max - row_max, axis=0) > 8.0:
+                new_max = tl.maximum(row_max, block_max)
+                rescale = tl.exp2(row_max - new_max)
+                acc = acc * rescale[:, None]
+                row_sum = row_sum * rescale
+                row_max = new_max
+            new_max = row_max
+            p = tl.exp2(qk * scale_log2 - row_max[:, None])
+        else:
+            # scale_log2 >= 0 (the launcher flips q's sign otherwise), so the scaled maximum is
+            # the maximum scaled, and the exponent is one fused multiply-add per score
+            new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
+            p = tl.exp2(qk * scale_log2 - new_max[:, None])
+        if TMA:
+            v = v_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
+                        mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
+        if LAZY and not MASKED:  # acc and row_sum are already on row_max's scale
+            row_sum = row_sum + tl.sum(p, axis=1)
+            if IEEE:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            # every row sees key 0 in the first block it folds, so new_max is finite from then on
+            rescale = tl.exp2(row_max - new_max)
+            row_sum = row_sum * rescale + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
+    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr,
+):
+    """Grid (query blocks, B * Hq). o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
+    TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
+    allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
+    are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
+    m_block = tl.program_id(0)
+    if CAUSAL:  # the query blocks with the most keys first, so the last wave is the short ones
+        m_block = tl.num_programs(0) - 1 - m_block
+    batch_head = tl.program_id(1)
+    batch = (batch_head // n_q_heads).to(tl.int64)
+    head = (batch_head % n_q_heads).to(tl.int64)
+    kv_head = head // group_size
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q_head = q_ptr + batch * q_stride_b + head * q_stride_h
+    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
+    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    if TMA:  # descriptor indices are int32
+        batch_i32, head_i32, kv_head_i32 = batch.to(tl.int32), head.to(tl.int32), kv_head.to(tl.int32)
+        q = q_desc.load([batch_i32, head_i32, m_block * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        batch_i32, head_i32, kv_head_i32 = batch, head, kv_head  # unused
+        q = tl.load(q_head + rows[:, None] * q_stride_s + dims[None, :],
+                    mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim), other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if CAUSAL:
+        # keys below the block's first row are seen by every row: no mask; the rest up to the
+        # block's last row is the diagonal
+        key_end = tl.minimum(seq_kv, (m_block + 1) * BLOCK_M)
+        full_end = (tl.minimum(seq_kv, m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
+    else:
+        key_end = seq_kv
+        full_end = (seq_kv // BLOCK_N) * BLOCK_N
+    acc, row_max, row_sum = _attend_blocks(
+        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
+        batch_i32, kv_head_i32, rows, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
+        False, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
+    acc, row_max, row_sum = _attend_blocks(
+        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
+        batch_i32, kv_head_i32, rows, full_end, key_end, seq_kv, head_dim, head_dim_v,
+        scale_log2, True, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
+
+    out = (acc / row_sum[:, None]).to(o_ptr.dtype.element_ty)
+    if TMA:  # rows and features past o's end are not written
+        o_desc.store([batch_i32, head_i32, m_block * BLOCK_M, 0],
+                     out.reshape(1, 1, BLOCK_M, BLOCK_DV))
+    else:
+        o_head = o_ptr + batch * o_stride_b + head * o_stride_h
+        tl.store(o_head + rows[:, None] * o_stride_s + dims_v[None, :], out,
+                 mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v))
+    lse = (row_max + tl.log2(row_sum)) * LN2
+    tl.store(lse_ptr + batch_head.to(tl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
+    cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
+    scale_log2, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
+    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+):
+    """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
+    first ``seqlens[b]`` (clamped to [0, L]; all L without seqlens) cache positions, whose K/V
+    are read once for all of them.
+
+    Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
+    normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
+    itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
+    log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
+    launch per decode step instead of a partial and a merge launch. PROGRAMS_PER_SM is the
+    launcher's (it sets the number of splits); the kernel does not use it.
+    """
+    split = tl.program_id(0)
+    batch_kv = tl.program_id(1)
+    batch = (batch_kv // n_kv_heads).to(tl.int64)
+    kv_head = (batch_kv % n_kv_heads).to(tl.int64)
+    if HAS_SEQLENS:
+        seq_len = tl.minimum(tl.maximum(tl.load(seqlens_ptr + batch).to(tl.int32), 0), cache_len)
+    else:
+        seq_len = cache_len
+    key_start = split * split_len
+    key_end = tl.minimum(key_start + split_len, seq_len)
+    group = tl.arange(0, BLOCK_G)
+    heads = kv_head * group_size + group  # the query heads of this KV head
+    head_mask = group < group_size
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + batch * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
+                mask=head_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
+    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
+    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for start in range(key_start, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < key_end
+        k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
+                    mask=key_mask[None, :] & (dims[:, None] < head_dim), other=0.0)
+        if IEEE:
+            scores = tl.dot(q, k, input_precision="ieee") * scale_log2
+        else:
+            scores = tl.dot(q, k) * scale_log2
+        scores = tl.where(key_mask[None, :], scores, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(row_max - new_max)
+        p = tl.exp2(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(p, axis=1)
+        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
+                    mask=key_mask[:, None] & (dims_v[None, :] < head_dim_v), other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    empty = row_sum == 0.0
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, row_sum)[:, None])
+    out_mask = head_mask[:, None] & (dims_v[None, :] < head_dim_v)
+    out_at = o_ptr + batch * o_stride_b + heads[:, None] * o_stride_h + dims_v[None, :]
+    if not SPLIT:
+        tl.store(out_at, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
+        head_slots = (batch * n_q_heads + heads) * n_splits  # (B, Hq, splits) buffers
+        tl.store(o_part_ptr + (head_slots + split)[:, None] * head_dim_v + dims_v[None, :], out,
+                 mask=out_mask)
+        tl.store(lse_part_ptr + head_slots + split, lse, mask=head_mask)
+        tl.debug_barrier()  # every thread's stores issued before this program counts itself
+        arrived = tl.atomic_add(arrivals_ptr + batch_kv, 1, sem="acq_rel")
+        if arrived == n_splits - 1:  # the last split of this KV head: merge
+            # the whole group at once, [members, splits(, features)] tiles in chunks of splits
+            # with masks instead of branches, so every load can be in flight together (a loop
+            # over splits waited one L2 round trip each; one over members, a store between)
+            members = tl.arange(0, GROUP)
+            member_ok = members < group_size
+            slots = (batch * n_q_heads + kv_head * group_size + members) * n_splits
+            splits = tl.arange(0, BLOCK_S)
+            # .cg: the other programs' results from L2, never from a stale L1 line
+            lses = tl.load(lse_part_ptr + slots[:, None] + splits[None, :],
+                           mask=member_ok[:, None] & (splits[None, :] < n_splits),
+                           other=-float("inf"), cache_modifier=".cg")
+            top = tl.max(lses, axis=1)
+            total = tl.sum(tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top[:, None])),
+                           axis=1)
+            merged = tl.zeros([GROUP, BLOCK_DV], dtype=tl.float32)
+            for chunk_start in tl.static_range(0, BLOCK_S, MERGE_S):
+                chunk = chunk_start + tl.arange(0, MERGE_S)
+                in_chunk = member_ok[:, None] & (chunk[None, :] < n_splits)
+                chunk_lses = tl.load(lse_part_ptr + slots[:, None] + chunk[None, :],
+                                     mask=in_chunk, other=-float("inf"), cache_modifier=".cg")
+                weights = tl.where(chunk_lses == -float("inf"), 0.0,
+                                   tl.exp(chunk_lses - top[:, None]))
+                rows = (slots[:, None] + chunk[None, :]) * head_dim_v
+                pieces = tl.load(o_part_ptr + rows[:, :, None] + dims_v[None, None, :],
+                                 mask=in_chunk[:, :, None]
+                                 & (dims_v[None, None, :] < head_dim_v),
+                                 other=0.0, cache_modifier=".cg")
+                merged += tl.sum(pieces * weights[:, :, None], axis=1)
+            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]  # no keys at all: 0
+            tl.store(o_ptr + batch * o_stride_b
+                     + (kv_head * group_size + members)[:, None] * o_stride_h + dims_v[None, :],
+                     merged.to(o_ptr.dtype.element_ty),
+                     mask=member_ok[:, None] & (dims_v[None, :] < head_dim_v))
+            tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
+
+
+ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
+                                    tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
+                                    shape_keys=("head_dim", "causal", "elem_bytes", "seq_q",
+                                                "seq_kv"))
+DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
+                             tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
+                             shape_keys=("head_dim", "elem_bytes", "seq_kv"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+# On sm_90, 16-bit inputs with D = Dv = 128 go to the warp-specialised Gluon kernel
+# (_attention_hopper.py, 1.2x the Triton kernel's speed there); False keeps every call on the
+# Triton kernel (benchmarks compare the two this way).
+use_hopper_kernel = True
+
+
+def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
+        q, scale = -q, -scale
+    batch, n_q_heads, seq_q, head_dim = q.shape
+    n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if use_hopper_kernel and _attention_hopper is not None and batch * n_q_heads * seq_q * \
+            seq_kv and _attention_hopper.eligible(q, k, v):
+        return _attention_hopper.forward(q, k, v, causal, scale)
+    out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse.fill_(-float("inf"))
+    if seq_kv == 0:  # no keys: SDPA gives zeros
+        return out.zero_(), lse.fill_(-float("inf"))
+    # elem_bytes: fp32 inputs need smaller tiles than the 16-bit ones (shared memory)
+    shape = (head_dim, int(causal), q.element_size(), seq_q, seq_kv)
+    block_d = max(16, runtime.next_power_of_2(head_dim))
+    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    config = ATTENTION_FWD.planned_config(shape)
+    meta = config.meta_dict
+    tma = bool(meta["USE_TMA"]) and _tma_ready(q, k, v, out)
+    if tma:  # the descriptors' blocks follow the config, so the launch must use this one
+        descriptors = [TensorDescriptor.from_tensor(t, [1, 1, rows, cols]) for t, rows, cols in
+                       ((q, meta["BLOCK_M"], block_d), (k, meta["BLOCK_N"], block_d),
+                        (v, meta["BLOCK_N"], block_dv), (out, meta["BLOCK_M"], block_dv))]
+    else:
+        descriptors, config = [None] * 4, None
+    ATTENTION_FWD.launch(
+        lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
+        q, k, v, out, lse, *descriptors, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
+        head_dim, head_dim_v, scale * 1.4426950408889634,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        causal, q.dtype == torch.float32, tma, block_d, block_dv, shape=shape, config=config)
+    return out, lse
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and strides (but the last, which is 1)
+    and at most 256 rows or features per block."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or t.stride(-1) != 1 or t.shape[-1] * size < 16 or \
+                any(stride * size % 16 for stride in t.stride()[:-1]):
+            return False
+    return max(t.shape[-1] for t in tensors) <= 256
+
+
+def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int,
+                   programs_per_sm: int) -> int:
+    """Splits of the KV length: as many programs as fit ``programs_per_sm`` per SM (a config
+    choice: streaming the cache wants several resident per SM to keep loads in flight), rounded
+    down (a last wave that is partly full takes as long as a full one), but no split shorter
+    than one block of keys and at most 256."""
+    wanted = programs_per_sm * runtime.multiprocessor_count(device_index) // max(batch_kv, 1)
+    return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
+
+
+_decode_scratch_cache: dict[tuple, tuple] = {}
+
+
+def _decode_scratch(device: torch.device, n_counters: int, n_lse: int,
+                    head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(arrivals, lse_part, o_part) of a decode launch with splits: zeroed int32 counters for
+    the last-arrival merge, and fp32 room for the splits' log-sum-exps (n_lse) and partial
+    outputs (n_lse x head_dim_v). Kept per device, stream and size and reused: launches on one
+    stream run in order, and the merging program puts its counter back to 0, so a decode step
+    allocates and clears nothing. While a CUDA graph is being captured, fresh ones that belong
+    to the graph."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
+        return (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
+                parts[n_lse:])
+    stream = runtime.current_stream_handle(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream, n_counters, n_lse, head_dim_v)
+    scratch = _decode_scratch_cache.get(key)
+    if scratch is None:
+        if len(_decode_scratch_cache) >= 64:  # later work on the stream may reuse the memory
+            _decode_scratch_cache.clear()
+        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
+        scratch = (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
+                   parts[n_lse:])
+        _decode_scratch_cache[key] = scratch
+    return scratch
+
+
+class _DecodePlan(NamedTuple):
+    """Everything about a decode launch that follows from the layout (shapes, strides, dtypes,
+    scale, config), worked out once: decode calls the same layout every step, and at B1 the
+    host's time is most of a step."""
+    config: runtime.LaunchConfig
+    grid: tuple[int, int]
+    out_shape: tuple[int, int, int]
+    scratch: tuple[int, int, int] | None  # _decode_scratch's sizes; None: one split
+    arguments: tuple  # the scalars and constexprs after the tensors
+    replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
+
+
+def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -> _DecodePlan:
+    batch, n_q_heads, head_dim = q.shape
+    n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    meta = config.meta_dict
+    block_n = meta["BLOCK_N"]
+    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
+                              meta["PROGRAMS_PER_SM"])
+    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
+    n_splits = runtime.cdiv(cache_len, split_len)
+    group_size = n_q_heads // n_kv_heads
+    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    block_s = max(2, runtime.next_power_of_2(n_splits))
+    group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
+    out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
+    arguments = (
+        cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
+        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1,
+        q.dtype == torch.float32, max(16, group_pow2), group_pow2,
+        max(16, runtime.next_power_of_2(head_dim)),
+        block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
+    grid = (n_splits, batch * n_kv_heads)
+    scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
+               if n_splits > 1 else None)
+    return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
+                       (config, grid, arguments))
+
+
+def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens) -> torch.Tensor:
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    if plan.scratch is not None:
+        arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
+    else:
+        arrivals = lse_part = o_part = out  # not touched
+    DECODE.replay(plan.replay_key, plan.config, plan.grid,
+                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out, o_part,
+                   lse_part, arrivals, *plan.arguments))
+    return out
+
+
+# layout key (``_decode_layout``) of arguments that passed the checks -> the plan of their
+# kernel launch, or None where the call copies or falls back to torch (the checks were a fifth
+# of a B1 step's host time, the plan arithmetic as much again)
+_decode_layouts: dict[tuple, _DecodePlan | None] = {}
+_UNCHECKED = object()
+
+
+def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
+    """What a decode plan depends on, from decode_attention's raw arguments (None for
+    arguments that are not tensors)."""
+    try:
+        return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape,
+                v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device,
+                k_cache.device, v_cache.device,
+                None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
+                scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
+                   layout: tuple | None = None) -> torch.Tensor:
+    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
+    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (the checked
+    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls."""
+    unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
+    q, k_cache, v_cache = unit_last
+    batch, n_q_heads, head_dim = q.shape
+    cache_len, head_dim_v = k_cache.shape[2], v_cache.shape[3]
+    if batch * n_q_heads * head_dim_v == 0:
+        return q.new_empty((batch, n_q_heads, head_dim_v))
+    if cache_len == 0:
+        return q.new_zeros((batch, n_q_heads, head_dim_v))
+    plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
+                        # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
+                        DECODE.planned_config((head_dim, q.element_size(), cache_len)))
+    if layout is not None and not copied and layout in _decode_layouts:
+        _decode_layouts[layout] = plan
+    return _run_decode(plan, q, k_cache, v_cache, seqlens)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch reference (tests run it in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def attention_reference(q, k, v, causal=False, scale=None):
+    """(o, lse) by the definition, K/V repeated over each group of query heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, -float("inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
+    """One query per sequence against the first seqlens[b] cache positions (clamped to
+    [0, L]), by definition."""
+    outs = []
+    for b in range(q.shape[0]):
+        length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
+                                                               k_cache.shape[2])
+        out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, :length],
+                                     v_cache[b:b + 1, :, :length], False, scale)
+        outs.append(out[:, :, 0] if length else torch.zeros_like(out[:, :, 0]))
+    return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v_cache.shape[-1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {arg} must be (B, H, S, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"{name}: k and v must be {q.dtype} on {q.device} like q, got "
+                         f"{k.dtype} on {k.device} and {v.dtype} on {v.device}")
+    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)} must share the batch, and k and v their heads and "
+                         "sequence length")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{name}: k's head dim {k.shape[3]} must equal q's {q.shape[3]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of k and v's "
+                         f"{k.shape[1]} (grouped-query attention)")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{name}: scale must be a number or None, got {type(scale).__name__}")
+
+
+def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
+    """Validate decode_attention's arguments (once per layout: see ``_decode_layouts``)."""
+    name = "gemslib.decode_attention"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"{name}: q must be (B, Hq, D), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    _check(q[:, :, None], k_cache, v_cache, scale, name)
+    batch = q.shape[0]
+    if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
+                                or seqlens.is_floating_point() or seqlens.device != q.device):
+        raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
+                         f"{q.device}, got {seqlens!r:.80}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              scale: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
+    multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Forward only for now."""
+    _check(q, k, v, scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # no backward kernel yet: torch's SDPA keeps the gradients right
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, causal, scale)[0]
+    return _attention_impl(q, k, v, causal, scale)[0]
+
+
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): the kernel where it runs, torch otherwise."""
+    if not runtime.kernel_runs(q, k, v) or max(q.shape[-1], v.shape[-1]) > 256:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
+        return out.to(q.dtype), lse.float()
+    return _launch_forward(q, k, v, causal, scale)
+
+
+_attention_op = torch.library.custom_op("gemslib::attention", _attention_impl, mutates_args=())
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal, scale):
+    batch, n_q_heads, seq_q, _ = q.shape
+    return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
+            q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
+    k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
+    split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
+    of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
+    compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
+    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
+    plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
+    if plan is _UNCHECKED:
+        _check_decode(q, k_cache, v_cache, seqlens, scale)
+        if layout is not None and len(_decode_layouts) < 4096:
+            _decode_layouts[layout] = None  # checked; the launch adds its plan
+    elif plan is not None and not (torch.is_grad_enabled() and (
+            q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
+        return _run_decode(plan, q, k_cache, v_cache, seqlens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    v_cache.requires_grad):
+        # no backward kernel: the reference, in torch ops, keeps gradients right
+        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
+    if compiling:
+        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, layout)
+
+
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None):
+    if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
+                                          seqlens, scale).to(q.dtype)
+    # the kernel clamps the lengths to [0, L] itself: no host sync, no extra launch
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale, layout)
+
+
+def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
+
+
+_decode_attention_op = torch.library.custom_op("gemslib::decode_attention",
+                                               _decode_attention_impl, mutates_args=())
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, seqlens, scale):
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+
+# --------------------------------------------------------------------------------------------
+# aten overrides: the SDPA backend operators F.scaled_dot_product_attention reaches
+# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel).
+# Forward only for now: a call whose inputs need grad goes to torch's kernels, so the backward
+# torch runs pairs with torch's own forward and its saved log-sum-exp.
+# --------------------------------------------------------------------------------------------
+
+
+def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+    if query.dtype not in KERNEL_DTYPES:
+        return f"dtype {query.dtype}"
+    if attn_bias is not None:
+        return "an attention mask or bias"
+    if dropout_p:
+        return "dropout"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
+                                    value.requires_grad):
+        return "inputs that need grad (no backward yet)"
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "inputs that are not (B, H, S, D)"
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[-1] != query.shape[-1]:
+        return "head counts or head dims the kernel does not pair"
+    if max(query.shape[-1], value.shape[-1]) > 256:
+        return "a head dim over 256"
+    return None
+
+
+def _sdpa_outputs(query, key, value, is_causal, scale):
+    default = 1.0 / math.sqrt(query.shape[-1])
+    return _launch_forward(query, key, value, is_causal, default if scale is None else scale)
+
+
+def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                        scale=None):
+    return _sdpa_outputs(query, key, value, is_causal, scale)
+
+
+def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                           scale=None):
+    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
+
+
+def _placeholder(query, dtype=torch.int64):
+    return torch.empty(0, dtype=dtype, device=query.device)
+
+
+def _aten_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
+    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
+            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
+            _placeholder(query, query.dtype))
+
+
+def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                   *, scale=None):
+    return "a debug mask" if return_debug_mask else \
+        _why_not_sdpa(query, key, value, None, dropout_p, scale)
+
+
+def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                return_debug_mask=False, *, scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask)
+    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
+            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
+            _placeholder(query, query.dtype))
+
+
+def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                   is_causal=False, return_debug_mask=False, *, scale=None):
+    return "a debug mask" if return_debug_mask else \
+        _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+
+
+def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                    is_causal=False, *, scale=None):
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    return out, lse, _placeholder(query), _placeholder(query)
+
+
+def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                       is_causal=False, *, scale=None):
+    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+
+
+ATEN_OVERRIDES = (
+    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu", _aten_flash_for_cpu,
+                 _why_not_flash_for_cpu, dispatch_keys=("CPU",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention", _aten_flash, _why_not_flash,
+                 dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_cudnn_attention", _aten_cudnn, _why_not_cudnn,
+                 dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_efficient_attention", _aten_efficient,
+                 _why_not_efficient, dispatch_keys=("CUDA",)),
+)
+SELF_CHECKS = ()

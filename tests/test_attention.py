@@ -1,0 +1,431 @@
+"""attention: the prefill forward against float64 references (work in progress)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from conftest import ON_GPU, random_tensor
+from gemslib import runtime
+from gemslib.accuracy import assert_close_to_reference, tolerance
+from gemslib.fused import attention as attention_ops
+
+# interpreter: fp16/fp32 (bf16 tl.dot is wrong there); GPU: bf16 too
+DOT_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32]
+
+# (B, Hq, Hkv, Sq, Skv, D, Dv)
+CASES = [
+    (1, 2, 2, 16, 16, 16, 16),
+    (2, 4, 2, 37, 53, 32, 32),     # GQA, odd lengths, Sq < Skv
+    (1, 3, 1, 45, 20, 24, 24),     # MQA, Sq > Skv, head dim not a power of two
+    (1, 2, 1, 1, 70, 64, 40),      # one query row, Dv != D
+    (1, 1, 1, 130, 130, 8, 8),     # several blocks of rows and keys, tiny head dim
+]
+if ON_GPU:
+    CASES += [(2, 32, 8, 1024, 1024, 128, 128), (1, 16, 16, 777, 1500, 64, 64),
+              (1, 8, 2, 300, 300, 256, 256), (1, 4, 4, 200, 260, 96, 96)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_reference(case, dtype, causal):
+    batch, n_q, n_kv, seq_q, seq_kv, dim, dim_v = case
+    q = random_tensor((batch, n_q, seq_q, dim), dtype, scale=1.0)
+    k = random_tensor((batch, n_kv, seq_kv, dim), dtype, scale=1.0)
+    v = random_tensor((batch, n_kv, seq_kv, dim_v), dtype, scale=1.0)
+    out, lse = attention_ops._launch_forward(q, k, v, causal, 1.0 / dim ** 0.5)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal)
+    # p is rounded to the input dtype before p @ v, as in every flash-attention kernel: an
+    # error of the dtype's rounding on a convex combination of v's rows
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+    public = gemslib.attention(q, k, v, causal=causal)
+    torch.testing.assert_close(public, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_both_load_paths_match_reference(use_tma, causal, dtype, lazy):
+    """Pointers or tensor descriptors (TMA) for q, K, V and o: (B, S, H, D) storage seen as
+    (B, H, S, D), GQA, ragged query and key blocks, Dv != D and head dims under the block's."""
+    q = random_tensor((2, 37, 4, 24), dtype, scale=1.0).transpose(1, 2)
+    k = random_tensor((2, 53, 2, 24), dtype, scale=1.0).transpose(1, 2)
+    v = random_tensor((2, 53, 2, 40), dtype, scale=1.0).transpose(1, 2)
+    assert attention_ops._tma_ready(q, k, v)  # so the descriptor case really uses them
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma),
+                                   ("LAZY", lazy)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, lse = attention_ops._launch_forward(q, k, v, causal, 0.2)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal, 0.2)
+    rtol = tolerance(dtype)["rtol"]  # p rounded to the input dtype before p @ v (see above)
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
+
+
+@pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
+def test_scores_that_grow_along_the_keys(lazy):
+    """Keys scaled up along the sequence: each block's maxima pass the running ones, by less
+    than 2^8 in some blocks (kept stale by the lazy form) and by more in others (rescaled)."""
+    q = random_tensor((1, 2, 40, 32), torch.float32, scale=1.0)
+    growth = torch.linspace(0.0, 12.0, 160, device=q.device)[None, None, :, None]
+    k = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0) * growth
+    v = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 0),
+                                   ("LAZY", lazy)), 4, 1)
+    for causal in (False, True):
+        with attention_ops.ATTENTION_FWD.forced(config):
+            out, lse = attention_ops._launch_forward(q, k, v, causal, 0.5)
+        expected, expected_lse = attention_ops.attention_reference(
+            q.double(), k.double(), v.double(), causal, 0.5)
+        assert_close_to_reference(out, expected, torch.float32, reduction_len=160)
+        assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=160)
+
+
+def test_descriptors_are_used_only_where_the_strides_allow():
+    aligned = random_tensor((1, 2, 8, 32), torch.float16)
+    assert attention_ops._tma_ready(aligned, aligned)
+    assert not attention_ops._tma_ready(random_tensor((1, 2, 8, 12), torch.float16))  # 24 B rows
+    assert not attention_ops._tma_ready(aligned[..., 1:])   # base off 16 bytes, width 31
+    assert not attention_ops._tma_ready(random_tensor((1, 1, 4, 512), torch.float16))  # > 256
+    # an unaligned head dim with TMA asked for: pointers, same results
+    q = random_tensor((1, 2, 9, 12), torch.float16)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 1), ("LAZY", 0)),
+                                  4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, _ = attention_ops._launch_forward(q, q, q, False, 0.5)
+    expected, _ = attention_ops.attention_reference(q.double(), q.double(), q.double(), False, 0.5)
+    rtol = tolerance(torch.float16)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol * q.abs().max().item())
+
+
+def test_matches_sdpa_semantics_with_views_and_scale():
+    """(B, S, H, D) storage seen as (B, H, S, D): no copy needed; an explicit scale."""
+    q = random_tensor((2, 19, 4, 32), torch.float32).transpose(1, 2)
+    k = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2)
+    v = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2)
+    for causal in (False, True):
+        ours = gemslib.attention(q, k, v, causal=causal, scale=0.3)
+        expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                  is_causal=causal, scale=0.3, enable_gqa=True)
+        assert_close_to_reference(ours, expected, torch.float32, reduction_len=23)
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-3])
+def test_any_scale_sign_in_masked_and_unmasked_blocks(scale):
+    """Unmasked key blocks fold the scale into the exponent's multiply-add, which needs a
+    scale >= 0 (a negative one flips q's sign); 75 keys give full blocks and a ragged end."""
+    q = random_tensor((1, 2, 70, 32), torch.float32, scale=1.0)
+    k = random_tensor((1, 1, 75, 32), torch.float32, scale=1.0)
+    v = random_tensor((1, 1, 75, 32), torch.float32, scale=1.0)
+    for causal in (False, True):
+        ours = gemslib.attention(q, k, v, causal=causal, scale=scale)
+        # by definition: torch 2.13's math SDPA gives NaN for a negative scale with causal
+        expected, _ = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                        causal, scale)
+        assert_close_to_reference(ours, expected, torch.float32, reduction_len=75)
+
+
+# the warp-specialised Gluon kernel serves 16-bit D128 inputs on sm_90 (the H200)
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+# (B, Hq, Hkv, Sq, Skv, (B, S, H, D) storage, scale)
+HOPPER_CASES = [
+    (1, 2, 2, 256, 256, False, None),     # whole blocks
+    (2, 8, 2, 300, 517, True, 0.05),      # GQA, ragged rows and keys, Sq < Skv, views
+    (1, 4, 1, 700, 130, False, -0.09),    # MQA, Sq > Skv (causal rows past the keys), < 0 scale
+    (1, 2, 2, 1, 1000, False, None),      # one query row
+    (1, 2, 1, 129, 1, True, None),        # one key
+] if HOPPER else [(1, 2, 1, 40, 70, True, -0.09)]  # the interpreter: the Triton kernel serves
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("case", HOPPER_CASES)
+def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
+                                                                       monkeypatch):
+    """On sm_90 every such call runs the Gluon kernel (counted), and matches float64 in o and
+    the log-sum-exp; elsewhere the Triton kernel gives the same answers."""
+    batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
+    shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
+    if views:  # (B, S, H, D) storage: strided but TMA-addressable
+        q, k, v = (random_tensor((b, s, h, d), dtype, scale=1.0).transpose(1, 2)
+                   for b, h, s, d in shapes)
+    else:
+        q, k, v = (random_tensor(shape, dtype, scale=1.0) for shape in shapes)
+    scale = 128 ** -0.5 if scale is None else scale
+    calls = []
+    hopper_forward = attention_ops._attention_hopper.forward
+    monkeypatch.setattr(attention_ops._attention_hopper, "forward",
+                        lambda *args: calls.append(args) or hopper_forward(*args))
+    out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
+    assert len(calls) == int(HOPPER)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal, scale)
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+
+
+def test_hopper_kernel_is_not_offered_what_tma_cannot_address():
+    """A base off 16-byte alignment, a head dim other than 128, fp32 or a CPU tensor: the
+    Triton kernel's business."""
+    def dense(*shape, dtype=torch.bfloat16):
+        return random_tensor(shape, dtype, scale=1.0)
+    q = dense(1, 2, 64, 128)
+    assert attention_ops._attention_hopper.eligible(q, q, q) == HOPPER
+    shifted = dense(1 * 2 * 64 * 128 + 1)[1:].view(1, 2, 64, 128)  # 2 bytes off alignment
+    assert not attention_ops._attention_hopper.eligible(shifted, q, q)
+    assert not attention_ops._attention_hopper.eligible(q, shifted, q)
+    d64 = dense(1, 2, 64, 64)
+    assert not attention_ops._attention_hopper.eligible(d64, d64, d64)
+    fp32 = dense(1, 2, 64, 128, dtype=torch.float32)
+    assert not attention_ops._attention_hopper.eligible(fp32, fp32, fp32)
+    assert not attention_ops._attention_hopper.eligible(q.cpu(), q.cpu(), q.cpu())
+
+
+def test_empty_and_keyless_inputs_behave_like_sdpa():
+    q = random_tensor((1, 2, 3, 16), torch.float32)
+    no_keys = random_tensor((1, 2, 0, 16), torch.float32)
+    torch.testing.assert_close(gemslib.attention(q, no_keys, no_keys),
+                               F.scaled_dot_product_attention(q, no_keys, no_keys))
+    no_queries = random_tensor((1, 2, 0, 16), torch.float32)
+    k = random_tensor((1, 2, 5, 16), torch.float32)
+    assert gemslib.attention(no_queries, k, k).shape == (1, 2, 0, 16)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float64, 8), (torch.float32, 300)])
+def test_float64_and_oversized_heads_are_computed_by_torch(dtype, dim):
+    x = random_tensor((1, 2, 5, dim), dtype)
+    ours = gemslib.attention(x, x, x, causal=True)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(x, x, x, is_causal=True))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (((1, 4, 5, 16), (1, 3, 5, 16), (1, 3, 5, 16)), ValueError, "multiple of"),
+    (((1, 4, 5, 16), (1, 2, 5, 8), (1, 2, 5, 8)), ValueError, "head dim 8 must equal q's 16"),
+    (((1, 4, 5, 16), (1, 2, 5, 16), (1, 2, 6, 16)), ValueError, "sequence length"),
+    (((4, 5, 16), (1, 2, 5, 16), (1, 2, 5, 16)), ValueError, "q must be"),
+])
+def test_bad_inputs_name_the_argument(args, error, match):
+    q, k, v = (random_tensor(shape, torch.float32) for shape in args)
+    with pytest.raises(error, match=match):
+        gemslib.attention(q, k, v)
+
+
+# (B, Hq, Hkv, L, D, Dv, seqlens or None)
+DECODE_CASES = [
+    (2, 4, 2, 150, 32, 32, [150, 37]),     # ragged, GQA groups of 2
+    (3, 8, 1, 90, 16, 24, [1, 0, 90]),     # length 1, an empty sequence, MQA, Dv != D
+    (1, 6, 6, 33, 64, 64, None),           # no grouping, the whole cache
+    (1, 4, 1, 200, 32, 32, [150]),         # two splits, the second partly filled
+    (1, 4, 1, 200, 32, 32, [100]),         # two splits, the second empty
+]
+if ON_GPU:
+    DECODE_CASES += [(16, 32, 8, 8192, 128, 128, None), (1, 32, 8, 32768, 128, 128, [30000])]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_matches_reference(case, dtype):
+    batch, n_q, n_kv, cache_len, dim, dim_v, lengths = case
+    q = random_tensor((batch, n_q, dim), dtype, scale=1.0)
+    k_cache = random_tensor((batch, n_kv, cache_len, dim), dtype, scale=1.0)
+    v_cache = random_tensor((batch, n_kv, cache_len, dim_v), dtype, scale=1.0)
+    seqlens = None if lengths is None else torch.tensor(lengths, device=q.device)
+    out = gemslib.decode_attention(q, k_cache, v_cache, seqlens)
+    expected = attention_ops.decode_attention_reference(q.double(), k_cache.double(),
+                                                        v_cache.double(), seqlens)
+    assert out.shape == (batch, n_q, dim_v) and out.dtype == dtype
+    rtol = tolerance(dtype)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v_cache.abs().max().item())
+
+
+def test_decode_splits_the_cache_over_programs():
+    """The config's programs per SM (the interpreter counts one SM), rounded down to whole
+    waves, never a split shorter than one block of keys, none when the heads alone fill the
+    GPU, and at most 256."""
+    sms = runtime.multiprocessor_count(0) if ON_GPU else 1
+    assert attention_ops._decode_splits(1, 10_000_000, 64, 0, 2) == min(2 * sms, 256)
+    assert attention_ops._decode_splits(3, 10_000_000, 64, 0, 8) == min(8 * sms // 3, 256)
+    assert attention_ops._decode_splits(sms + 1, 10_000_000, 64, 0, 2) == 1  # not 2: a 2nd wave
+    assert attention_ops._decode_splits(1, 100, 64, 0, 2) == min(2 * sms, 2)
+    assert attention_ops._decode_splits(2 * sms, 10_000, 64, 0, 2) == 1
+    assert attention_ops._decode_splits(1, 10_000_000, 16, 0, 1000) == 256
+
+
+def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
+    """Several splits per KV head: the last split to arrive merges them and resets its
+    counter, so repeated calls (reusing the counters) give the same answer, in one launch."""
+    q = random_tensor((2, 4, 32), torch.float32)
+    k = random_tensor((2, 1, 300, 32), torch.float32)
+    v = random_tensor((2, 1, 300, 32), torch.float32)
+    monkeypatch.setattr(attention_ops, "_decode_splits", lambda *args: 4)  # 128-key splits
+    launches = []
+    original = attention_ops.DECODE.replay
+    monkeypatch.setattr(attention_ops.DECODE, "replay", lambda key, config, grid, args: (
+        launches.append(grid), original(key, config, grid, args)))
+    first = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
+    second = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
+    assert launches == [(3, 2), (3, 2)]  # 3 splits of 128 keys x (B * Hkv), once per call
+    assert torch.equal(first, second)
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                        torch.tensor([300, 130]))
+    assert_close_to_reference(first, expected, torch.float32, reduction_len=300)
+    for counters, _, _ in attention_ops._decode_scratch_cache.values():
+        assert not counters.any()
+
+
+def test_decode_merges_many_splits_in_chunks_for_a_group_that_is_not_a_power_of_two(monkeypatch):
+    """40 splits of 64 keys, merged 8 at a time (Dv 256, 4 members), for 3 query heads per KV
+    head (one padded member of the merge masked off); a sequence that ends in the first split
+    leaves 39 empty ones."""
+    q = random_tensor((2, 3, 16), torch.float32)
+    k = random_tensor((2, 1, 2560, 16), torch.float32)
+    v = random_tensor((2, 1, 2560, 256), torch.float32)
+    monkeypatch.setattr(attention_ops, "_decode_splits", lambda *args: 40)
+    seqlens = torch.tensor([2500, 7], device=q.device)
+    with attention_ops.DECODE.forced(runtime.LaunchConfig((("BLOCK_N", 64),
+                                                            ("PROGRAMS_PER_SM", 2)), 4, 1)):
+        out = gemslib.decode_attention(q, k, v, seqlens)
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                        seqlens.cpu())
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=2500)
+
+
+def test_decode_repeated_layout_with_caches_at_other_alignments():
+    """Decode steps replay the compiled kernel of their layout; a step whose caches start at
+    an address Triton did not specialise for (one element past 16 bytes) gets its own."""
+    q = random_tensor((2, 4, 32), torch.float16)
+    storage = random_tensor((2 * 2 * 2 * 300 * 32 + 1,), torch.float16, scale=1.0)
+    outputs = []
+    for offset in (0, 1, 0):
+        caches = storage[offset:offset + storage.numel() - 1].view(2, 2, 2, 300, 32)
+        k, v = caches[0], caches[1]
+        out = gemslib.decode_attention(q, k, v)
+        expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double())
+        rtol = tolerance(torch.float16)["rtol"]
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[2])
+
+
+def test_decode_clamps_lengths_to_the_cache():
+    q = random_tensor((3, 2, 16), torch.float32)
+    k = random_tensor((3, 1, 40, 16), torch.float32)
+    lengths = torch.tensor([-5, 1000, 40], device=q.device)
+    out = gemslib.decode_attention(q, k, k, lengths)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros, as for length 0
+    expected = attention_ops.decode_attention_reference(q.double(), k.double(), k.double(),
+                                                        torch.tensor([0, 40, 40]))
+    assert_close_to_reference(out, expected, torch.float32, reduction_len=40)
+
+
+def test_decode_agrees_with_prefill_attention_of_one_query():
+    q = random_tensor((2, 4, 32), torch.float32)
+    k = random_tensor((2, 2, 70, 32), torch.float32)
+    v = random_tensor((2, 2, 70, 32), torch.float32)
+    prefill = gemslib.attention(q[:, :, None], k, v)[:, :, 0]
+    assert_close_to_reference(gemslib.decode_attention(q, k, v), prefill.double(), torch.float32,
+                              reduction_len=70)
+
+
+def test_decode_bad_inputs_name_the_argument():
+    q = random_tensor((2, 4, 16), torch.float32)
+    cache = random_tensor((2, 2, 10, 16), torch.float32)
+    with pytest.raises(ValueError, match="gemslib.decode_attention: q must be"):
+        gemslib.decode_attention(q[0], cache, cache)
+    with pytest.raises(ValueError, match="seqlens must be an integer tensor of shape"):
+        gemslib.decode_attention(q, cache, cache, torch.tensor([1.0, 2.0], device=q.device))
+    with pytest.raises(ValueError, match="gemslib.decode_attention: q's 4 heads must be"):
+        gemslib.decode_attention(q, cache[:, :1].expand(2, 3, 10, 16), cache[:, :1].expand(2, 3, 10, 16))
+
+
+SDPA_OP = "aten::_scaled_dot_product_flash_attention" + ("" if ON_GPU else "_for_cpu")
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_sdpa_runs_gemslib_under_enable(dtype):
+    q = random_tensor((2, 4, 33, 64), dtype, scale=1.0)
+    k = random_tensor((2, 2, 40, 64), dtype, scale=1.0)
+    v = random_tensor((2, 2, 40, 64), dtype, scale=1.0)
+    expected = {causal: attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                          causal)[0] for causal in (False, True)}
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        outs = {causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                for causal in (False, True)}
+    served = sum(activation.calls.values())
+    if ON_GPU and dtype == torch.float32:
+        # no CUDA backend of torch takes fp32 with grouped heads: torch's math path, which
+        # gemslib leaves alone, serves the calls
+        assert served == 0 and not activation.fallbacks, (activation.calls, activation.fallbacks)
+    else:
+        assert served == 2 and not activation.fallbacks, (activation.calls, activation.fallbacks)
+    if not ON_GPU:  # on the GPU torch may pick any of its three backends, all overridden
+        assert activation.calls == {SDPA_OP: 2}
+    rtol = tolerance(dtype)["rtol"]
+    for causal, out in outs.items():
+        torch.testing.assert_close(out.double(), expected[causal], rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+
+
+def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
+    q = random_tensor((1, 2, 9, 32), torch.float32)
+    mask = torch.rand(9, 9, device=q.device) > 0.3
+    leaf = q.detach().requires_grad_()
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
+        needs_grad.sum().backward()
+    assert sum(activation.calls.values()) == 0
+    torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    reference_leaf = q.detach().double().requires_grad_()
+    F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
+                                   is_causal=True).sum().backward()
+    assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
+
+
+def test_custom_ops_pass_opcheck():
+    q = random_tensor((1, 4, 9, 16), torch.float32)
+    k = random_tensor((1, 2, 11, 16), torch.float32)
+    torch.library.opcheck(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    torch.library.opcheck(torch.ops.gemslib.decode_attention,
+                          (q[:, :, 0], k, k, torch.tensor([11], device=q.device), 0.25))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    q = random_tensor((1, 4, 9, 16), torch.float32)
+    k = random_tensor((1, 2, 11, 16), torch.float32)
+    lengths = torch.tensor([7], device=q.device)
+
+    def step(q, k):
+        return gemslib.attention(q, k, k, causal=True).sum() + \
+            gemslib.decode_attention(q[:, :, 0], k, k, lengths).sum()
+
+    runtime.reload_configs()  # cold caches: tracing must not reach the config lookup (a lock)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    assert_close_to_reference(compiled(q, k), step(q, k).double(), torch.float32,
+                              reduction_len=9 * 16)
+
+
+def test_inputs_that_need_grad_get_torch_gradients_until_there_is_a_backward():
+    q = random_tensor((1, 4, 9, 16), torch.float32).requires_grad_()
+    k = random_tensor((1, 2, 11, 16), torch.float32).requires_grad_()
+    gemslib.attention(q, k, k, causal=True).square().sum().backward()
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    attention_ops.attention_reference(q64, k64, k64, True)[0].square().sum().backward()
+    for ours, expected in ((q.grad, q64.grad), (k.grad, k64.grad)):  # torch's fp32 backward
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-4,
+                                   atol=1e-5 * expected.abs().max().item())
+    q.grad = None
+    gemslib.decode_attention(q[:, :, 0], k, k).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
