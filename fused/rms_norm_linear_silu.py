@@ -27,6 +27,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import layout, runtime
 
+try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
+    from gemslib.fused import _rms_norm_linear_silu_hopper
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
+    _rms_norm_linear_silu_hopper = None
+
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
@@ -106,6 +111,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+# On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
+# and a warp-specialised Gluon matmul with the r/bias/silu epilogue
+# (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
+use_hopper_path = True
+
+
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(..., N) in x's dtype; inputs validated, on the kernel device, one kernel dtype."""
@@ -119,6 +130,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     x_rows = layout.as_rows(_unit_last(x))
     weight = _unit_last(weight)
     out_rows = out.view(n_rows, n_out)
+    hopper = _rms_norm_linear_silu_hopper
+    if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
+        hopper.forward(x_rows, norm_weight.contiguous(), weight,
+                       bias.contiguous() if bias is not None else None, eps, out_rows)
+        return out
     shape = (n_rows, n_out, n_in)
     config = RMS_NORM_LINEAR_SILU.planned_config(shape)
     meta = config.meta_dict

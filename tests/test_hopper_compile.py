@@ -331,3 +331,45 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
         assert facts["setmaxnreg"] >= 2, variant
         assert facts["wgmma"] >= 2 * (128 // 16), variant  # q.K and p.V, K = 128 in steps of 16
+
+
+_FUSED_COMPILER = r"""
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
+report = {}
+for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+    compiled = hopper.compile_for_sm90(dtype)
+    ptx = compiled.asm["ptx"]
+    report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+                                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
+    signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
+                 "rstd_ptr": "*fp32", "n_in": "i32", "x_row_stride": "i32", "eps": "fp32",
+                 "BLOCK": "constexpr"}
+    source = ASTSource(fn=hopper._scale_rows_kernel, signature=signature,
+                       constexprs={"BLOCK": hopper.SCALE_BLOCK})
+    prepass = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    report[f"pre-pass {name}"] = {"shared": prepass.metadata.shared, "cubin": bool(prepass.asm["cubin"]),
+                                  "wgmma": None, "setmaxnreg": None}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the rms_norm_linear_silu tests run these for real")
+def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
+    """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
+    matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
+    64 x 256 x 64 steps as wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _FUSED_COMPILER], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
+        if variant.startswith("matmul"):
+            assert facts["setmaxnreg"] >= 2, variant
+            assert facts["wgmma"] >= 64 // 16, variant

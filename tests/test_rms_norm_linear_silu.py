@@ -96,6 +96,44 @@ def test_weight_descriptor_only_where_the_layout_allows():
     assert not fused_ops._tma_ready(weight[:, 1:])  # base off 16 bytes
 
 
+# on sm_90 (the H200) 16-bit inputs with >= 128 rows take the pre-pass + Gluon matmul path
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+# (x shape, N, x as a view of wider rows)
+HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False), ((4000, 1024), 2000, True),
+                ((128, 64), 256, False)] if HOPPER else [((130, 64), 40, True)]
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("x_shape,n_out,view", HOPPER_CASES)
+def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_out, view, dtype,
+                                                                   with_bias, monkeypatch):
+    """On sm_90 each such call runs the two-launch path (counted): ragged row and column tiles,
+    3-d x, x rows with a stride; elsewhere the Triton kernel gives the same answers."""
+    x, norm_weight, weight, bias = _inputs(x_shape, n_out, dtype, with_bias)
+    if view:  # rows of a wider tensor: the pre-pass reads them in place
+        x = random_tensor((*x_shape[:-1], x_shape[-1] + 24), dtype, scale=1.0)[..., :x_shape[-1]]
+    calls = []
+    hopper_forward = fused_ops._rms_norm_linear_silu_hopper.forward
+    monkeypatch.setattr(fused_ops._rms_norm_linear_silu_hopper, "forward",
+                        lambda *args: calls.append(args) or hopper_forward(*args))
+    out = gemslib.rms_norm_linear_silu(x, norm_weight, weight, bias)
+    assert len(calls) == int(HOPPER)
+    _assert_close(out, x, norm_weight, weight, bias)
+
+
+def test_hopper_path_is_not_offered_what_it_cannot_take():
+    """Too few rows, fp32, a weight TMA cannot address (rows of 100 halves), CPU tensors."""
+    hopper = fused_ops._rms_norm_linear_silu_hopper
+    weight = random_tensor((64, 256), torch.bfloat16)
+    rows = random_tensor((256, 256), torch.bfloat16)
+    assert hopper.eligible(rows, weight) == HOPPER
+    assert not hopper.eligible(rows[:hopper.MIN_ROWS - 1], weight)
+    assert not hopper.eligible(rows.float(), weight.float())
+    assert not hopper.eligible(rows[:, :100], weight[:, :100].contiguous())
+    assert not hopper.eligible(rows.cpu(), weight.cpu())
+
+
 def test_empty_and_zero_width_inputs():
     x, norm_weight, weight, bias = _inputs((0, 16), 8, torch.float32)
     assert gemslib.rms_norm_linear_silu(x, norm_weight, weight, bias).shape == (0, 8)
