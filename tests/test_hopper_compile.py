@@ -215,9 +215,15 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
 
 
 def _compile_failures(launches) -> list[str]:
+    return _run_compiler(_COMPILER, json.dumps(launches))
+
+
+def _run_compiler(script: str, stdin: str | None = None):
+    """Run ``script`` in a fresh Python without ``TRITON_INTERPRET`` (Triton's real compiler,
+    no GPU needed); return the JSON on its last line of output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
-                          capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-c", script], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -286,11 +292,7 @@ def test_off_alignment_rows_load_and_store_full_vectors():
     """softmax_fwd's and softmax_bwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
     odd row stride) compile to 16-byte loads and stores for their inner blocks, where the
     column-by-column walk (ALIGN 1) cannot use any."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _VECTOR_COUNTER], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _run_compiler(_VECTOR_COUNTER)
     assert counts["_softmax_fwd_kernel 1"] == [0, 0]
     loads, stores = counts["_softmax_fwd_kernel 8"]
     assert loads >= 2 and stores >= 1  # both passes load full vectors, the second stores them
@@ -320,11 +322,7 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     """The Gluon kernel (bf16/fp16, causal or not) compiles to a cubin within an SM's shared
     memory, with its warpgroups' register budgets rebalanced (setmaxnreg: producer down,
     consumers up) and q.K and p.V both issued as wgmma."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILER], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _run_compiler(_GLUON_COMPILER)
     assert len(report) == 4
     for variant, facts in report.items():
         assert facts["cubin"], variant
@@ -361,11 +359,7 @@ def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
     """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
     matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
     64 x 256 x 64 steps as wgmma."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _FUSED_COMPILER], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _run_compiler(_FUSED_COMPILER)
     assert len(report) == 4
     for variant, facts in report.items():
         assert facts["cubin"], variant
