@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import runtime
-from gemslib.registry import AtenOverride
+from gemslib.registry import AtenOverride, SelfCheck
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _attention_hopper
@@ -762,4 +762,43 @@ ATEN_OVERRIDES = (
     AtenOverride("aten::_scaled_dot_product_efficient_attention", _aten_efficient,
                  _why_not_efficient, dispatch_keys=("CUDA",)),
 )
-SELF_CHECKS = ()
+
+
+# --------------------------------------------------------------------------------------------
+# Self-checks for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _attention_inputs(device, dtype, seq):
+    """q, k, v with GQA (4 query heads on 2 KV heads, head dim 64) at the check's size; the
+    timing size (thousands of tokens) gets Llama's 32 / 8 heads of 128."""
+    heads, kv_heads, dim = (32, 8, 128) if seq >= 1024 else (4, 2, 64)
+    return (torch.randn(1, heads, seq, dim, device=device, dtype=dtype),
+            *(torch.randn(1, kv_heads, seq, dim, device=device, dtype=dtype) for _ in range(2)))
+
+
+def _decode_inputs(device, dtype, cache_len):
+    """One query per sequence against full caches of cache_len positions."""
+    batch, heads, kv_heads, dim = (16, 32, 8, 128) if cache_len >= 1024 else (3, 4, 2, 64)
+    return (torch.randn(batch, heads, dim, device=device, dtype=dtype),
+            *(torch.randn(batch, kv_heads, cache_len, dim, device=device, dtype=dtype)
+              for _ in range(2)))
+
+
+# bf16 tl.dot is wrong in Triton 3.6's interpreter, so the CPU run checks fp16 and fp32
+_CHECK_DTYPES = (torch.float16, torch.float32) if runtime.INTERPRETER else \
+    (torch.float16, torch.bfloat16, torch.float32)
+
+SELF_CHECKS = (
+    SelfCheck("attention", _attention_inputs,
+              run=lambda q, k, v: attention(q, k, v, causal=True),
+              reference=lambda q, k, v: attention_reference(q, k, v, True)[0],
+              torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
+                  q, k, v, is_causal=True, enable_gqa=True),
+              dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
+    SelfCheck("decode_attention", _decode_inputs,
+              run=decode_attention, reference=decode_attention_reference,
+              torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
+                  q[:, :, None], k, v, enable_gqa=True)[:, :, 0],
+              dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
+)

@@ -54,7 +54,9 @@ class AtenOverride:
 class SelfCheck:
     """A small problem for ``python -m gemslib``: ``run(*inputs)`` against ``reference`` in
     float64. ``make_inputs(device, dtype)`` draws fresh random inputs; ``torch_peer`` is what a
-    user would call without gemslib (timed beside gemslib on a GPU)."""
+    user would call without gemslib (timed beside gemslib on a GPU). ``term_scale(*inputs)`` is
+    the size of the terms an output combines after rounding them to the dtype (0: none), so
+    absolute errors up to the dtype's rtol times it are rounding, not a fault."""
 
     name: str
     make_inputs: Callable[[torch.device, torch.dtype, int], tuple]
@@ -62,6 +64,7 @@ class SelfCheck:
     reference: Callable
     torch_peer: Callable
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+    term_scale: Callable[..., float] = lambda *inputs: 0.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from gemslib import __main__ as main_job
@@ -19,7 +20,8 @@ def test_main_job_checks_every_operator_and_passes(tmp_path):
     out = result.stdout
     assert "torch " in out and "triton " in out and "tune config:" in out
     assert ("Triton interpreter" in out) == (env.get("TRITON_INTERPRET") == "1")
-    for check in ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward"):
+    for check in ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward", "attention",
+                  "decode_attention"):
         assert f"\n{check} " in out
     assert "all checks passed" in out
 
@@ -34,3 +36,17 @@ def test_main_job_fails_on_a_mismatch(monkeypatch, capsys):
     assert main_job.main(["--rows", "4", "--no-time"]) == 1
     out = capsys.readouterr().out
     assert "broken_negate" in out and "FAIL" in out and "1 check(s) FAILED" in out
+
+
+def test_term_scale_widens_only_the_absolute_tolerance():
+    """A check whose outputs combine rounded terms of size T may be off by rtol * T in absolute
+    terms (attention: weights rounded to the dtype times values of size T), not relatively."""
+    from gemslib import accuracy
+    expected = torch.tensor([1e-3, 2.0], dtype=torch.float64)
+    off = expected + torch.tensor([4e-4, 4e-4], dtype=torch.float64)
+    accuracy.assert_close_to_reference(off, expected, torch.float16, term_scale=1.0)
+    with pytest.raises(AssertionError):  # 4e-4 on 1e-3 is not fp16 rounding by itself
+        accuracy.assert_close_to_reference(off, expected, torch.float16)
+    with pytest.raises(AssertionError):  # relative errors past rtol still fail
+        accuracy.assert_close_to_reference(expected * 1.01, expected, torch.float16,
+                                           term_scale=1.0)
