@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import layout, runtime
+from gemslib.registry import SelfCheck
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -272,3 +273,38 @@ _rms_norm_linear_silu_op.register_autograd(_grad, setup_context=_setup)
 _RmsNormLinearSiluFunction = runtime.eager_autograd(
     "RmsNormLinearSiluFunction", _rms_norm_linear_silu_impl, _setup, _grad,
     differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(device, dtype, rows):
+    """x (rows, K), norm weight, weight (N, K), bias: small at the check's size, a Llama MLP's
+    gate width (K 4096, N 14336) at the timing size."""
+    n_in, n_out = (4096, 14336) if rows >= 1024 else (256, 200)
+    return (torch.randn(rows, n_in, device=device, dtype=dtype),
+            torch.randn(n_in, device=device, dtype=dtype),
+            torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5,
+            torch.randn(n_out, device=device, dtype=dtype))
+
+
+def _term_scale(x, norm_weight, weight, bias):
+    """The size of the sums before silu: |rms_norm(x)| @ |W|.T + |b|, x * g rounded to the
+    dtype in every term."""
+    x, norm_weight, weight, bias = (t.double() for t in (x, norm_weight, weight, bias))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+    return (normed.abs() @ weight.abs().t() + bias.abs()).max().item()
+
+
+SELF_CHECKS = (
+    SelfCheck("rms_norm_linear_silu", _check_inputs, run=rms_norm_linear_silu,
+              reference=rms_norm_linear_silu_reference,
+              torch_peer=lambda x, g, w, b: torch.nn.functional.silu(torch.nn.functional.linear(
+                  torch.nn.functional.rms_norm(x, (x.shape[-1],), g, 1e-6), w, b)),
+              # bf16 tl.dot is wrong in Triton 3.6's interpreter
+              dtypes=(torch.float16, torch.float32) if runtime.INTERPRETER else
+              (torch.float16, torch.bfloat16, torch.float32),
+              term_scale=_term_scale),
+)
