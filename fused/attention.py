@@ -325,17 +325,27 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 use_hopper_kernel = True
 
 
-def _launch_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated."""
+def _launch_forward(q, k, v, causal: bool, scale: float,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated. ``out``: the
+    (B, Hq, Sq, Dv) tensor to write o into, any strides (the SDPA overrides pass torch's
+    layout for the backend); by default a contiguous one."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
         q, scale = -q, -scale
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if out is not None and out.stride(-1) != 1 and out.shape[-1] > 1:
+        result, lse = _launch_forward(q, k, v, causal, scale)
+        return out.copy_(result), lse
     if use_hopper_kernel and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and _attention_hopper.eligible(q, k, v):
-        return _attention_hopper.forward(q, k, v, causal, scale)
-    out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)
+        result, lse = _attention_hopper.forward(q, k, v, causal, scale)
+        # the Gluon kernel writes contiguous rows; another layout costs one copy
+        return (result if out is None or out.stride() == result.stride() else
+                out.copy_(result)), lse
+    if out is None:
+        out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(-float("inf"))
@@ -692,14 +702,31 @@ def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
     return None
 
 
-def _sdpa_outputs(query, key, value, is_causal, scale):
+def _matching_layout(query, shape):
+    """An empty tensor of ``shape`` whose dimensions are laid out in the order of query's
+    strides (torch's SDPA backends give their outputs q's layout; their fake kernels say so,
+    and torch.compile checks real outputs against them)."""
+    if tuple(query.shape) == tuple(shape):
+        return torch.empty_like(query)
+    order = sorted(range(4), key=lambda dim: query.stride(dim), reverse=True)
+    return torch.empty([shape[dim] for dim in order], dtype=query.dtype,
+                       device=query.device).permute([order.index(dim) for dim in range(4)])
+
+
+def _sdpa_outputs(query, key, value, is_causal, scale, out=None):
     default = 1.0 / math.sqrt(query.shape[-1])
-    return _launch_forward(query, key, value, is_causal, default if scale is None else scale)
+    if out is None:
+        out = _matching_layout(query, (*query.shape[:3], value.shape[-1]))
+    return _launch_forward(query, key, value, is_causal, default if scale is None else scale,
+                           out)
 
 
 def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                         scale=None):
-    return _sdpa_outputs(query, key, value, is_causal, scale)
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
+    # torch's CPU kernel keeps lse as (B, Sq, H) memory seen as (B, H, Sq)
+    batch, heads, seq_q = lse.shape
+    return out, lse.new_empty((batch, seq_q, heads)).transpose(1, 2).copy_(lse)
 
 
 def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
@@ -729,10 +756,11 @@ def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_deb
 def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
                 return_debug_mask=False, *, scale=None):
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
-    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask)
-    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
-            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
-            _placeholder(query, query.dtype))
+    # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask);
+    # cuDNN keeps lse as (B, H, Sq, 1)
+    return (out, lse.unsqueeze(-1), _placeholder(query, torch.int32),
+            _placeholder(query, torch.int32), query.shape[2], key.shape[2], _placeholder(query),
+            _placeholder(query), _placeholder(query, query.dtype))
 
 
 def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -743,8 +771,14 @@ def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0
 
 def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
                     is_causal=False, *, scale=None):
-    out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
-    return out, lse, _placeholder(query), _placeholder(query)
+    batch, heads, seq_q, _ = query.shape
+    # the efficient kernel's layouts: o as (B, Sq, H, Dv) memory, lse padded to 32 rows (or
+    # empty when not asked for)
+    out = query.new_empty((batch, seq_q, heads, value.shape[-1])).transpose(1, 2)
+    out, lse = _sdpa_outputs(query, key, value, is_causal, scale, out)
+    padded = lse.new_zeros((batch, heads, -(-seq_q // 32) * 32 if compute_log_sumexp else 0))
+    padded[..., :seq_q] = lse[..., :padded.shape[-1]]
+    return out, padded, _placeholder(query), _placeholder(query)
 
 
 def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,

@@ -378,6 +378,39 @@ def test_sdpa_runs_gemslib_under_enable(dtype):
                                    atol=rtol * v.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_sdpa_overrides_return_torchs_output_layouts(dtype):
+    """The overrides' o and lse have the shapes and strides of torch's fake kernels for each
+    backend (torch.compile's inductor checks real outputs against those): here for q, k, v
+    seen through (B, S, H, D) storage, and a query length that is not a multiple of 32."""
+    q, k, v = (random_tensor((2, seq, 4, 32), dtype, scale=1.0).transpose(1, 2)
+               for seq in (19, 23, 23))
+    if ON_GPU:
+        calls = [("_scaled_dot_product_flash_attention", (q, k, v, 0.0, True, False)),
+                 ("_scaled_dot_product_cudnn_attention", (q, k, v, None, True, 0.0, True, False)),
+                 ("_scaled_dot_product_efficient_attention", (q, k, v, None, True, 0.0, True))]
+        if dtype == torch.float32:  # flash and cuDNN take 16-bit inputs only
+            calls = calls[2:]
+    else:
+        calls = [("_scaled_dot_product_flash_attention_for_cpu", (q, k, v, 0.0, True))]
+    for name, args in calls:
+        op = getattr(torch.ops.aten, name)
+        expected = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+        with gemslib.enable(ops=["attention"], record=True) as activation:
+            actual = op(*args)
+        assert activation.calls == {f"aten::{name}": 1}, activation.calls
+        for what, ours, torchs in zip(("o", "lse"), actual, expected):
+            assert (ours.shape, ours.stride(), ours.dtype) == \
+                (torchs.shape, torchs.stride(), torchs.dtype), (name, what)
+        reference, reference_lse = attention_ops.attention_reference(
+            q.double(), k.double(), v.double(), True)
+        rtol = tolerance(dtype)["rtol"]
+        torch.testing.assert_close(actual[0].double(), reference, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+        torch.testing.assert_close(actual[1].flatten(2)[..., :19].double(), reference_lse,
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
     q = random_tensor((1, 2, 9, 32), torch.float32)
     mask = torch.rand(9, 9, device=q.device) > 0.3
