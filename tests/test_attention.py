@@ -378,12 +378,13 @@ def test_sdpa_runs_gemslib_under_enable(dtype):
                                    atol=rtol * v.abs().max().item())
 
 
+@pytest.mark.parametrize("dim", [32, 128])  # 128: the Gluon kernel on the H200
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_sdpa_overrides_return_torchs_output_layouts(dtype):
+def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
     """The overrides' o and lse have the shapes and strides of torch's fake kernels for each
     backend (torch.compile's inductor checks real outputs against those): here for q, k, v
     seen through (B, S, H, D) storage, and a query length that is not a multiple of 32."""
-    q, k, v = (random_tensor((2, seq, 4, 32), dtype, scale=1.0).transpose(1, 2)
+    q, k, v = (random_tensor((2, seq, 4, dim), dtype, scale=1.0).transpose(1, 2)
                for seq in (19, 23, 23))
     if ON_GPU:
         calls = [("_scaled_dot_product_flash_attention", (q, k, v, 0.0, True, False)),
