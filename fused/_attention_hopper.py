@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gemslib import layout, runtime
+
 ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program has two
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
 BLOCK_N = 128      # keys per block
@@ -220,11 +222,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not q.is_cuda or q.dtype not in _GL_DTYPES or torch.cuda.get_device_capability(q.device) \
             != (9, 0) or q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return False
-    for t in (q, k, v):
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or any(s * t.element_size() % 16
-                                                         for s in t.stride()[:-1]):
-            return False
-    return True
+    return all(layout.tma_addressable(t) for t in (q, k, v))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -240,15 +238,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
                       for t in (k, v))
     with torch.cuda.device(q.device):
-        _attention_fwd_hopper[(triton_cdiv(seq_q, 2 * ROWS), batch * n_q_heads)](
+        _attention_fwd_hopper[(runtime.cdiv(seq_q, 2 * ROWS), batch * n_q_heads)](
             q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
             scale * LOG2E, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False):

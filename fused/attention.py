@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemslib import runtime
+from gemslib import layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -374,14 +374,10 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and strides (but the last, which is 1)
-    and at most 256 rows or features per block."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or t.stride(-1) != 1 or t.shape[-1] * size < 16 or \
-                any(stride * size % 16 for stride in t.stride()[:-1]):
-            return False
-    return max(t.shape[-1] for t in tensors) <= 256
+    """Tensor descriptors need TMA-addressable tensors and at most 256 rows or features per
+    block."""
+    return all(layout.tma_addressable(t) for t in tensors) and \
+        max(t.shape[-1] for t in tensors) <= 256
 
 
 def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int,

@@ -143,3 +143,11 @@ def element_offsets(index, size1, size2, size3, stride0, stride1, stride2, strid
     if STRIDED:
         offsets = strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3)
     return offsets
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor (Hopper's TMA) can address ``t``: a 16-byte aligned base,
+    a unit last stride, every other stride a multiple of 16 bytes, rows of 16 bytes or more."""
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.shape[-1] * size >= 16
+            and not any(stride * size % 16 for stride in t.stride()[:-1]))
