@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from gemslib import layout, runtime
+
 TILE_ROWS = 64     # rows of a tile per consumer warpgroup (the wgmma M); a tile has two
 BLOCK_N = 256      # columns of a tile
 BLOCK_K = 64       # K per stage
@@ -168,9 +170,8 @@ def eligible(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
     if not x_rows.is_cuda or x_rows.dtype not in _GL_DTYPES or x_rows.shape[0] < MIN_ROWS or \
             torch.cuda.get_device_capability(x_rows.device) != (9, 0):
         return False
-    size = weight.element_size()
-    return (weight.data_ptr() % 16 == 0 and weight.stride(1) == 1
-            and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size % 16 == 0)
+    # x * g is written with rows of K elements, which TMA reads too: K in whole 16 bytes
+    return layout.tma_addressable(weight) and weight.shape[1] * weight.element_size() % 16 == 0
 
 
 def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -187,7 +188,7 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
         a_layout, b_layout = _shared_layouts(x_rows.dtype)
         a_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], a_layout)
         b_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], b_layout)
-        tiles = -(-n_rows // (2 * TILE_ROWS)) * -(-n_out // BLOCK_N)
+        tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, BLOCK_N)
         programs = min(torch.cuda.get_device_properties(x_rows.device).multi_processor_count,
                        tiles)
         _matmul_epilogue[(programs,)](

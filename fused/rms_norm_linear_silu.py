@@ -156,9 +156,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
 
 def _tma_ready(weight: torch.Tensor) -> bool:
     """A tensor descriptor needs a 16-byte aligned base and row stride."""
-    size = weight.element_size()
-    return (weight.data_ptr() % 16 == 0 and weight.stride(1) == 1
-            and weight.stride(0) * size % 16 == 0 and weight.shape[1] * size >= 16)
+    return layout.tma_addressable(weight)
 
 
 # --------------------------------------------------------------------------------------------
