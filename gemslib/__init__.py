@@ -44,11 +44,12 @@ from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import silu, silu_and_mul
 from gemslib.ops.softmax import log_softmax, softmax
+from gemslib.fused.rms_norm_linear_silu import rms_norm_linear_silu
 
 __version__ = "0.1.0"
 
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
-    "apply_rotary", "attention", "decode_attention",
+    "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
 ]

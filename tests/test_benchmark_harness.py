@@ -26,11 +26,13 @@ def test_summary_picks_the_best_peer_and_the_speedup():
     assert row["peers"]["FlagGems"] is None
 
 
-def test_gemslib_variants_are_shown_but_never_the_peer_to_beat():
+def test_gemslib_variants_and_bounds_are_shown_but_never_the_peer_to_beat():
     results = _results() + [Result("silu", "4096x14336", "bf16", "gemslib in place", 50.0, 4680.0,
-                                   None, 110.1)]
+                                   None, 110.1),
+                            Result("silu", "4096x14336", "bf16", "memcpy (bound)", 40.0, 5000.0,
+                                   None, 120.0)]
     (row,) = harness.summarize(results)
-    assert row["peers"]["gemslib in place"] == 50.0
+    assert row["peers"]["gemslib in place"] == 50.0 and row["peers"]["memcpy (bound)"] == 40.0
     assert row["best_peer"] == "torch.compile" and abs(row["speedup"] - 1.1) < 1e-9
 
 

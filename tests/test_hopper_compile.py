@@ -21,6 +21,7 @@ import gemslib
 from conftest import ON_GPU, random_tensor
 from gemslib import runtime
 from gemslib.fused import attention as attention_ops
+from gemslib.fused import rms_norm_linear_silu as fused_ops
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import softmax as softmax_ops
 
@@ -128,6 +129,13 @@ def _split_softmax(x, chunk):
         return gemslib.log_softmax(x)
 
 
+def _fused_with_weight_descriptor(x, norm_weight, weight):
+    config = runtime.LaunchConfig((("BLOCK_M", 128), ("BLOCK_N", 128), ("BLOCK_K", 64),
+                                   ("GROUP_M", 8), ("USE_TMA", 1)), 8, 3)
+    with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
+        return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
+
+
 def _attention_with_descriptors(q, k, v, causal):
     config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1), ("LAZY", 1)),
                                   4, 2)
@@ -165,6 +173,12 @@ CALLS = [
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
     lambda: _looped_softmax(_bf16(3, 1011)[:, :1003]),  # rows off 16-byte alignment (ALIGN 8)
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form
+    # rms_norm_linear_silu: both buckets (decode tiles, matmul tiles), bias or not, fp32 (IEEE)
+    lambda: gemslib.rms_norm_linear_silu(_bf16(3, 256), _bf16(256), _bf16(100, 256), _bf16(100)),
+    lambda: gemslib.rms_norm_linear_silu(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
+    lambda: _fused_with_weight_descriptor(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
+    lambda: gemslib.rms_norm_linear_silu(*(random_tensor(s, torch.float32)
+                                           for s in ((70, 64), (64,), (40, 64), (40,)))),
     # attention: bf16 (values garbage in the interpreter's bf16 dot; only the launch matters)
     lambda: gemslib.attention(_bf16(1, 4, 40, 64), _bf16(1, 2, 50, 64), _bf16(1, 2, 50, 64)),
     lambda: gemslib.attention(_bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128), _bf16(1, 2, 40, 128),
@@ -194,19 +208,25 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     launches = _record_launches(monkeypatch, CALLS)
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
-            "_softmax_split_fwd_kernel", "_rotary_kernel", "_attention_fwd_kernel",
-            "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
+            "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel",
+            "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
             "_attention_bwd_dq_kernel", "_decode_kernel"} <= kernels
-    # the attention launch through tensor descriptors (TMA) is among them
+    # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     failures = _compile_failures(launches)
     assert not failures, "\n\n".join(failures)
 
 
 def _compile_failures(launches) -> list[str]:
+    return _run_compiler(_COMPILER, json.dumps(launches))
+
+
+def _run_compiler(script: str, stdin: str | None = None):
+    """Run ``script`` in a fresh Python without ``TRITON_INTERPRET`` (Triton's real compiler,
+    no GPU needed); return the JSON on its last line of output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(launches),
-                          capture_output=True, text=True, env=env, timeout=900)
+    done = subprocess.run([sys.executable, "-c", script], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -278,11 +298,7 @@ def test_off_alignment_rows_load_and_store_full_vectors():
     """softmax_fwd's and softmax_bwd's looped rows with ALIGN 8 (bf16 rows starting off a 16-byte boundary, an
     odd row stride) compile to 16-byte loads and stores for their inner blocks, where the
     column-by-column walk (ALIGN 1) cannot use any."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _VECTOR_COUNTER], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _run_compiler(_VECTOR_COUNTER)
     assert counts["_softmax_fwd_kernel 1"] == [0, 0]
     loads, stores = counts["_softmax_fwd_kernel 8"]
     assert loads >= 2 and stores >= 1  # both passes load full vectors, the second stores them
@@ -313,11 +329,7 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     to cubins within an SM's shared memory, with their warpgroups' register budgets rebalanced
     (setmaxnreg: producer down, consumers up) and every product issued as wgmma (forward: q.K
     and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over 64 rows)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _GLUON_COMPILER], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _run_compiler(_GLUON_COMPILER)
     assert len(report) == 8
     for variant, facts in report.items():
         assert facts["cubin"], variant
@@ -327,3 +339,41 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         backward = variant.endswith("True")
         assert facts["wgmma"] >= (2 * 128 // 16 + 2 * 64 // 16 if backward else 2 * 128 // 16), \
             variant
+
+
+_FUSED_COMPILER = r"""
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
+report = {}
+for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+    compiled = hopper.compile_for_sm90(dtype)
+    ptx = compiled.asm["ptx"]
+    report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+                                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
+    signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
+                 "rstd_ptr": "*fp32", "n_in": "i32", "x_row_stride": "i32", "eps": "fp32",
+                 "BLOCK": "constexpr"}
+    source = ASTSource(fn=hopper._scale_rows_kernel, signature=signature,
+                       constexprs={"BLOCK": hopper.SCALE_BLOCK})
+    prepass = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    report[f"pre-pass {name}"] = {"shared": prepass.metadata.shared, "cubin": bool(prepass.asm["cubin"]),
+                                  "wgmma": None, "setmaxnreg": None}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the rms_norm_linear_silu tests run these for real")
+def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
+    """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
+    matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
+    64 x 256 x 64 steps as wgmma."""
+    report = _run_compiler(_FUSED_COMPILER)
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
+        if variant.startswith("matmul"):
+            assert facts["setmaxnreg"] >= 2, variant
+            assert facts["wgmma"] >= 64 // 16, variant

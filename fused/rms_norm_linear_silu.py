@@ -1,0 +1,308 @@
+"""silu(rms_norm(x) @ W.T + b) in one kernel: the normalisation and the activation ride on the
+matmul. (Work in progress, issue 5. On sm_90, 16-bit inputs with 128 or more rows take the
+two-launch path of _rms_norm_linear_silu_hopper.py instead.)
+
+    out[m, n] = silu(z[m, n]),   z[m, n] = r[m] * sum_k x[m, k] g[k] W[n, k] + b[n],
+    r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
+
+x (..., K), g the norm weight (K,), W (N, K) as in ``nn.Linear``, b (N,) or None. The
+matmul's K loop reads every element of its x rows anyway, so the same loads give the rows' sums
+of squares; the norm weight scales each x tile as it is loaded, and the epilogue applies the
+per-row r, the bias and silu before the one store. r is a per-row scale, so it can wait for the
+epilogue: sum_k (x g r)[k] W[n, k] = r sum_k (x g)[k] W[n, k]. The operand fed to the tensor
+cores is x * g rounded to x's dtype (the unfused form rounds x * r * g: the same one rounding).
+Tiles are visited in groups of GROUP_M row tiles per column sweep, so each weight tile is read
+from HBM about once per group. Small M (decode) runs the same kernel with 16-row tiles and
+narrow column tiles: many programs, each streaming its slice of W once.
+
+The backward is torch arithmetic (recomputing z), correct rather than fast. The file reads
+top-down: kernel, launcher, reference, public function and custom op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gemslib import layout, runtime
+from gemslib.registry import SelfCheck
+
+try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
+    from gemslib.fused import _rms_norm_linear_silu_hopper
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
+    _rms_norm_linear_silu_hopper = None
+
+KERNEL_DTYPES = runtime.KERNEL_DTYPES
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_linear_silu_kernel(
+    x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr,
+    n_rows, n_out, n_in, eps, x_row_stride, weight_row_stride, out_row_stride,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program; 1-d grid in grouped
+    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
+    decision: the config asks with USE_TMA and W's layout allows): W tiles come through the
+    tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past W's end); x always
+    goes through registers, where it is scaled by the norm weight."""
+    pid = tl.program_id(0)
+    n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
+    n_n_tiles = tl.cdiv(n_out, BLOCK_N)
+    tiles_per_group = GROUP_M * n_n_tiles
+    first_m_tile = (pid // tiles_per_group) * GROUP_M
+    group_m_tiles = tl.minimum(n_m_tiles - first_m_tile, GROUP_M)
+    m_tile = first_m_tile + (pid % tiles_per_group) % group_m_tiles
+    n_tile = (pid % tiles_per_group) // group_m_tiles
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_out
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
+    w_cols = weight_ptr + cols.to(tl.int64)[None, :] * weight_row_stride  # W read as W.T tiles
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k_start in range(0, n_in, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < n_in
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        g = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0)
+        if TMA:
+            w = tl.trans(weight_desc.load([n_tile * BLOCK_N, k_start]))
+        else:
+            w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        x32 = x.to(tl.float32)
+        sum_squares += tl.sum(x32 * x32, axis=1)
+        scaled = (x32 * g.to(tl.float32)[None, :]).to(x.dtype)
+        if IEEE:
+            acc = tl.dot(scaled, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(scaled, w, acc)
+
+    rstd = 1.0 / tl.sqrt(sum_squares / n_in + eps)
+    z = acc * rstd[:, None]
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = z / (1.0 + tl.exp(-z))
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
+    "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA"), shape_keys=("rows", "n", "k"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+# On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
+# and a warp-specialised Gluon matmul with the r/bias/silu epilogue
+# (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
+use_hopper_path = True
+
+
+def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """(..., N) in x's dtype; inputs validated, on the kernel device, one kernel dtype."""
+    n_out, n_in = weight.shape
+    out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    n_rows = out.numel() // n_out if n_out else 0
+    if out.numel() == 0:
+        return out
+    if n_in == 0:  # an empty sum: z = b
+        return torch.nn.functional.silu(bias.expand_as(out) if bias is not None else out.zero_())
+    x_rows = layout.as_rows(_unit_last(x))
+    weight = _unit_last(weight)
+    out_rows = out.view(n_rows, n_out)
+    hopper = _rms_norm_linear_silu_hopper
+    if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
+        hopper.forward(x_rows, norm_weight.contiguous(), weight,
+                       bias.contiguous() if bias is not None else None, eps, out_rows)
+        return out
+    shape = (n_rows, n_out, n_in)
+    config = RMS_NORM_LINEAR_SILU.planned_config(shape)
+    meta = config.meta_dict
+    tma = bool(meta["USE_TMA"]) and _tma_ready(weight)
+    if tma:  # the descriptor's block follows the config, so the launch must use this one
+        weight_desc = TensorDescriptor.from_tensor(weight, [meta["BLOCK_N"], meta["BLOCK_K"]])
+    else:
+        weight_desc, config = None, None
+    RMS_NORM_LINEAR_SILU.launch(
+        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
+        x_rows, norm_weight.contiguous(), weight, weight_desc,
+        bias.contiguous() if bias is not None else weight, out_rows, n_rows, n_out, n_in, eps,
+        x_rows.stride(0), weight.stride(0), out_rows.stride(0), bias is not None,
+        x.dtype == torch.float32, tma, shape=shape, config=config)
+    return out
+
+
+def _tma_ready(weight: torch.Tensor) -> bool:
+    """A tensor descriptor needs a 16-byte aligned base and row stride."""
+    return layout.tma_addressable(weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch reference (tests run it in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_linear_silu_reference(x, norm_weight, weight, bias=None, eps=1e-6):
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight
+    return torch.nn.functional.silu(torch.nn.functional.linear(normed, weight, bias))
+
+
+# --------------------------------------------------------------------------------------------
+# Public function, custom op, autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x, norm_weight, weight, bias) -> None:
+    name = "gemslib.rms_norm_linear_silu"
+    for arg, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
+        if t is None and arg == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"{name}: {arg} must be {x.dtype} on {x.device} like x, got "
+                             f"{t.dtype} on {t.device}")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: x must be (..., K), got a 0-d tensor")
+    n_in = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != n_in:
+        raise ValueError(f"{name}: weight must be (N, K) with K = x.shape[-1] = {n_in}, got "
+                         f"{tuple(weight.shape)}")
+    if norm_weight.shape != (n_in,):
+        raise ValueError(f"{name}: norm_weight must be ({n_in},) to match x's last dim, got "
+                         f"{tuple(norm_weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"{name}: bias must be ({weight.shape[0]},) to match weight's rows, got "
+                         f"{tuple(bias.shape)}")
+
+
+def _rms_norm_linear_silu_impl(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The kernel where it runs; torch (fp32 arithmetic, or float64's own) elsewhere."""
+    if not runtime.kernel_runs(x):
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = rms_norm_linear_silu_reference(
+            x.to(work), norm_weight.to(work), weight.to(work),
+            bias.to(work) if bias is not None else None, eps)
+        return out.to(x.dtype)
+    return _launch(x, norm_weight, weight, bias, eps)
+
+
+def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """``silu(F.linear(rms_norm(x, norm_weight, eps), weight, bias))`` in one kernel.
+
+    x (..., K), norm_weight (K,), weight (N, K), bias (N,) or None, all of one dtype; returns
+    (..., N) in that dtype. Differentiable in every tensor argument (the backward uses torch).
+    """
+    _check(x, norm_weight, weight, bias)
+    eps = float(eps)
+    if runtime.wants_custom_op(x, norm_weight, weight, bias):
+        return runtime.differentiable_call(_rms_norm_linear_silu_op, _RmsNormLinearSiluFunction,
+                                           x, norm_weight, weight, bias, eps)
+    return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
+
+
+_rms_norm_linear_silu_op = torch.library.custom_op(
+    "gemslib::rms_norm_linear_silu", _rms_norm_linear_silu_impl, mutates_args=())
+
+
+@_rms_norm_linear_silu_op.register_fake
+def _(x, norm_weight, weight, bias, eps):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup(ctx, inputs, output):
+    x, norm_weight, weight, bias, eps = inputs
+    ctx.eps, ctx.has_bias = eps, bias is not None
+    ctx.save_for_backward(x, norm_weight, weight, bias)
+
+
+def _grad(ctx, grad_out):
+    """Gradients by the chain rule in fp32 (float64 stays float64), z recomputed:
+    dz = dy * silu'(z), dW = dz.T h, db = sum dz, dh = dz W, dg = sum dh * x_hat,
+    dx = r * (dh g - x_hat * mean(dh g * x_hat))."""
+    x, norm_weight, weight, bias = ctx.saved_tensors
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x32, g32, w32 = x.to(work), norm_weight.to(work), weight.to(work)
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+    x_hat = x32 * rstd
+    normed = x_hat * g32
+    z = torch.nn.functional.linear(normed, w32, bias.to(work) if bias is not None else None)
+    sig = torch.sigmoid(z)
+    dz = grad_out.to(work) * sig * (1 + z * (1 - sig))
+    dz_rows, normed_rows = dz.reshape(-1, dz.shape[-1]), normed.reshape(-1, normed.shape[-1])
+    d_weight = dz_rows.t() @ normed_rows
+    d_bias = dz_rows.sum(0) if ctx.has_bias else None
+    d_normed = dz @ w32
+    d_norm_weight = (d_normed * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    d_x_hat = d_normed * g32
+    dx = rstd * (d_x_hat - x_hat * (d_x_hat * x_hat).mean(dim=-1, keepdim=True))
+    return (dx.to(x.dtype), d_norm_weight.to(norm_weight.dtype), d_weight.to(weight.dtype),
+            d_bias.to(bias.dtype) if d_bias is not None else None, None)
+
+
+_rms_norm_linear_silu_op.register_autograd(_grad, setup_context=_setup)
+# torch arithmetic all the way: the backward is itself differentiable
+_RmsNormLinearSiluFunction = runtime.eager_autograd(
+    "RmsNormLinearSiluFunction", _rms_norm_linear_silu_impl, _setup, _grad,
+    differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(device, dtype, rows):
+    """x (rows, K), norm weight, weight (N, K), bias: small at the check's size, a Llama MLP's
+    gate width (K 4096, N 14336) at the timing size."""
+    n_in, n_out = (4096, 14336) if rows >= 1024 else (256, 200)
+    return (torch.randn(rows, n_in, device=device, dtype=dtype),
+            torch.randn(n_in, device=device, dtype=dtype),
+            torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5,
+            torch.randn(n_out, device=device, dtype=dtype))
+
+
+def _term_scale(x, norm_weight, weight, bias):
+    """The size of the sums before silu: |rms_norm(x)| @ |W|.T + |b|, x * g rounded to the
+    dtype in every term."""
+    x, norm_weight, weight, bias = (t.double() for t in (x, norm_weight, weight, bias))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+    return (normed.abs() @ weight.abs().t() + bias.abs()).max().item()
+
+
+SELF_CHECKS = (
+    SelfCheck("rms_norm_linear_silu", _check_inputs, run=rms_norm_linear_silu,
+              reference=rms_norm_linear_silu_reference,
+              torch_peer=lambda x, g, w, b: torch.nn.functional.silu(torch.nn.functional.linear(
+                  torch.nn.functional.rms_norm(x, (x.shape[-1],), g, 1e-6), w, b)),
+              # bf16 tl.dot is wrong in Triton 3.6's interpreter
+              dtypes=(torch.float16, torch.float32) if runtime.INTERPRETER else
+              (torch.float16, torch.bfloat16, torch.float32),
+              term_scale=_term_scale),
+)
