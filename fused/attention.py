@@ -196,11 +196,12 @@ def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n
                                 BLOCK_DV: tl.constexpr):
     """delta[b, h, i] = sum_d o[b, h, i, d] * do[b, h, i, d] - grad_lse[b, h, i] (fp32), the
     row term of the softmax backward (a gradient flowing into lse enters it there, since
-    d lse_i / d s_ij = p_ij). Grid (query blocks, B * Hq); delta and grad_lse (B, Hq, Sq)."""
-    batch_head = tl.program_id(1)
+    d lse_i / d s_ij = p_ij). Grid (B * Hq, query blocks): B * Hq may pass the 65535 that a
+    grid's second axis allows; delta and grad_lse (B, Hq, Sq)."""
+    batch_head = tl.program_id(0)
     batch = (batch_head // n_q_heads).to(tl.int64)
     head = (batch_head % n_q_heads).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims_v = tl.arange(0, BLOCK_DV)
     mask = (rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v)
     o = tl.load(o_ptr + batch * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_s
@@ -578,7 +579,7 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     delta = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     grad_lse = grad_lse.contiguous() if grad_lse is not None else None
-    _attention_bwd_delta_kernel[(runtime.cdiv(seq_q, 64), batch * n_q_heads)](
+    _attention_bwd_delta_kernel[(batch * n_q_heads, runtime.cdiv(seq_q, 64))](
         out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, n_q_heads,
         head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
         BLOCK_M=64, BLOCK_DV=block_dv)
