@@ -595,6 +595,29 @@ def test_traces_under_torch_compile_fullgraph():
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_sdpa_training_step_under_enable_and_torch_compile():
+    """A compiled loss calling SDPA on (B, S, H, D) storage seen as (B, H, S, D), under
+    enable(): gemslib serves its forward and backward (on the GPU, inductor checks the
+    overrides' outputs against torch's fake kernels), and the gradients are right."""
+    dtype = torch.float16 if ON_GPU else torch.float32
+    bases = [random_tensor((2, 40, 4, 64), dtype, scale=1.0).requires_grad_() for _ in range(3)]
+    weight = random_tensor((2, 4, 40, 64), torch.float32, scale=1.0)
+
+    def loss(q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        return (out.float() * weight).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        grads = torch.autograd.grad(compiled(*bases), bases)
+    assert any(name.endswith("_backward") for name in activation.calls), activation.calls
+    assert any(not name.endswith("_backward") for name in activation.calls), activation.calls
+    views = [t.transpose(1, 2) for t in bases]
+    expected = _reference_grads(*views, True, 64 ** -0.5, weight.to(dtype))
+    _assert_grads_close([g.transpose(1, 2) for g in grads], expected, dtype)
+
+
 def _reference_grads(q, k, v, causal, scale, grad_out, grad_lse=None):
     """(dq, dk, dv) of the float64 reference, optionally with a gradient into lse."""
     inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
