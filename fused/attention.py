@@ -230,30 +230,25 @@ def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
     (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N), or (N, M)
     with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left operand
     straight from registers instead of transposing them through shared memory."""
-    if KEYS_MAJOR:
-        if IEEE:
-            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
-            dp = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            qk = tl.dot(k, tl.trans(q))
-            dp = tl.dot(v, tl.trans(do))
-        visible = (keys[:, None] < seq_kv) & (rows[None, :] < seq_q)
-        if CAUSAL:
-            visible = visible & (keys[:, None] <= rows[None, :])
-        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[None, :]), 0.0)
-        ds = p * (dp - delta[None, :])
+    if KEYS_MAJOR:  # keys down, query rows across
+        left, right, left_v, right_v = k, q, v, do
+        row_ids, key_ids = rows[None, :], keys[:, None]
+        lse_2d, delta_2d = lse_log2[None, :], delta[None, :]
     else:
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
-        visible = (rows[:, None] < seq_q) & (keys[None, :] < seq_kv)
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
+        left, right, left_v, right_v = q, k, do, v
+        row_ids, key_ids = rows[:, None], keys[None, :]
+        lse_2d, delta_2d = lse_log2[:, None], delta[:, None]
+    if IEEE:
+        qk = tl.dot(left, tl.trans(right), input_precision="ieee")
+        dp = tl.dot(left_v, tl.trans(right_v), input_precision="ieee")
+    else:
+        qk = tl.dot(left, tl.trans(right))
+        dp = tl.dot(left_v, tl.trans(right_v))
+    visible = (row_ids < seq_q) & (key_ids < seq_kv)
+    if CAUSAL:
+        visible = visible & (key_ids <= row_ids)
+    p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_2d), 0.0)
+    ds = p * (dp - delta_2d)
     return p, ds
 
 
