@@ -175,25 +175,38 @@ def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
 
 
 @gluon.jit
+def _head_and_block(n_blocks, HEAVY_FIRST: gl.constexpr):
+    """(index into B * H, block index) of this program in a 1-d grid of B * H * n_blocks:
+    heads fastest when HEAVY_FIRST (causal; each head's heavy blocks go out before any head's
+    light ones), else blocks fastest (the programs running together share one head's tiles
+    in L2). The Triton kernels' helper of the same name, in Gluon."""
+    program = gl.program_id(0)
+    if HEAVY_FIRST:
+        n_heads = gl.num_programs(0) // n_blocks
+        return program % n_heads, program // n_heads
+    else:
+        return program // n_blocks, program % n_blocks
+
+
+@gluon.jit
 def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_kv, n_q_heads,
                           group_size, scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (B * Hq, cdiv(Sq, 2 * ROWS)): heads fastest, and the query blocks from the last
-    (the heaviest when causal) to the first, so no heavy block is left to run alone at the end
-    of the grid. q_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks,
+    """Grid (B * Hq * cdiv(Sq, 2 * ROWS),) in _head_and_block's order, the query blocks from
+    the last (the heaviest) to the first when causal. q_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks,
     k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks; out (B, Hq, Sq, D) and
     lse (B, Hq, Sq) contiguous. scale_log2 = scale * log2(e) >= 0."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    batch_head = gl.program_id(0)
+    n_query_blocks = gl.cdiv(seq_q, 2 * ROWS)
+    batch_head, query_block = _head_and_block(n_query_blocks, CAUSAL)
     batch = batch_head // n_q_heads
     head = batch_head % n_q_heads
-    if CAUSAL:
-        first_query = (gl.num_programs(1) - 1 - gl.program_id(1)) * 2 * ROWS
-    else:
-        first_query = gl.program_id(1) * 2 * ROWS
+    if CAUSAL:  # the last query blocks see the most keys
+        query_block = n_query_blocks - 1 - query_block
+    first_query = query_block * 2 * ROWS
     if CAUSAL:  # top-left aligned: row i sees keys j <= i
         n_blocks = gl.cdiv(gl.minimum(seq_kv, first_query + 2 * ROWS), BLOCK_N)
         full_blocks = gl.minimum(seq_kv, first_query) // BLOCK_N
@@ -329,8 +342,8 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                                dv_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale, scale_log2,
                                CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (B * Hkv, cdiv(Skv, 2 * KEYS)): one program per 2 * KEYS keys of one KV head (the
-    first key blocks, the heaviest when causal, dispatched first). q_desc / do_desc over
+    """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in _head_and_block's order: one program per
+    2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones). q_desc / do_desc over
     (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
     (1, 1, KEYS, D) blocks; lse and delta (B, Hq, Sq) fp32, dk and dv (B, Hkv, Skv, D)
     contiguous. Rows and keys past the ends read as zeros and are masked."""
@@ -338,10 +351,10 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head = gl.program_id(0)
+    batch_kv_head, key_block = _head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
-    first_key = gl.program_id(1) * 2 * KEYS
+    first_key = key_block * 2 * KEYS
     if CAUSAL:  # query rows before the first key see none of the program's keys
         first_row_block = gl.minimum(first_key, seq_q) // ROWS
     else:
@@ -405,7 +418,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
                       for t in (k, v))
     with torch.cuda.device(q.device):
-        _attention_fwd_hopper[(batch * n_q_heads, runtime.cdiv(seq_q, 2 * ROWS))](
+        _attention_fwd_hopper[(batch * n_q_heads * runtime.cdiv(seq_q, 2 * ROWS),)](
             q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
             scale * LOG2E, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
@@ -429,7 +442,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, KEYS, HEAD_DIM], block_layout)
                       for t in (k, v))
     with torch.cuda.device(q.device):
-        _attention_bwd_dkdv_hopper[(batch * n_kv_heads, runtime.cdiv(seq_kv, 2 * KEYS))](
+        _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
             q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads,
             n_q_heads // n_kv_heads, scale, scale * LOG2E, CAUSAL=causal, STAGES=BWD_STAGES,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)

@@ -463,7 +463,9 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
     reference_leaf = q.detach().double().requires_grad_()
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
                                    is_causal=True).sum().backward()
-    assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
+    # the backward's own standard: q = k = v at scale 3 gives scores near 50, whose fp32
+    # rounding (|s| * eps) the softmax gradient carries (3.8e-5 of 1.0 seen on the H200)
+    _assert_grads_close([leaf.grad], [reference_leaf.grad], torch.float32)
 
 
 # (SDPA backend, dtype, head dim) each backend takes: CUDA flash and cuDNN 16-bit only
