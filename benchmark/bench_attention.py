@@ -62,10 +62,10 @@ def _backward_only(fn, q, k, v):
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
-def _with_hopper_backward(run):
-    """``run`` with attention_ops.use_hopper_backward on (the flag is read at backward time)."""
+def _with_hopper_backward(run, on: bool):
+    """``run`` with attention_ops.use_hopper_backward set to ``on`` (read at backward time)."""
     def timed():
-        previous, attention_ops.use_hopper_backward = attention_ops.use_hopper_backward, True
+        previous, attention_ops.use_hopper_backward = attention_ops.use_hopper_backward, on
         try:
             return run()
         finally:
@@ -115,8 +115,9 @@ def cases(quick: bool = False, backward: bool = False):
             if backward:
                 impls = {"gemslib": _backward_only(
                     lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c), q, k, v)}
-                if dim == 128:  # the Gluon dK/dV kernel, off by default until measured
-                    impls["gemslib Gluon dK/dV"] = _with_hopper_backward(impls["gemslib"])
+                if dim == 128:  # gemslib's own fallback where the Gluon dK/dV kernel can't go
+                    impls["gemslib Triton dK/dV"] = _with_hopper_backward(impls["gemslib"],
+                                                                          False)
                 for name, run in peers.items():
                     if name != "SDPA efficient":  # 3-4x behind in the forward already
                         impls[name] = _backward_only(lambda q, k, v, run=run, c=causal:
