@@ -25,6 +25,12 @@ def bench_modules() -> list[str]:
                   if m.name.startswith("bench_"))
 
 
+def module_ops() -> dict[str, tuple[str, ...]]:
+    """Each benchmark module's operator names (its ``OPS``: the Case names it yields)."""
+    return {name: tuple(importlib.import_module(f"benchmark.{name}").OPS)
+            for name in bench_modules()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
@@ -34,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for results.json and the plots")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    ops_by_module = module_ops()
+    known = sorted({op for ops in ops_by_module.values() for op in ops})
+    unknown = sorted(set(args.ops or ()) - set(known))
+    if unknown:
+        parser.error(f"unknown operator(s) {', '.join(unknown)}; known: {', '.join(known)}")
 
     if not torch.cuda.is_available():
         print("benchmark: no CUDA GPU on this machine; the benchmarks time GPU kernels, "
@@ -46,9 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = harness.measure_ceilings(matmul=True)  # attention reports % of the matmul rate
     print(f"{harness.environment()}", flush=True)
     results = []
-    for name in bench_modules():
+    for name, ops in ops_by_module.items():
+        if args.ops and not set(args.ops) & set(ops):
+            continue  # building a module's cases allocates inputs (and compiles torch peers)
         module = importlib.import_module(f"benchmark.{name}")
         for case in module.cases(quick=args.quick, backward=args.backward):
+            if case.op not in ops:  # --ops would skip it without a word
+                raise RuntimeError(f"{name} yields {case.op}, which its OPS does not list")
             if args.ops and case.op not in args.ops:
                 continue
             print(f"  {case.op} {case.shape} ...", flush=True)

@@ -1,10 +1,12 @@
 """attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
 SDPA's default choice, and FlagGems.
 
-    python -m benchmark --ops attention decode_attention
+    python -m benchmark --ops attention decode_attention [--backward]
 
 Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
-bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements).
+bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). ``--backward`` adds
+attention_backward cases: the backward alone (dq, dk, dv from a graph built once), at 2.5x the
+forward's FLOPs (five matmuls of the forward's size against two).
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import gemslib
 from benchmark.harness import Case, optional_peer, outputs_close
 from gemslib.fused import attention as attention_ops
 
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("attention", "attention_causal", "attention_backward",
+       "attention_backward_causal", "decode_attention")
 DTYPE = torch.bfloat16
 # (batch, heads, seq, head dim)
 QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
 EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128)]
+BACKWARD_SWEEP = [(4, 32, 2048, 128), (2, 16, 4096, 64)]
 # (batch, cache length)
 QUICK_DECODE = [(1, 8192), (16, 32768)]
 EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
@@ -48,8 +54,35 @@ def _sdpa_peers():
             "SDPA efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION)}
 
 
+def _backward_only(fn, q, k, v):
+    """Time torch.autograd.grad of a graph built once (retain_graph)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
+def _pin_flag_gems_backward(flag_gems) -> bool:
+    """FlagGems 5.0.2's attention backward autotunes over 18 configs, some of which fault on
+    the H200 under Triton 3.6 (an illegal address that ends the process; triton-lang/triton
+    #10573 reports it on this kernel) and two of whose three block layouts leave half of dq
+    unwritten (its grid follows BLOCK_N1, its dq tiles BLOCK_M2). Pinned to the layout of its
+    own set that covers dq (BLOCK_M1 32, BLOCK_N1 128, BLOCK_M2 128, BLOCK_N2 32). False when
+    the module is not laid out as in 5.0.2 (then FlagGems' backward is left out)."""
+    import triton
+
+    module = getattr(getattr(flag_gems, "ops", None), "attention", None)
+    configs = getattr(module, "config_backward", None)
+    if not isinstance(configs, list):
+        return False
+    configs[:] = [triton.Config({"BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128,
+                                 "BLOCK_N2": 32}, num_warps=4, num_stages=2)]
+    return True
+
+
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
+    flag_gems_backward = backward and flag_gems is not None and _pin_flag_gems_backward(flag_gems)
     peers = _sdpa_peers()
     for batch, heads, seq, dim in QUICK_PREFILL + ([] if quick else EXTRA_PREFILL):
         q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
@@ -68,6 +101,21 @@ def cases(quick: bool = False, backward: bool = False):
                            lambda c=causal: gemslib.attention(q, k, v, causal=c),
                            lambda c=causal: F.scaled_dot_product_attention(
                                q.float(), k.float(), v.float(), is_causal=c)))
+            if backward:
+                impls = {"gemslib": _backward_only(
+                    lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c), q, k, v)}
+                for name, run in peers.items():
+                    if name != "SDPA efficient":  # 3-4x behind in the forward already
+                        impls[name] = _backward_only(lambda q, k, v, run=run, c=causal:
+                                                     run(q, k, v, c), q, k, v)
+                # FlagGems 5.0.2 ignores is_causal in its backward (always causal gradients):
+                # timed only where it computes the same thing
+                if sdpa is not None and flag_gems_backward and causal:
+                    impls["FlagGems"] = _backward_only(
+                        lambda q, k, v, c=causal: sdpa(q, k, v, is_causal=c), q, k, v)
+                yield Case("attention_backward" + ("_causal" if causal else ""),
+                           f"B{batch} H{heads} S{seq} D{dim}", "bf16", 0, impls,
+                           flops=flops * 5 // 2)
         del q, k, v
     for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
         q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
@@ -96,6 +144,12 @@ SWEEP_CANDIDATES = {
                       for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
                                               (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
                       for tma in (0, 1) for lazy in (0, 1) for st in stages],
+    "attention_bwd_dkdv": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                           for n in (64, 128) for m in (32, 64) for w in (4, 8)
+                           for st in (1, 2, 3)],
+    "attention_bwd_dq": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                         for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
+                         for st in (2, 3)],
     # the earlier H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
     # 1 stage and 8 warps never won, nor 8-16 per SM. 3 per SM: the 64-key configs fit three
     # programs on an SM (ncu), and the split count now rounds down to whole waves
@@ -113,6 +167,17 @@ def sweep_problems():
         for causal in (False, True):
             yield (attention_ops.ATTENTION_FWD, f"S{seq} D{dim}" + (" causal" if causal else ""),
                    0, lambda c=causal: gemslib.attention(q, k, v, causal=c))
+    for batch, heads, seq, dim in BACKWARD_SWEEP:
+        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
+                   for _ in range(3))
+        for causal in (False, True):
+            grads = _backward_only(lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c),
+                                   q, k, v)
+            label = f"bwd S{seq} D{dim}" + (" causal" if causal else "")
+            # each kernel's problem returns its own gradient first (the sweep compares that)
+            yield (attention_ops.ATTENTION_BWD_DKDV, label + " dkdv", 0,
+                   lambda grads=grads: grads()[1:])
+            yield (attention_ops.ATTENTION_BWD_DQ, label + " dq", 0, grads)
     for batch, cache_len in QUICK_DECODE + EXTRA_DECODE:
         q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
         k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,

@@ -20,6 +20,8 @@ QUICK_RMS_NORM = [(65536, 4096), (4096, 4096), (8192, 5120)]
 EXTRA_RMS_NORM = [(1, 4096), (16384, 8192), (2048, 12288), (512, 65536)]
 QUICK_ADD_RMS_NORM = [(16384, 8192)]
 EXTRA_ADD_RMS_NORM = [(4096, 4096), (1, 8192)]
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("rms_norm", "rms_norm_backward", "add_rms_norm")
 DTYPE = torch.bfloat16
 EPS = 1e-6
 

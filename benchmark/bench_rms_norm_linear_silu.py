@@ -16,6 +16,8 @@ import gemslib
 from benchmark.harness import BOUND, Case, compiled, outputs_close
 from gemslib.fused import rms_norm_linear_silu as fused_ops
 
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("rms_norm_linear_silu",)
 DTYPE = torch.bfloat16
 K = 4096
 # (M, N)

@@ -18,6 +18,8 @@ from gemslib.ops import rotary as rotary_ops
 # (batch, seq, q heads, kv heads, head dim)
 QUICK_SHAPES = [(8, 4096, 32, 8, 128), (1, 4096, 32, 8, 128)]
 EXTRA_SHAPES = [(1, 4096, 40, 8, 128), (16, 1, 32, 8, 128), (4, 2048, 64, 8, 64)]
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("rotary", "rotary_backward")
 DTYPE = torch.bfloat16
 
 

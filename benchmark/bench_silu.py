@@ -16,6 +16,8 @@ from gemslib.ops import silu as silu_ops
 
 QUICK_SHAPES = [(4096, 14336), (16384, 14336)]
 EXTRA_SHAPES = [(1, 14336), (1024, 4096), (8192, 5120), (4096, 14337)]
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward")
 DTYPE = torch.bfloat16
 
 

@@ -17,6 +17,8 @@ from gemslib.ops import softmax as softmax_ops
 
 QUICK_SHAPES = [(16384, 4096), (1024, 131072), (512, 262144)]
 EXTRA_SHAPES = [(4096, 4096), (2048, 50257), (1, 131072), (65536, 1024), (8192, 32000)]
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 DTYPE = torch.bfloat16
 
 

@@ -187,6 +187,177 @@ def _attention_fwd_kernel(
 
 
 @triton.jit
+def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n_q_heads,
+                                head_dim_v, o_stride_b, o_stride_h, o_stride_s,
+                                do_stride_b, do_stride_h, do_stride_s,
+                                HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_DV: tl.constexpr):
+    """delta[b, h, i] = sum_d o[b, h, i, d] * do[b, h, i, d] - grad_lse[b, h, i] (fp32), the
+    row term of the softmax backward (a gradient flowing into lse enters it there, since
+    d lse_i / d s_ij = p_ij). Grid (query blocks, B * Hq); delta and grad_lse (B, Hq, Sq)."""
+    batch_head = tl.program_id(1)
+    batch = (batch_head // n_q_heads).to(tl.int64)
+    head = (batch_head % n_q_heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims_v = tl.arange(0, BLOCK_DV)
+    mask = (rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v)
+    o = tl.load(o_ptr + batch * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_s
+                + dims_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_s
+                 + dims_v[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    offsets = batch_head.to(tl.int64) * seq_q + rows
+    if HAS_GRAD_LSE:
+        delta -= tl.load(grad_lse_ptr + offsets, mask=rows < seq_q, other=0.0)
+    tl.store(delta_ptr + offsets, delta, mask=rows < seq_q)
+
+
+@triton.jit
+def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv, scale_log2,
+                        KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """For one block of BLOCK_M queries and BLOCK_N keys: p (the forward's probabilities,
+    recomputed from the saved lse) and ds = p * (do . v - delta), zero outside the visible
+    (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N), or (N, M)
+    with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left operand
+    straight from registers instead of transposing them through shared memory."""
+    if KEYS_MAJOR:
+        if IEEE:
+            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dp = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            qk = tl.dot(k, tl.trans(q))
+            dp = tl.dot(v, tl.trans(do))
+        visible = (keys[:, None] < seq_kv) & (rows[None, :] < seq_q)
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= rows[None, :])
+        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[None, :]), 0.0)
+        ds = p * (dp - delta[None, :])
+    else:
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        visible = (rows[:, None] < seq_q) & (keys[None, :] < seq_kv)
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+    return p, ds
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    seq_q, seq_kv, n_kv_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK and dV of one block of BLOCK_N keys of one KV head, summed over the group's query
+    heads and every query block that sees the keys (no atomics, K/V never repeated):
+    dv = sum p^T do, dk = scale * sum ds^T q. Grid (key blocks, B * Hkv); dk and dv contiguous
+    (B, Hkv, Skv, D / Dv)."""
+    n_block = tl.program_id(0)
+    batch_kv_head = tl.program_id(1)
+    batch = (batch_kv_head // n_kv_heads).to(tl.int64)
+    kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
+    keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    k = tl.load(k_ptr + batch * k_stride_b + kv_head * k_stride_h + keys[:, None] * k_stride_s
+                + dims[None, :], mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim),
+                other=0.0)
+    v = tl.load(v_ptr + batch * v_stride_b + kv_head * v_stride_h + keys[:, None] * v_stride_s
+                + dims_v[None, :], mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v),
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # causal: query rows before the block's first key see none of it
+    first_row = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    row_blocks = tl.cdiv(seq_q - first_row, BLOCK_M)
+    # one flat loop over (group member, query block): one software pipeline across members
+    for step in range(0, group_size * row_blocks):
+        head = kv_head * group_size + step // row_blocks
+        rows = first_row + (step % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = tl.load(q_ptr + batch * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_s
+                    + dims[None, :], mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim),
+                    other=0.0)
+        do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h
+                     + rows[:, None] * do_stride_s + dims_v[None, :],
+                     mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v), other=0.0)
+        row_offsets = (batch * n_kv_heads * group_size + head) * seq_q + rows
+        lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
+        delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
+        p_t, ds_t = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
+                                        scale_log2, True, CAUSAL, IEEE)
+        if IEEE:
+            dv += tl.dot(p_t, do, input_precision="ieee")
+            dk += tl.dot(ds_t, q, input_precision="ieee")
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    out_rows = batch_kv_head.to(tl.int64) * seq_kv + keys
+    tl.store(dk_ptr + out_rows[:, None] * head_dim + dims[None, :],
+             (dk * scale).to(dk_ptr.dtype.element_ty),
+             mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim))
+    tl.store(dv_ptr + out_rows[:, None] * head_dim_v + dims_v[None, :],
+             dv.to(dv_ptr.dtype.element_ty),
+             mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v))
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
+    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
+    v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
+    keys those rows see. Grid (query blocks, B * Hq); dq contiguous (B, Hq, Sq, D)."""
+    m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = (batch_head // n_q_heads).to(tl.int64)
+    head = (batch_head % n_q_heads).to(tl.int64)
+    kv_head = head // group_size
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + batch * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_s
+                + dims[None, :], mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim),
+                other=0.0)
+    do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_s
+                 + dims_v[None, :], mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v),
+                 other=0.0)
+    row_offsets = batch_head.to(tl.int64) * seq_q + rows
+    lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
+    delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
+    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
+    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    key_end = tl.minimum(seq_kv, (m_block + 1) * BLOCK_M) if CAUSAL else seq_kv
+    for start in range(0, key_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        k = tl.load(k_head + keys[:, None] * k_stride_s + dims[None, :],
+                    mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim), other=0.0)
+        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
+                    mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
+        _, ds = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
+                                    scale_log2, False, CAUSAL, IEEE)
+        if IEEE:
+            dq += tl.dot(ds, k, input_precision="ieee")
+        else:
+            dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dq_ptr + row_offsets[:, None] * head_dim + dims[None, :],
+             (dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
     cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
@@ -305,6 +476,13 @@ ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
                                     shape_keys=("head_dim", "causal", "elem_bytes", "seq_q",
                                                 "seq_kv"))
+ATTENTION_BWD_DKDV = runtime.TunedKernel("attention", "attention_bwd_dkdv",
+                                         _attention_bwd_dkdv_kernel,
+                                         tunables=("BLOCK_M", "BLOCK_N"),
+                                         shape_keys=("head_dim", "elem_bytes"))
+ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attention_bwd_dq_kernel,
+                                       tunables=("BLOCK_M", "BLOCK_N"),
+                                       shape_keys=("head_dim", "elem_bytes"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
                              tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
                              shape_keys=("head_dim", "elem_bytes", "seq_kv"))
@@ -371,6 +549,40 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         causal, q.dtype == torch.float32, tma, block_d, block_dv, shape=shape, config=config)
     return out, lse
+
+
+def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, for the forward (out, lse) of validated q, k, v; grad_lse
+    (B, Hq, Sq) or None is a gradient flowing into lse."""
+    q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out)
+    batch, n_q_heads, seq_q, head_dim = q.shape
+    n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if dq.numel() == 0 or dk.numel() == 0 or dv.numel() == 0:
+        return dq, dk, dv  # no rows, no keys or no features: nothing flows
+    block_d = max(16, runtime.next_power_of_2(head_dim))
+    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    delta = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
+    grad_lse = grad_lse.contiguous() if grad_lse is not None else None
+    _attention_bwd_delta_kernel[(runtime.cdiv(seq_q, 64), batch * n_q_heads)](
+        out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, n_q_heads,
+        head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
+        BLOCK_M=64, BLOCK_DV=block_dv)
+    shape = (head_dim, q.element_size())
+    # after the sequence lengths and the head count each kernel's grid runs over
+    rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * 1.4426950408889634,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
+            q.dtype == torch.float32, block_d, block_dv)
+    ATTENTION_BWD_DKDV.launch(
+        lambda meta: (runtime.cdiv(seq_kv, meta["BLOCK_N"]), batch * n_kv_heads),
+        q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest, shape=shape)
+    ATTENTION_BWD_DQ.launch(
+        lambda meta: (runtime.cdiv(seq_q, meta["BLOCK_M"]), batch * n_q_heads),
+        q, k, v, grad_out, lse, delta, dq, seq_q, seq_kv, n_q_heads, *rest, shape=shape)
+    return dq, dk, dv
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:
@@ -571,15 +783,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               scale: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
     enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
-    multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Forward only for now."""
+    multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Differentiable in q, k and v (the
+    backward recomputes the probabilities from the saved row log-sum-exp)."""
     _check(q, k, v, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # no backward kernel yet: torch's SDPA keeps the gradients right
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                              enable_gqa=True)
-    if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, causal, scale)[0]
+    if runtime.wants_custom_op(q, k, v):
+        return runtime.differentiable_call(_attention_op, _AttentionFunction, q, k, v,
+                                           bool(causal), scale)[0]
     return _attention_impl(q, k, v, causal, scale)[0]
 
 
@@ -593,7 +803,53 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return _launch_forward(q, k, v, causal, scale)
 
 
+def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                             grad_lse: Optional[torch.Tensor], causal: bool,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``_attention_impl``'s (out, lse): the kernels where the forward ran
+    them, autograd through the float reference otherwise."""
+    if not runtime.kernel_runs(q, k, v, grad_out) or max(q.shape[-1], v.shape[-1]) > 256:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        with torch.enable_grad():
+            inputs = [t.detach().to(work).requires_grad_() for t in (q, k, v)]
+            ref_out, ref_lse = attention_reference(*inputs, causal, scale)
+            outputs, grads = [ref_out], [grad_out.to(work)]
+            if grad_lse is not None:
+                outputs.append(ref_lse)
+                grads.append(grad_lse.to(work))
+            dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+        return tuple((g if g is not None else torch.zeros_like(t)).to(t.dtype)
+                     for g, t in zip((dq, dk, dv), (q, k, v)))
+    return _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal, scale)
+
+
 _attention_op = torch.library.custom_op("gemslib::attention", _attention_impl, mutates_args=())
+_attention_backward_op = torch.library.custom_op("gemslib::attention_backward",
+                                                 _attention_backward_impl, mutates_args=())
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, grad_lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
+
+def _save_for_attention_backward(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.causal, ctx.scale = causal, scale
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _attention_grad_via(backward):
+    def grad(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+    return grad
 
 
 @_attention_op.register_fake
@@ -601,6 +857,13 @@ def _(q, k, v, causal, scale):
     batch, n_q_heads, seq_q, _ = q.shape
     return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
             q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
+
+
+_attention_op.register_autograd(_attention_grad_via(_attention_backward_op),
+                                setup_context=_save_for_attention_backward)
+_AttentionFunction = runtime.eager_autograd("AttentionFunction", _attention_impl,
+                                            _save_for_attention_backward,
+                                            _attention_grad_via(_attention_backward_impl))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -654,22 +917,21 @@ def _(q, k_cache, v_cache, seqlens, scale):
 
 # --------------------------------------------------------------------------------------------
 # aten overrides: the SDPA backend operators F.scaled_dot_product_attention reaches
-# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel).
-# Forward only for now: a call whose inputs need grad goes to torch's kernels, so the backward
-# torch runs pairs with torch's own forward and its saved log-sum-exp.
+# (CUDA: flash, cuDNN or memory-efficient, whichever torch picks; CPU: its flash kernel), each
+# with its backward operator. Each forward saves the lse in its backend's own layout and units
+# (natural log), so a forward and a backward may run in different enable() scopes: either half
+# reads what the other wrote.
 # --------------------------------------------------------------------------------------------
 
 
 def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+    """Why the kernels do not take this SDPA call (None: they do)."""
     if query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype}"
     if attn_bias is not None:
         return "an attention mask or bias"
     if dropout_p:
         return "dropout"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
-                                    value.requires_grad):
-        return "inputs that need grad (no backward yet)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "inputs that are not (B, H, S, D)"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[-1] != query.shape[-1]:
@@ -711,17 +973,63 @@ def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *,
     return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
 
 
-def _placeholder(query, dtype=torch.int64):
-    return torch.empty(0, dtype=dtype, device=query.device)
+def _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                    heads_last: bool):
+    """(dq, dk, dv) for an SDPA backward operator. ``logsumexp``: the forward's, in any
+    backend's layout ((B, H, Sq), cuDNN's (B, H, Sq, 1), efficient's padded (B, H, >= Sq), CPU's
+    strided). The gradients take the layout of torch's fake kernel for the operator: like the
+    inputs (CUDA flash, cuDNN), or ``heads_last`` (B, S, H, D) memory (CPU flash, efficient)."""
+    default = 1.0 / math.sqrt(query.shape[-1])
+    lse = logsumexp[..., 0] if logsumexp.dim() == 4 else logsumexp[..., :query.shape[2]]
+    grads = _launch_backward(grad_out, query, key, value, out, lse.float().contiguous(), None,
+                             is_causal, default if scale is None else scale)
+    layouts = [torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+               if heads_last else torch.empty_like(t) for t in (query, key, value)]
+    return tuple(grad if grad.stride() == want.stride() else want.copy_(grad)
+                 for grad, want in zip(grads, layouts))
+
+
+def _why_not_sdpa_backward(grad_out, query, key, value, attn_bias=None, dropout_p=0.0,
+                           scale=None):
+    # the same call's forward went to the kernels exactly when _why_not_sdpa said None, and
+    # when it did not, torch's forward saved the lse in the layout the backward reads
+    if grad_out.dtype != query.dtype:
+        return f"grad_out in {grad_out.dtype}, inputs in {query.dtype}"
+    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+
+
+def _aten_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                                 is_causal, *, attn_mask=None, scale=None):
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=True)
+
+
+def _why_not_flash_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p,
+                                    is_causal, *, attn_mask=None, scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_mask, dropout_p, scale)
+
+
+def _placeholder(query):
+    """An empty tensor where the operator returns one that is unused here (debug mask)."""
+    return torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def _philox_placeholders(query):
+    """(seed, offset) as torch's cuDNN and efficient kernels give them: 0-d int64 (no dropout
+    here, so never read)."""
+    return tuple(torch.zeros((), dtype=torch.int64, device=query.device) for _ in range(2))
 
 
 def _aten_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
                 scale=None):
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
-    return (out, lse, _placeholder(query, torch.int32), _placeholder(query, torch.int32),
-            query.shape[2], key.shape[2], _placeholder(query), _placeholder(query),
-            _placeholder(query, query.dtype))
+    # as torch's kernel gives them without dropout: undefined cum_seq (defined ones would
+    # tell torch's backward the batch is nested), a (2,) rng state and a 0-d unused
+    return (out, lse, None, None, query.shape[2], key.shape[2],
+            torch.zeros(2, dtype=torch.uint64, device=query.device),
+            torch.zeros((), dtype=torch.uint64, device=query.device),
+            _placeholder(query))
 
 
 def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
@@ -735,9 +1043,8 @@ def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, mask);
     # cuDNN keeps lse as (B, H, Sq, 1)
-    return (out, lse.unsqueeze(-1), _placeholder(query, torch.int32),
-            _placeholder(query, torch.int32), query.shape[2], key.shape[2], _placeholder(query),
-            _placeholder(query), _placeholder(query, query.dtype))
+    return (out, lse.unsqueeze(-1), None, None, query.shape[2], key.shape[2],
+            *_philox_placeholders(query), None)
 
 
 def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -755,7 +1062,7 @@ def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=
     out, lse = _sdpa_outputs(query, key, value, is_causal, scale, out)
     padded = lse.new_zeros((batch, heads, -(-seq_q // 32) * 32 if compute_log_sumexp else 0))
     padded[..., :seq_q] = lse[..., :padded.shape[-1]]
-    return out, padded, _placeholder(query), _placeholder(query)
+    return out, padded, *_philox_placeholders(query)
 
 
 def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -763,15 +1070,64 @@ def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout
     return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
 
 
+def _aten_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                         max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                         scale=None):
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=False)
+
+
+def _why_not_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                            max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                            scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, None, dropout_p, scale)
+
+
+def _aten_cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
+                         philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                         dropout_p, is_causal, *, scale=None):
+    return _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                           heads_last=False)
+
+
+def _why_not_cudnn_backward(grad_out, query, key, value, out, logsumexp, philox_seed,
+                            philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                            dropout_p, is_causal, *, scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_bias, dropout_p, scale)
+
+
+def _aten_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                             philox_seed, philox_offset, dropout_p, grad_input_mask,
+                             is_causal=False, *, scale=None):
+    dq, dk, dv = _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
+                                 heads_last=True)
+    return dq, dk, dv, _placeholder(query)  # no bias, no bias gradient
+
+
+def _why_not_efficient_backward(grad_out, query, key, value, attn_bias, out, logsumexp,
+                                philox_seed, philox_offset, dropout_p, grad_input_mask,
+                                is_causal=False, *, scale=None):
+    return _why_not_sdpa_backward(grad_out, query, key, value, attn_bias, dropout_p, scale)
+
+
 ATEN_OVERRIDES = (
     AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu", _aten_flash_for_cpu,
                  _why_not_flash_for_cpu, dispatch_keys=("CPU",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                 _aten_flash_for_cpu_backward, _why_not_flash_for_cpu_backward,
+                 dispatch_keys=("CPU",)),
     AtenOverride("aten::_scaled_dot_product_flash_attention", _aten_flash, _why_not_flash,
                  dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_flash_attention_backward", _aten_flash_backward,
+                 _why_not_flash_backward, dispatch_keys=("CUDA",)),
     AtenOverride("aten::_scaled_dot_product_cudnn_attention", _aten_cudnn, _why_not_cudnn,
                  dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_cudnn_attention_backward", _aten_cudnn_backward,
+                 _why_not_cudnn_backward, dispatch_keys=("CUDA",)),
     AtenOverride("aten::_scaled_dot_product_efficient_attention", _aten_efficient,
                  _why_not_efficient, dispatch_keys=("CUDA",)),
+    AtenOverride("aten::_scaled_dot_product_efficient_attention_backward",
+                 _aten_efficient_backward, _why_not_efficient_backward, dispatch_keys=("CUDA",)),
 )
 
 
@@ -796,6 +1152,19 @@ def _decode_inputs(device, dtype, cache_len):
               for _ in range(2)))
 
 
+def _gradients(attend, q, k, v, grad_out):
+    """(dq, dk, dv) of ``attend(q, k, v, causal=True)`` for ``grad_out``, flattened into one."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        grads = torch.autograd.grad(attend(*leaves), leaves, grad_out)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def _attention_backward_inputs(device, dtype, seq):
+    q, k, v = _attention_inputs(device, dtype, seq)
+    return q, k, v, torch.randn_like(q[..., :v.shape[-1]])
+
+
 # bf16 tl.dot is wrong in Triton 3.6's interpreter, so the CPU run checks fp16 and fp32
 _CHECK_DTYPES = (torch.float16, torch.float32) if runtime.INTERPRETER else \
     (torch.float16, torch.bfloat16, torch.float32)
@@ -807,6 +1176,19 @@ SELF_CHECKS = (
               torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
                   q, k, v, is_causal=True, enable_gqa=True),
               dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
+    SelfCheck("attention_backward", _attention_backward_inputs,
+              run=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention(q, k, v, causal=True), q, k, v, grad),
+              reference=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention_reference(q, k, v, True)[0], q, k, v, grad),
+              torch_peer=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: F.scaled_dot_product_attention(
+                      q, k, v, is_causal=True, enable_gqa=True), q, k, v, grad),
+              dtypes=_CHECK_DTYPES,
+              # the gradients' own scale: p and ds are rounded to the dtype before their matmuls
+              term_scale=lambda q, k, v, grad: _gradients(
+                  lambda q, k, v: attention_reference(q, k, v, True)[0],
+                  *(t.double() for t in (q, k, v, grad))).abs().max().item()),
     SelfCheck("decode_attention", _decode_inputs,
               run=decode_attention, reference=decode_attention_reference,
               torch_peer=lambda q, k, v: F.scaled_dot_product_attention(

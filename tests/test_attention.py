@@ -403,6 +403,14 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
         for what, ours, torchs in zip(("o", "lse"), actual, expected):
             assert (ours.shape, ours.stride(), ours.dtype) == \
                 (torchs.shape, torchs.stride(), torchs.dtype), (name, what)
+        # the rest as torch gives it too: torch's backward reads them (a defined cum_seq_q,
+        # for one, would mean a nested batch)
+        assert len(actual) == len(expected), name
+        for index, (ours, torchs) in enumerate(zip(actual[2:], expected[2:]), start=2):
+            if isinstance(torchs, torch.Tensor):
+                assert (ours.shape, ours.dtype) == (torchs.shape, torchs.dtype), (name, index)
+            else:
+                assert ours == torchs, (name, index)
         reference, reference_lse = attention_ops.attention_reference(
             q.double(), k.double(), v.double(), True)
         rtol = tolerance(dtype)["rtol"]
@@ -413,6 +421,8 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
 
 
 def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
+    """A mask goes to torch's kernel; a call whose inputs need grad is served forward and
+    backward (on the GPU fp32 reaches the memory-efficient pair, on the CPU the flash pair)."""
     q = random_tensor((1, 2, 9, 32), torch.float32)
     mask = torch.rand(9, 9, device=q.device) > 0.3
     leaf = q.detach().requires_grad_()
@@ -420,7 +430,7 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
         masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
         needs_grad.sum().backward()
-    assert sum(activation.calls.values()) == 0
+    assert sum(activation.calls.values()) == 2, activation.calls
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     reference_leaf = q.detach().double().requires_grad_()
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
@@ -428,10 +438,106 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
     assert_close_to_reference(leaf.grad, reference_leaf.grad, torch.float32, reduction_len=9)
 
 
+# (SDPA backend, dtype, head dim) each backend takes: CUDA flash and cuDNN 16-bit only
+SDPA_PAIRS = ([("flash", torch.float16, 64), ("cudnn", torch.bfloat16, 64),
+               ("efficient", torch.float16, 64), ("efficient", torch.float32, 64),
+               ("flash", torch.bfloat16, 128), ("cudnn", torch.float16, 128),
+               ("efficient", torch.bfloat16, 128)] if ON_GPU else
+              [("cpu", torch.float16, 64), ("cpu", torch.float32, 64)])
+
+
+def _sdpa_backend_op(backend):
+    return SDPA_OP if backend == "cpu" else f"aten::_scaled_dot_product_{backend}_attention"
+
+
+@pytest.mark.parametrize("backend,dtype,dim", SDPA_PAIRS)
+@pytest.mark.parametrize("scopes", ["both", "forward-only", "backward-only"])
+def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, backend, dtype, dim):
+    """Under enable() each SDPA backend's forward and backward run gemslib's kernels; with only
+    one of them inside the block, torch's other half reads the lse as that backend saves it
+    (layout and units), so the gradients are right either way."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if ON_GPU:  # cuDNN at a multiple of 64 rows; the others at odd lengths
+        seq = 64 if backend == "cudnn" else 77
+        shapes = ((2, 4, seq, dim), (2, 4, seq, dim), (2, 4, seq, dim))
+    else:  # grouped heads, Sq < Skv
+        shapes = ((2, 4, 33, dim), (2, 2, 40, dim), (2, 2, 40, dim))
+    q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
+    grad_out = random_tensor(shapes[0], dtype, scale=1.0)
+    forced = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "cpu": SDPBackend.FLASH_ATTENTION}
+
+    def forward():
+        with sdpa_kernel(forced[backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not ON_GPU)
+
+    def backward(out):
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    if scopes == "backward-only":
+        out = forward()
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        if scopes == "both":
+            grads = backward(forward())
+        elif scopes == "forward-only":
+            out = forward()
+        else:
+            grads = backward(out)
+    if scopes == "forward-only":
+        grads = backward(out)
+    op = _sdpa_backend_op(backend)
+    expected_ops = {"both": {op, op + "_backward"}, "forward-only": {op},
+                    "backward-only": {op + "_backward"}}[scopes]
+    assert set(activation.calls) == expected_ops and not activation.fallbacks, \
+        (activation.calls, activation.fallbacks)
+    _assert_grads_close(grads, _reference_grads(q, k, v, True, dim ** -0.5, grad_out), dtype)
+
+
+@pytest.mark.parametrize("backend,dtype,dim", SDPA_PAIRS)
+def test_sdpa_backward_overrides_return_torchs_gradient_layouts(backend, dtype, dim):
+    """The backward overrides' gradients have the shapes and strides of torch's fake kernels
+    (like the inputs for CUDA flash and cuDNN, (B, S, H, D) memory for the CPU flash and the
+    efficient kernel), for inputs seen through (B, S, H, D) storage, and the right values."""
+    q, k, v = (random_tensor((2, seq, 4, dim), dtype, scale=1.0).transpose(1, 2)
+               for seq in (64, 64, 64))
+    grad_out = random_tensor((2, 4, 64, dim), dtype, scale=1.0)
+    name = _sdpa_backend_op(backend)[len("aten::"):]
+    forward_args = {"cpu": (q, k, v, 0.0, True), "flash": (q, k, v, 0.0, True, False),
+                    "cudnn": (q, k, v, None, True, 0.0, True, False),
+                    "efficient": (q, k, v, None, True, 0.0, True)}[backend]
+    with gemslib.enable(ops=["attention"], record=True) as activation:
+        forward = getattr(torch.ops.aten, name)(*forward_args)
+        out, lse = forward[0], forward[1]
+        if backend == "cpu":
+            args = (grad_out, q, k, v, out, lse, 0.0, True)
+        elif backend == "flash":
+            args = (grad_out, q, k, v, out, lse, *forward[2:6], 0.0, True, *forward[6:8])
+        elif backend == "cudnn":
+            args = (grad_out, q, k, v, out, lse, *forward[6:8], None, *forward[2:6], 0.0, True)
+        else:
+            args = (grad_out, q, k, v, None, out, lse, *forward[2:4], 0.0,
+                    [True, True, True, False], True)
+        backward = getattr(torch.ops.aten, name + "_backward")
+        grads = backward(*args)[:3]
+    assert activation.calls == {f"aten::{name}": 1, f"aten::{name}_backward": 1}, \
+        activation.calls
+    expected = backward(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    for what, ours, torchs in zip(("dq", "dk", "dv"), grads, expected):
+        assert (ours.shape, ours.stride(), ours.dtype) == \
+            (torchs.shape, torchs.stride(), torchs.dtype), what
+    _assert_grads_close(grads, _reference_grads(q, k, v, True, dim ** -0.5, grad_out), dtype)
+
+
 def test_custom_ops_pass_opcheck():
     q = random_tensor((1, 4, 9, 16), torch.float32)
     k = random_tensor((1, 2, 11, 16), torch.float32)
     torch.library.opcheck(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    grad_q = q.detach().clone().requires_grad_()
+    torch.library.opcheck(torch.ops.gemslib.attention, (grad_q, k, k, False, 0.25))
+    out, lse = attention_ops._attention_impl(q, k, k, True, 0.25)
+    torch.library.opcheck(torch.ops.gemslib.attention_backward,
+                          (torch.randn_like(out), q, k, k, out, lse, None, True, 0.25))
     torch.library.opcheck(torch.ops.gemslib.decode_attention,
                           (q[:, :, 0], k, k, torch.tensor([11], device=q.device), 0.25))
 
@@ -450,16 +556,107 @@ def test_traces_under_torch_compile_fullgraph():
     assert_close_to_reference(compiled(q, k), step(q, k).double(), torch.float32,
                               reduction_len=9 * 16)
 
+    def loss(q, k):  # forward and backward through the custom ops
+        return gemslib.attention(q, k, k, causal=True).square().sum()
 
-def test_inputs_that_need_grad_get_torch_gradients_until_there_is_a_backward():
-    q = random_tensor((1, 4, 9, 16), torch.float32).requires_grad_()
+    compiled_loss = torch.compile(loss, fullgraph=True,
+                                  backend="inductor" if ON_GPU else "aot_eager")
+    q_grad = q.detach().clone().requires_grad_()
+    (ours,) = torch.autograd.grad(compiled_loss(q_grad, k), q_grad)
+    (expected,) = torch.autograd.grad(loss(q_grad, k), q_grad)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def _reference_grads(q, k, v, causal, scale, grad_out, grad_lse=None):
+    """(dq, dk, dv) of the float64 reference, optionally with a gradient into lse."""
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ops.attention_reference(*inputs, causal, scale)
+    outputs, grads = [out], [grad_out.double()]
+    if grad_lse is not None:
+        outputs.append(lse)
+        grads.append(grad_lse.double())
+    return torch.autograd.grad(outputs, inputs, grads)
+
+
+def _assert_grads_close(ours, expected, dtype):
+    """Within the dtype's rounding at the gradients' scale (the largest entry of the three):
+    p and ds are rounded to the input dtype before their matmuls, as in every flash-attention
+    backward, and a gradient that cancels to ~0 (dq when a row sees one key) keeps that
+    absolute error."""
+    rtol = 1e-4 if dtype == torch.float32 else tolerance(dtype)["rtol"] * 4
+    magnitude = max(want.abs().max().item() if want.numel() else 0.0 for want in expected)
+    for name, got, want in zip(("dq", "dk", "dv"), ours, expected):
+        assert got.shape == want.shape and got.dtype == dtype, name
+        torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * magnitude + 1e-12,
+                                   msg=lambda detail, name=name: f"{name}: {detail}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_float64_reference(case, dtype, causal, monkeypatch):
+    """dq, dk, dv from the Triton backward (counted) for GQA/MQA, odd lengths, Sq != Skv,
+    Dv != D, head dims not a power of two."""
+    batch, n_q, n_kv, seq_q, seq_kv, dim, dim_v = case
+    q = random_tensor((batch, n_q, seq_q, dim), dtype, scale=1.0).requires_grad_()
+    k = random_tensor((batch, n_kv, seq_kv, dim), dtype, scale=1.0).requires_grad_()
+    v = random_tensor((batch, n_kv, seq_kv, dim_v), dtype, scale=1.0).requires_grad_()
+    launches = []
+    launch_backward = attention_ops._launch_backward
+    monkeypatch.setattr(attention_ops, "_launch_backward",
+                        lambda *args: launches.append(1) or launch_backward(*args))
+    out = gemslib.attention(q, k, v, causal=causal)
+    grad_out = random_tensor(out.shape, dtype, scale=1.0)
+    ours = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert len(launches) == 1
+    _assert_grads_close(ours, _reference_grads(q, k, v, causal, dim ** -0.5, grad_out), dtype)
+
+
+@pytest.mark.parametrize("scale", [-0.4, 0.3])
+def test_gradients_through_views_scale_and_lse(scale):
+    """(B, S, H, D) storage seen as (B, H, S, D), either sign of scale, and a gradient into
+    the row log-sum-exp as well as the output (torch.ops.gemslib.attention returns both)."""
+    q = random_tensor((2, 19, 4, 32), torch.float32).transpose(1, 2).requires_grad_()
+    k = random_tensor((2, 23, 2, 32), torch.float32).transpose(1, 2).requires_grad_()
+    v = random_tensor((2, 23, 2, 24), torch.float32).transpose(1, 2).requires_grad_()
+    for causal in (False, True):
+        out, lse = torch.ops.gemslib.attention(q, k, v, causal, scale)
+        grad_out = random_tensor(out.shape, torch.float32)
+        grad_lse = random_tensor(lse.shape, torch.float32)
+        ours = torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse))
+        _assert_grads_close(ours, _reference_grads(q, k, v, causal, scale, grad_out, grad_lse),
+                            torch.float32)
+
+
+def test_gradients_of_empty_and_keyless_inputs():
+    """No keys: the output is 0 whatever q is, so every gradient is 0 (and dk, dv are empty);
+    no query rows: nothing flows to k and v."""
+    q = random_tensor((1, 2, 5, 16), torch.float32).requires_grad_()
+    k = random_tensor((1, 2, 0, 16), torch.float32).requires_grad_()
+    dq, dk, dv = torch.autograd.grad(gemslib.attention(q, k, k).sum(), (q, k, k))
+    assert dq.shape == q.shape and not dq.any() and dk.shape == k.shape
+    q0 = random_tensor((1, 2, 0, 16), torch.float32).requires_grad_()
+    k1 = random_tensor((1, 2, 7, 16), torch.float32).requires_grad_()
+    _, dk1 = torch.autograd.grad(gemslib.attention(q0, k1, k1).sum(), (q0, k1))
+    assert dk1.shape == k1.shape and not dk1.any()
+
+
+def test_float64_gradients_come_from_torch_and_second_derivatives_raise():
+    q = random_tensor((1, 2, 7, 16), torch.float64).requires_grad_()
+    k = random_tensor((1, 1, 9, 16), torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda q, k: gemslib.attention(q, k, k, causal=True), (q, k))
+    q32 = q.detach().float().requires_grad_()
+    k32 = k.detach().float()
+    (dq,) = torch.autograd.grad(gemslib.attention(q32, k32, k32).sum(), q32, create_graph=False)
+    assert torch.isfinite(dq).all()
+    with pytest.raises(RuntimeError, match="second derivative"):
+        out = gemslib.attention(q32, k32, k32)
+        (dq,) = torch.autograd.grad(out.square().sum(), q32, create_graph=True)
+        dq.sum().backward()
+
+
+def test_decode_inputs_that_need_grad_get_gradients_through_torch():
+    q = random_tensor((1, 4, 16), torch.float32).requires_grad_()
     k = random_tensor((1, 2, 11, 16), torch.float32).requires_grad_()
-    gemslib.attention(q, k, k, causal=True).square().sum().backward()
-    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    attention_ops.attention_reference(q64, k64, k64, True)[0].square().sum().backward()
-    for ours, expected in ((q.grad, q64.grad), (k.grad, k64.grad)):  # torch's fp32 backward
-        torch.testing.assert_close(ours.double(), expected, rtol=1e-4,
-                                   atol=1e-5 * expected.abs().max().item())
-    q.grad = None
-    gemslib.decode_attention(q[:, :, 0], k, k).sum().backward()
+    gemslib.decode_attention(q, k, k).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()

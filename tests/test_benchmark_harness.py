@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmark import __main__ as bench_main
@@ -55,6 +56,15 @@ def test_without_a_gpu_the_runner_says_so_and_exits_cleanly(monkeypatch, capsys)
 
 def test_every_benchmark_module_is_discovered():
     assert "bench_silu" in bench_main.bench_modules()
+
+
+def test_ops_selects_modules_by_their_declared_names_and_rejects_unknown_ones(capsys):
+    ops = bench_main.module_ops()
+    assert set(ops) == set(bench_main.bench_modules())
+    assert "attention_backward" in ops["bench_attention"] and "silu" in ops["bench_silu"]
+    with pytest.raises(SystemExit):
+        bench_main.main(["--ops", "attention_backwards"])
+    assert "unknown operator(s) attention_backwards" in capsys.readouterr().err
 
 
 def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):

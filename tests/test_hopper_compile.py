@@ -190,6 +190,8 @@ CALLS = [
     lambda: gemslib.attention(*(random_tensor((1, 1, 20, 40), torch.float32) for _ in range(3))),
     lambda: _attention_with_descriptors(_bf16(1, 4, 40, 128), _bf16(1, 2, 50, 128),
                                         _bf16(1, 2, 50, 128), causal=True),
+    lambda: _backward(lambda q, k, v: gemslib.attention(q, k, v, causal=True),
+                      _bf16(1, 4, 40, 64), _bf16(1, 2, 50, 64), _bf16(1, 2, 50, 64)),
     lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
                                      torch.tensor([300, 7])),  # one split: output written directly
     lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
@@ -211,7 +213,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     kernels = {launch["kernel"] for launch in launches}
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel",
-            "_attention_fwd_kernel", "_decode_kernel"} <= kernels
+            "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
+            "_attention_bwd_dq_kernel", "_decode_kernel"} <= kernels
     # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     failures = _compile_failures(launches)
@@ -235,9 +238,9 @@ def _run_compiler(script: str, stdin: str | None = None):
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the whole suite compiles the kernels for real")
 @pytest.mark.parametrize("config_file", ["nvidia_h200.yaml", "default.yaml"])
 def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_file):
-    """A shipped file's attention and decode configs, as launched for bf16 and fp32 inputs at
-    head dims 64, 128 and 256, compile for sm_90 within its shared memory (an fp32 call once
-    picked a bf16-sized config on the H200)."""
+    """A shipped file's attention (forward and backward) and decode configs, as launched for
+    bf16 and fp32 inputs at head dims 64, 128 and 256, compile for sm_90 within its shared
+    memory (an fp32 call once picked a bf16-sized config on the H200)."""
     monkeypatch.setenv(runtime.CONFIG_ENV, str(runtime.shipped_configs_dir() / config_file))
     runtime.reload_configs()
     try:
@@ -247,8 +250,9 @@ def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_
                 def tensors(*shape, dtype=dtype):
                     return random_tensor(shape, dtype, scale=1.0)
                 calls += [
-                    lambda t=tensors, d=dim: gemslib.attention(t(1, 2, 40, d), t(1, 2, 40, d),
-                                                               t(1, 2, 40, d), causal=True),
+                    lambda t=tensors, d=dim: _backward(
+                        lambda q, k, v: gemslib.attention(q, k, v, causal=True),
+                        t(1, 2, 40, d), t(1, 2, 40, d), t(1, 2, 40, d)),
                     lambda t=tensors, d=dim: gemslib.decode_attention(
                         t(1, 4, d), t(1, 1, 300, d), t(1, 1, 300, d)),
                 ]
@@ -256,7 +260,9 @@ def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_
     finally:
         monkeypatch.undo()
         runtime.reload_configs()
-    assert {launch["kernel"] for launch in launches} == {"_attention_fwd_kernel", "_decode_kernel"}
+    assert {launch["kernel"] for launch in launches} == {
+        "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
+        "_attention_bwd_dq_kernel", "_decode_kernel"}
     assert len(launches) >= 12
     failures = _compile_failures(launches)
     assert not failures, "\n\n".join(failures)
