@@ -213,6 +213,13 @@ def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n
 
 
 @triton.jit
+def _load_tile(head_ptr, rows, row_stride, n_rows, cols, n_cols):
+    """rows x cols of one head's (S, D) matrix with unit last stride, zeros outside it."""
+    return tl.load(head_ptr + rows[:, None] * row_stride + cols[None, :],
+                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+
+
+@triton.jit
 def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv, scale_log2,
                         KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     """For one block of BLOCK_M queries and BLOCK_N keys: p (the forward's probabilities,
@@ -220,30 +227,25 @@ def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
     (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N), or (N, M)
     with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left operand
     straight from registers instead of transposing them through shared memory."""
-    if KEYS_MAJOR:
-        if IEEE:
-            qk = tl.dot(k, tl.trans(q), input_precision="ieee")
-            dp = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            qk = tl.dot(k, tl.trans(q))
-            dp = tl.dot(v, tl.trans(do))
-        visible = (keys[:, None] < seq_kv) & (rows[None, :] < seq_q)
-        if CAUSAL:
-            visible = visible & (keys[:, None] <= rows[None, :])
-        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[None, :]), 0.0)
-        ds = p * (dp - delta[None, :])
+    if KEYS_MAJOR:  # keys down, query rows across
+        left, right, left_v, right_v = k, q, v, do
+        row_ids, key_ids = rows[None, :], keys[:, None]
+        lse_2d, delta_2d = lse_log2[None, :], delta[None, :]
     else:
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(v))
-        visible = (rows[:, None] < seq_q) & (keys[None, :] < seq_kv)
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_log2[:, None]), 0.0)
-        ds = p * (dp - delta[:, None])
+        left, right, left_v, right_v = q, k, do, v
+        row_ids, key_ids = rows[:, None], keys[None, :]
+        lse_2d, delta_2d = lse_log2[:, None], delta[:, None]
+    if IEEE:
+        qk = tl.dot(left, tl.trans(right), input_precision="ieee")
+        dp = tl.dot(left_v, tl.trans(right_v), input_precision="ieee")
+    else:
+        qk = tl.dot(left, tl.trans(right))
+        dp = tl.dot(left_v, tl.trans(right_v))
+    visible = (row_ids < seq_q) & (key_ids < seq_kv)
+    if CAUSAL:
+        visible = visible & (key_ids <= row_ids)
+    p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_2d), 0.0)
+    ds = p * (dp - delta_2d)
     return p, ds
 
 
@@ -267,12 +269,10 @@ def _attention_bwd_dkdv_kernel(
     keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    k = tl.load(k_ptr + batch * k_stride_b + kv_head * k_stride_h + keys[:, None] * k_stride_s
-                + dims[None, :], mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim),
-                other=0.0)
-    v = tl.load(v_ptr + batch * v_stride_b + kv_head * v_stride_h + keys[:, None] * v_stride_s
-                + dims_v[None, :], mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v),
-                other=0.0)
+    k = _load_tile(k_ptr + batch * k_stride_b + kv_head * k_stride_h, keys, k_stride_s, seq_kv,
+                   dims, head_dim)
+    v = _load_tile(v_ptr + batch * v_stride_b + kv_head * v_stride_h, keys, v_stride_s, seq_kv,
+                   dims_v, head_dim_v)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # causal: query rows before the block's first key see none of it
@@ -282,12 +282,10 @@ def _attention_bwd_dkdv_kernel(
     for step in range(0, group_size * row_blocks):
         head = kv_head * group_size + step // row_blocks
         rows = first_row + (step % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = tl.load(q_ptr + batch * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_s
-                    + dims[None, :], mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim),
-                    other=0.0)
-        do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h
-                     + rows[:, None] * do_stride_s + dims_v[None, :],
-                     mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v), other=0.0)
+        q = _load_tile(q_ptr + batch * q_stride_b + head * q_stride_h, rows, q_stride_s, seq_q,
+                       dims, head_dim)
+        do = _load_tile(do_ptr + batch * do_stride_b + head * do_stride_h, rows, do_stride_s,
+                        seq_q, dims_v, head_dim_v)
         row_offsets = (batch * n_kv_heads * group_size + head) * seq_q + rows
         lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
         delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
@@ -327,12 +325,10 @@ def _attention_bwd_dq_kernel(
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + batch * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_s
-                + dims[None, :], mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim),
-                other=0.0)
-    do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_s
-                 + dims_v[None, :], mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v),
-                 other=0.0)
+    q = _load_tile(q_ptr + batch * q_stride_b + head * q_stride_h, rows, q_stride_s, seq_q,
+                   dims, head_dim)
+    do = _load_tile(do_ptr + batch * do_stride_b + head * do_stride_h, rows, do_stride_s, seq_q,
+                    dims_v, head_dim_v)
     row_offsets = batch_head.to(tl.int64) * seq_q + rows
     lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
     delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
@@ -342,10 +338,8 @@ def _attention_bwd_dq_kernel(
     key_end = tl.minimum(seq_kv, (m_block + 1) * BLOCK_M) if CAUSAL else seq_kv
     for start in range(0, key_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
-        k = tl.load(k_head + keys[:, None] * k_stride_s + dims[None, :],
-                    mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim), other=0.0)
-        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
-                    mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
+        k = _load_tile(k_head, keys, k_stride_s, seq_kv, dims, head_dim)
+        v = _load_tile(v_head, keys, v_stride_s, seq_kv, dims_v, head_dim_v)
         _, ds = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
                                     scale_log2, False, CAUSAL, IEEE)
         if IEEE:
