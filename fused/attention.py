@@ -625,32 +625,13 @@ def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: in
     return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
 
 
-_decode_scratch_cache: dict[tuple, tuple] = {}
-
-
 def _decode_scratch(device: torch.device, n_counters: int, n_lse: int,
                     head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(arrivals, lse_part, o_part) of a decode launch with splits: zeroed int32 counters for
-    the last-arrival merge, and fp32 room for the splits' log-sum-exps (n_lse) and partial
-    outputs (n_lse x head_dim_v). Kept per device, stream and size and reused: launches on one
-    stream run in order, and the merging program puts its counter back to 0, so a decode step
-    allocates and clears nothing. While a CUDA graph is being captured, fresh ones that belong
-    to the graph."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
-        return (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
-                parts[n_lse:])
-    stream = runtime.current_stream_handle(device.index) if device.type == "cuda" else 0
-    key = (device.type, device.index, stream, n_counters, n_lse, head_dim_v)
-    scratch = _decode_scratch_cache.get(key)
-    if scratch is None:
-        if len(_decode_scratch_cache) >= 64:  # later work on the stream may reuse the memory
-            _decode_scratch_cache.clear()
-        parts = torch.empty(n_lse * (head_dim_v + 1), dtype=torch.float32, device=device)
-        scratch = (torch.zeros(n_counters, dtype=torch.int32, device=device), parts[:n_lse],
-                   parts[n_lse:])
-        _decode_scratch_cache[key] = scratch
-    return scratch
+    """(arrivals, lse_part, o_part) of a decode launch with splits (runtime.split_scratch):
+    counters for the last-arrival merge, and fp32 room for the splits' log-sum-exps (n_lse)
+    and partial outputs (n_lse x head_dim_v)."""
+    arrivals, parts = runtime.split_scratch(device, n_counters, n_lse * (head_dim_v + 1))
+    return arrivals, parts[:n_lse], parts[n_lse:]
 
 
 class _DecodePlan(NamedTuple):

@@ -44,17 +44,25 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 @triton.jit
 def _rms_norm_linear_silu_kernel(
-    x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr,
-    n_rows, n_out, n_in, eps, x_row_stride, weight_row_stride, out_row_stride,
+    x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr, part_ptr,
+    part_sum_squares_ptr, arrivals_ptr, n_rows, n_out, n_in, eps, split_len, n_splits,
+    x_row_stride, weight_row_stride, out_row_stride,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program; 1-d grid in grouped
+    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
     order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
     decision: the config asks with USE_TMA and W's layout allows): W tiles come through the
     tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past W's end); x always
-    goes through registers, where it is scaled by the norm weight."""
+    goes through registers, where it is scaled by the norm weight.
+
+    SPLIT_K > 1 (decode: few rows, and a grid of column tiles alone is too short to keep every
+    SM streaming W): axis 1 splits K into n_splits ranges of split_len. Each program stores its
+    fp32 partial tile in part (n_splits, n_rows, n_out) and its rows' partial sums of squares in
+    part_sum_squares (n_splits, n_rows); the last program of a tile to arrive (int32 counters in
+    arrivals, one per tile, zero between launches) adds the splits in order, so the result does
+    not depend on arrival order, and finishes the tile."""
     pid = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -70,15 +78,22 @@ def _rms_norm_linear_silu_kernel(
     col_mask = cols < n_out
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
     w_cols = weight_ptr + cols.to(tl.int64)[None, :] * weight_row_stride  # W read as W.T tiles
+    if SPLIT_K > 1:
+        split = tl.program_id(1)
+        k_begin = split * split_len
+        k_end = tl.minimum(n_in, k_begin + split_len)
+    else:
+        k_begin = 0
+        k_end = n_in
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k_start in range(0, n_in, BLOCK_K):
+    for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < n_in
+        k_mask = ks < k_end
         x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         g = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0)
-        if TMA:
+        if TMA:  # split_len is a whole number of BLOCK_K: a block never crosses k_end < n_in
             w = tl.trans(weight_desc.load([n_tile * BLOCK_N, k_start]))
         else:
             w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
@@ -90,18 +105,40 @@ def _rms_norm_linear_silu_kernel(
         else:
             acc = tl.dot(scaled, w, acc)
 
-    rstd = 1.0 / tl.sqrt(sum_squares / n_in + eps)
-    z = acc * rstd[:, None]
-    if HAS_BIAS:
-        z += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = z / (1.0 + tl.exp(-z))
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    finish = True
+    if SPLIT_K > 1:
+        part_rows = (split * n_rows + rows).to(tl.int64)
+        tl.store(part_ptr + part_rows[:, None] * n_out + cols[None, :], acc, mask=tile_mask)
+        # every column tile stores the same sums for its rows and split: harmless
+        tl.store(part_sum_squares_ptr + split * n_rows + rows, sum_squares, mask=row_mask)
+        tile = m_tile * n_n_tiles + n_tile
+        # acq_rel: the stores above are visible to whichever program arrives last
+        finish = tl.atomic_add(arrivals_ptr + tile, 1) == n_splits - 1
+        if finish:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for other in range(0, n_splits):  # in split order: deterministic sums
+                other_rows = (other * n_rows + rows).to(tl.int64)
+                acc += tl.load(part_ptr + other_rows[:, None] * n_out + cols[None, :],
+                               mask=tile_mask, other=0.0, cache_modifier=".cg")
+                sum_squares += tl.load(part_sum_squares_ptr + other * n_rows + rows,
+                                       mask=row_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next launch
+    if finish:
+        rstd = 1.0 / tl.sqrt(sum_squares / n_in + eps)
+        z = acc * rstd[:, None]
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = z / (1.0 + tl.exp(-z))
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA"), shape_keys=("rows", "n", "k"))
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "SPLIT_K"),
+    shape_keys=("rows", "n", "k"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,14 +178,29 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     config = RMS_NORM_LINEAR_SILU.planned_config(shape)
     meta = config.meta_dict
     tma = bool(meta["USE_TMA"]) and _tma_ready(weight)
-    if tma:  # the descriptor's block follows the config, so the launch must use this one
+    # the descriptor's block and the split scratch follow the config: the launch uses it
+    if tma:
         weight_desc = TensorDescriptor.from_tensor(weight, [meta["BLOCK_N"], meta["BLOCK_K"]])
     else:
-        weight_desc, config = None, None
+        weight_desc = None
+    n_tiles = runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"])
+    if meta["SPLIT_K"] > 1:
+        # whole BLOCK_K steps per split, so no block of W straddles two splits
+        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
+            * meta["BLOCK_K"]
+        n_splits = runtime.cdiv(n_in, split_len)
+        part_len = n_splits * n_rows * n_out
+        arrivals, parts = runtime.split_scratch(x.device, n_tiles, part_len + n_splits * n_rows)
+        part, part_sum_squares = parts[:part_len], parts[part_len:]
+    else:
+        split_len, n_splits = n_in, 1
+        arrivals = part = part_sum_squares = out_rows  # not read
     RMS_NORM_LINEAR_SILU.launch(
-        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
+        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),
+                      n_splits if meta["SPLIT_K"] > 1 else 1),
         x_rows, norm_weight.contiguous(), weight, weight_desc,
-        bias.contiguous() if bias is not None else weight, out_rows, n_rows, n_out, n_in, eps,
+        bias.contiguous() if bias is not None else weight, out_rows, part, part_sum_squares,
+        arrivals, n_rows, n_out, n_in, eps, split_len, n_splits,
         x_rows.stride(0), weight.stride(0), out_rows.stride(0), bias is not None,
         x.dtype == torch.float32, tma, shape=shape, config=config)
     return out

@@ -139,6 +139,33 @@ def current_stream_handle(device_index: int | None) -> int:
     return getter(torch.cuda.current_device() if device_index is None else device_index)
 
 
+_split_scratch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_scratch(device: torch.device, n_counters: int,
+                  n_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(arrivals, parts) for a launch whose programs split a reduction and merge it in the last
+    program to arrive: ``n_counters`` zeroed int32 counters and ``n_floats`` fp32 of room for
+    the partial results. Kept per device, stream and size and reused: launches on one stream
+    run in order, the merging program puts its counter back to 0, and every launch writes its
+    parts before reading them, so a decode step allocates and clears nothing (kernels of
+    different operators may share them). While a CUDA graph is being captured, fresh ones that
+    belong to the graph."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (torch.zeros(n_counters, dtype=torch.int32, device=device),
+                torch.empty(n_floats, dtype=torch.float32, device=device))
+    stream = current_stream_handle(device.index) if device.type == "cuda" else 0
+    key = (device.type, device.index, stream, n_counters, n_floats)
+    scratch = _split_scratch_cache.get(key)
+    if scratch is None:
+        if len(_split_scratch_cache) >= 64:  # later work on the stream may reuse the memory
+            _split_scratch_cache.clear()
+        scratch = (torch.zeros(n_counters, dtype=torch.int32, device=device),
+                   torch.empty(n_floats, dtype=torch.float32, device=device))
+        _split_scratch_cache[key] = scratch
+    return scratch
+
+
 def next_power_of_2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
     1 for n <= 1."""

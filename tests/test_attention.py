@@ -308,7 +308,7 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
     expected = attention_ops.decode_attention_reference(q.double(), k.double(), v.double(),
                                                         torch.tensor([300, 130]))
     assert_close_to_reference(first, expected, torch.float32, reduction_len=300)
-    for counters, _, _ in attention_ops._decode_scratch_cache.values():
+    for counters, _ in runtime._split_scratch_cache.values():
         assert not counters.any()
 
 

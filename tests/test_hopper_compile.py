@@ -129,9 +129,12 @@ def _split_softmax(x, chunk):
         return gemslib.log_softmax(x)
 
 
-def _fused_with_weight_descriptor(x, norm_weight, weight):
+def _fused_with_weight_descriptor(x, norm_weight, weight, split_k=1):
     config = runtime.LaunchConfig((("BLOCK_M", 128), ("BLOCK_N", 128), ("BLOCK_K", 64),
-                                   ("GROUP_M", 8), ("USE_TMA", 1)), 8, 3)
+                                   ("GROUP_M", 8), ("USE_TMA", 1), ("SPLIT_K", 1)), 8, 3)
+    if split_k > 1:  # the decode form: 16-row tiles, K split
+        config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 64), ("BLOCK_K", 128),
+                                       ("GROUP_M", 1), ("USE_TMA", 1), ("SPLIT_K", split_k)), 2, 3)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
 
@@ -177,6 +180,7 @@ CALLS = [
     lambda: gemslib.rms_norm_linear_silu(_bf16(3, 256), _bf16(256), _bf16(100, 256), _bf16(100)),
     lambda: gemslib.rms_norm_linear_silu(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
     lambda: _fused_with_weight_descriptor(_bf16(100, 256), _bf16(256), _bf16(200, 256)),
+    lambda: _fused_with_weight_descriptor(_bf16(3, 512), _bf16(512), _bf16(200, 512), split_k=4),
     lambda: gemslib.rms_norm_linear_silu(*(random_tensor(s, torch.float32)
                                            for s in ((70, 64), (64,), (40, 64), (40,)))),
     # attention: bf16 (values garbage in the interpreter's bf16 dot; only the launch matters)

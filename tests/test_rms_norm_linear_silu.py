@@ -70,7 +70,7 @@ def test_group_order_covers_every_tile():
     last group, and each output tile written exactly once (NaN-filled output otherwise)."""
     inputs = _inputs((100, 32), 70, torch.float32)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 3), ("USE_TMA", 0)), 4, 1)
+                                   ("GROUP_M", 3), ("USE_TMA", 0), ("SPLIT_K", 1)), 4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
 
@@ -83,9 +83,35 @@ def test_both_weight_load_paths_match_reference(use_tma, dtype):
     inputs = _inputs((37, 40), 70, dtype)
     assert fused_ops._tma_ready(inputs[2])  # so the descriptor case really uses one
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 2), ("USE_TMA", use_tma)), 4, 1)
+                                   ("GROUP_M", 2), ("USE_TMA", use_tma), ("SPLIT_K", 1)), 4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptor"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("x_shape,n_out,split_k", [((1, 70), 45, 3), ((19, 70), 45, 3),
+                                                   ((2, 3, 40), 33, 8)],
+                         ids=["one-row", "two-row-tiles", "fewer-splits-than-asked"])
+def test_split_k_matches_reference_and_leaves_its_counters_at_zero(x_shape, n_out, split_k,
+                                                                   dtype, use_tma):
+    """The decode form: K split into ranges of whole 16-wide steps (70 -> 32 + 32 + 6; 40 asked
+    in 8 splits -> 16 + 16 + 8), partial tiles merged by the last program to arrive. Two calls
+    give the same bits (the merge adds the splits in order, whatever the arrival order) and
+    leave every arrival counter at 0 for the next launch."""
+    inputs = _inputs(x_shape, n_out, dtype)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 1), ("USE_TMA", use_tma), ("SPLIT_K", split_k)),
+                                  4, 1)
+    with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
+        first = gemslib.rms_norm_linear_silu(*inputs)
+        second = gemslib.rms_norm_linear_silu(*inputs[:3])  # no bias: the same scratch
+        third = gemslib.rms_norm_linear_silu(*inputs)
+    _assert_close(first, *inputs)
+    _assert_close(second, *inputs[:3], None)
+    assert torch.equal(first, third)
+    for counters, _ in runtime._split_scratch_cache.values():
+        assert not counters.any()
 
 
 def test_weight_descriptor_only_where_the_layout_allows():

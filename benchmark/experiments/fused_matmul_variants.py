@@ -103,8 +103,8 @@ def two_launches(x, norm_weight, weight, tile):
 def fused(x, norm_weight, weight, tile):
     block_m, block_n, block_k, warps, stages = tile
     config = runtime.LaunchConfig((("BLOCK_K", block_k), ("BLOCK_M", block_m),
-                                   ("BLOCK_N", block_n), ("GROUP_M", 8), ("USE_TMA", 0)),
-                                  warps, stages)
+                                   ("BLOCK_N", block_n), ("GROUP_M", 8), ("USE_TMA", 0),
+                                   ("SPLIT_K", 1)), warps, stages)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         return fused_ops.rms_norm_linear_silu(x, norm_weight, weight)
 
