@@ -175,33 +175,19 @@ def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
 
 
 @gluon.jit
-def _head_and_block(n_blocks, HEAVY_FIRST: gl.constexpr):
-    """(index into B * H, block index) of this program in a 1-d grid of B * H * n_blocks:
-    heads fastest when HEAVY_FIRST (causal; each head's heavy blocks go out before any head's
-    light ones), else blocks fastest (the programs running together share one head's tiles
-    in L2). The Triton kernels' helper of the same name, in Gluon."""
-    program = gl.program_id(0)
-    if HEAVY_FIRST:
-        n_heads = gl.num_programs(0) // n_blocks
-        return program % n_heads, program // n_heads
-    else:
-        return program // n_blocks, program % n_blocks
-
-
-@gluon.jit
 def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_kv, n_q_heads,
                           group_size, scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (B * Hq * cdiv(Sq, 2 * ROWS),) in _head_and_block's order, the query blocks from
-    the last (the heaviest) to the first when causal. q_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks,
-    k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks; out (B, Hq, Sq, D) and
+    """Grid (B * Hq * cdiv(Sq, 2 * ROWS),) in layout.head_and_block's order, the query blocks
+    from the last (the heaviest) to the first when causal. q_desc over (B, Hq, Sq, D) in
+    (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks; out (B, Hq, Sq, D) and
     lse (B, Hq, Sq) contiguous. scale_log2 = scale * log2(e) >= 0."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     n_query_blocks = gl.cdiv(seq_q, 2 * ROWS)
-    batch_head, query_block = _head_and_block(n_query_blocks, CAUSAL)
+    batch_head, query_block = layout.head_and_block(n_query_blocks, CAUSAL)
     batch = batch_head // n_q_heads
     head = batch_head % n_q_heads
     if CAUSAL:  # the last query blocks see the most keys
@@ -342,16 +328,16 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                                dv_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale, scale_log2,
                                CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in _head_and_block's order: one program per
-    2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones). q_desc / do_desc over
-    (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
+    """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in layout.head_and_block's order: one program
+    per 2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones).
+    q_desc / do_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
     (1, 1, KEYS, D) blocks; lse and delta (B, Hq, Sq) fp32, dk and dv (B, Hkv, Skv, D)
     contiguous. Rows and keys past the ends read as zeros and are masked."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head, key_block = _head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
+    batch_kv_head, key_block = layout.head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
     batch = batch_kv_head // n_kv_heads
     kv_head = batch_kv_head % n_kv_heads
     first_key = key_block * 2 * KEYS

@@ -46,21 +46,6 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _head_and_block(n_blocks, HEAVY_FIRST: tl.constexpr):
-    """(index into B * H, block index) of this program in a 1-d grid of B * H * n_blocks.
-    HEAVY_FIRST (causal, where the launcher numbers each head's blocks heaviest first): heads
-    fastest, so every head's heavy blocks go out before any head's light ones and the last wave
-    is short programs. Otherwise blocks fastest: the programs running together belong to one
-    or two heads and share that head's tiles in L2 (heads fastest cost 6% at S8192)."""
-    program = tl.program_id(0)
-    if HEAVY_FIRST:
-        n_heads = tl.num_programs(0) // n_blocks
-        return program % n_heads, program // n_heads
-    else:
-        return program // n_blocks, program % n_blocks
-
-
-@triton.jit
 def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s,
                    k_desc, v_desc, batch, kv_head,
                    rows, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
@@ -144,12 +129,13 @@ def _attention_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr,
 ):
-    """Grid (B * Hq * query blocks,) in _head_and_block's order. o (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) fp32.
+    """Grid (B * Hq * query blocks,) in layout.head_and_block's order. o (B, Hq, Sq, Dv) in
+    q's dtype, lse (B, Hq, Sq) fp32.
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
     n_blocks = tl.cdiv(seq_q, BLOCK_M)
-    batch_head, m_block = _head_and_block(n_blocks, CAUSAL)
+    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
     if CAUSAL:  # the last query blocks see the most keys
         m_block = n_blocks - 1 - m_block
     batch = (batch_head // n_q_heads).to(tl.int64)
@@ -277,9 +263,9 @@ def _attention_bwd_dkdv_kernel(
     """dK and dV of one block of BLOCK_N keys of one KV head, summed over the group's query
     heads and every query block that sees the keys (no atomics, K/V never repeated):
     dv = sum p^T do, dk = scale * sum ds^T q. Grid (B * Hkv * key blocks,) in
-    _head_and_block's order (causal: the first key blocks, which see the most query rows, are
-    the heavy ones); dk and dv contiguous (B, Hkv, Skv, D / Dv)."""
-    batch_kv_head, n_block = _head_and_block(tl.cdiv(seq_kv, BLOCK_N), CAUSAL)
+    layout.head_and_block's order (causal: the first key blocks, which see the most query rows,
+    are the heavy ones); dk and dv contiguous (B, Hkv, Skv, D / Dv)."""
+    batch_kv_head, n_block = layout.head_and_block(tl.cdiv(seq_kv, BLOCK_N), CAUSAL)
     batch = (batch_kv_head // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
     keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -332,10 +318,10 @@ def _attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
-    keys those rows see. Grid (B * Hq * query blocks,) in _head_and_block's order, the last
-    query blocks first when causal (they see the most keys); dq contiguous (B, Hq, Sq, D)."""
+    keys those rows see. Grid (B * Hq * query blocks,) in layout.head_and_block's order, the
+    last query blocks first when causal (they see the most keys); dq contiguous (B, Hq, Sq, D)."""
     n_blocks = tl.cdiv(seq_q, BLOCK_M)
-    batch_head, m_block = _head_and_block(n_blocks, CAUSAL)
+    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
     if CAUSAL:  # the last query blocks see the most keys
         m_block = n_blocks - 1 - m_block
     batch = (batch_head // n_q_heads).to(tl.int64)
