@@ -322,6 +322,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError("gemslib.apply_rotary: inplace=True needs q and k with a unit last "
                              "stride")
+        if torch.compiler.is_compiling():  # the compiler must see the writes
+            _rotary_inplace_op(q, k, cos, sin, positions, interleaved)
+            return q, k
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
         return runtime.differentiable_call(_rotary_op, _RotaryFunction, q, k, cos, sin, positions,
@@ -344,6 +347,21 @@ _rotary_op = torch.library.custom_op("gemslib::rotary", _rotary_impl, mutates_ar
 @_rotary_op.register_fake
 def _(q, k, cos, sin, positions, interleaved, inverse):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         positions: torch.Tensor | None, interleaved: bool) -> None:
+    """In-place rotation of q and k (``apply_rotary(..., inplace=True)`` under torch.compile)."""
+    _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
+
+
+_rotary_inplace_op = torch.library.custom_op("gemslib::rotary_", _rotary_inplace_impl,
+                                             mutates_args=("q", "k"))
+
+
+@_rotary_inplace_op.register_fake
+def _(q, k, cos, sin, positions, interleaved):
+    return None
 
 
 # One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
