@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -54,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmark import harness
 
     started = time.perf_counter()
+    env = harness.environment()  # once: the date is the run's start, plots need no GPU
     ceilings = harness.measure_ceilings(matmul=True)  # attention reports % of the matmul rate
-    print(f"{harness.environment()}", flush=True)
+    print(env, flush=True)
     results = []
     for name, ops in ops_by_module.items():
         if args.ops and not set(args.ops) & set(ops):
@@ -73,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(harness.format_table(rows, ceilings))
     args.out.mkdir(parents=True, exist_ok=True)
-    harness.write_json(args.out / "results.json", results, rows, ceilings)
-    plots = [] if args.no_plot else harness.plot(results, ceilings, args.out)
+    command = shlex.join(["python", "-m", "benchmark", *(sys.argv[1:] if argv is None else argv)])
+    harness.write_json(args.out / "results.json", results, rows, ceilings, env, command)
+    plots = [] if args.no_plot else harness.plot(results, ceilings, args.out, env["gpu"])
     print(f"\nwrote {args.out / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else "")
           + f" in {time.perf_counter() - started:.0f} s")
     failures = [row for row in rows if row.get("error")]

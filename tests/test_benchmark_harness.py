@@ -36,16 +36,20 @@ def test_gemslib_variants_and_bounds_are_shown_but_never_the_peer_to_beat():
     assert row["best_peer"] == "torch.compile" and abs(row["speedup"] - 1.1) < 1e-9
 
 
-def test_table_and_json(tmp_path, monkeypatch):
+def test_table_and_json(tmp_path):
     ceilings = Ceilings(copy_gbps=4250.0)
     rows = harness.summarize(_results())
     table = harness.format_table(rows, ceilings)
     assert "copy 4250 GB/s" in table and "torch.compile" in table and "1.10x" in table
-    monkeypatch.setattr(harness, "environment", lambda: {"gpu": "test"})
-    harness.write_json(tmp_path / "r.json", _results(), rows, ceilings)
+    written = harness.write_json(tmp_path / "r.json", _results(), rows, ceilings, {"gpu": "test"},
+                                 "python -m benchmark --quick")
     data = json.loads((tmp_path / "r.json").read_text())
+    assert data == written and data["environment"] == {"gpu": "test"}
+    assert data["command"] == "python -m benchmark --quick"
     assert data["summary"][0]["best_peer"] == "torch.compile"
     assert len(data["results"]) == 4 and data["ceilings"]["copy_gbps"] == 4250.0
+    results, loaded_ceilings, env = harness.load_json(tmp_path / "r.json")
+    assert results == _results() and loaded_ceilings == ceilings and env == {"gpu": "test"}
 
 
 def test_without_a_gpu_the_runner_says_so_and_exits_cleanly(monkeypatch, capsys):
