@@ -1,9 +1,9 @@
-"""Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--backward]``.
+"""Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--forward-only]``.
 
 Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
-importable peer on the same inputs, prints one table, writes ``<out>/results.json`` and one
-plot per operator (when matplotlib is installed). Needs a CUDA GPU; without one it says so and
-exits 0.
+importable peer on the same inputs, forward and backward kernels, prints one table, writes
+``<out>/results.json`` and one plot per operator (when matplotlib is installed). Needs a CUDA
+GPU; without one it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ def module_ops() -> dict[str, tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
-    parser.add_argument("--backward", action="store_true", help="also time backward kernels")
+    direction = parser.add_mutually_exclusive_group()
+    direction.add_argument("--forward-only", action="store_true",
+                           help="skip the backward kernels (timed by default)")
+    direction.add_argument("--backward", action="store_true",
+                           help="accepted for old command lines: the backward kernels are timed "
+                                "by default")
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
                         help="folder for results.json and the plots")
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ops and not set(args.ops) & set(ops):
             continue  # building a module's cases allocates inputs (and compiles torch peers)
         module = importlib.import_module(f"benchmark.{name}")
-        for case in module.cases(quick=args.quick, backward=args.backward):
+        for case in module.cases(quick=args.quick, backward=not args.forward_only):
             if case.op not in ops:  # --ops would skip it without a word
                 raise RuntimeError(f"{name} yields {case.op}, which its OPS does not list")
             if args.ops and case.op not in args.ops:
