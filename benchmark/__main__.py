@@ -2,8 +2,9 @@
 
 Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
 importable peer on the same inputs, forward and backward kernels, prints one table, writes
-``<out>/results.json`` and one plot per operator (when matplotlib is installed). Needs a CUDA
-GPU; without one it says so and exits 0.
+``<out>/results.json``, ``<out>/results.md`` (the README's tables, see ``benchmark.readme``)
+and ``<out>/<op>.png``, one plot per operator (when matplotlib is installed). Needs a CUDA GPU;
+without one it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
                                 "by default")
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
-                        help="folder for results.json and the plots")
-    parser.add_argument("--no-plot", action="store_true")
+                        help="folder for results.json, results.md and the plots "
+                             "(default: benchmark/results)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="skip the plots (python -m benchmark.readme --plots draws them "
+                             "from results.json later)")
     args = parser.parse_args(argv)
     ops_by_module = module_ops()
     known = sorted({op for ops in ops_by_module.values() for op in ops})
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
               "so there is nothing to run here.")
         return 0
 
-    from benchmark import harness
+    from benchmark import harness, readme
 
     started = time.perf_counter()
     env = harness.environment()  # once: the date is the run's start, plots need no GPU
@@ -81,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.format_table(rows, ceilings))
     args.out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "-m", "benchmark", *(sys.argv[1:] if argv is None else argv)])
-    harness.write_json(args.out / "results.json", results, rows, ceilings, env, command)
+    report = harness.write_json(args.out / "results.json", results, rows, ceilings, env, command)
+    written = ["results.json"]
+    if rows:  # the markdown python -m benchmark.readme renders from results.json for the README
+        (args.out / "results.md").write_text(readme.render(report))
+        written.append("results.md")
     plots = [] if args.no_plot else harness.plot(results, ceilings, args.out, env["gpu"])
-    print(f"\nwrote {args.out / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else "")
-          + f" in {time.perf_counter() - started:.0f} s")
+    written += [f"{len(plots)} plot(s)"] if plots else []
+    print(f"\nwrote {', '.join(written)} to {args.out} "
+          f"({time.perf_counter() - started:.0f} s)")
     failures = [row for row in rows if row.get("error")]
     for row in failures:
         print(f"gemslib FAILED at {row['op']} {row['shape']}: {row['error']}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmark import __main__ as bench_main
-from benchmark import harness
+from benchmark import harness, readme
 from benchmark.harness import Ceilings, Result
 
 
@@ -93,6 +93,14 @@ def test_one_command_times_forward_and_backward_kernels(fake_gpu, tmp_path):
     assert [row["op"] for row in data["summary"]] == ["fake", "fake_backward"]
     assert data["environment"]["gpu"] == "Fake GPU"
     assert data["command"] == f"python -m benchmark --quick --no-plot --out {tmp_path}"
+    # the README's markdown, written beside the JSON it is rendered from
+    assert (tmp_path / "results.md").read_text() == readme.render(data)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_runner_draws_one_plot_per_operator(fake_gpu, tmp_path):
+    assert bench_main.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["fake.png", "fake_backward.png"]
 
 
 def test_forward_only_skips_the_backward_kernels_and_backward_is_still_accepted(fake_gpu,

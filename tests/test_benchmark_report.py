@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmark import harness
+from benchmark import harness, readme
 from benchmark.harness import Case, Ceilings
 
 CEILINGS = Ceilings(copy_gbps=4000.0, matmul_tflops=700.0)
@@ -113,3 +113,147 @@ def test_run_case_judges_flops_against_matmul_and_bytes_against_copy(run):
         100 * 4 * 32 * 8192 * 8192 * 128 / 1.8256 / 1e9 / 700.0)
     assert pct[("silu", "4096x14336")] == pytest.approx(
         100 * 2 * 4096 * 14336 * 2 / 0.060 / 1e6 / 4000.0)
+
+
+def _tables(markdown):
+    """{op: [{column: cell}]} from the rendered markdown's tables."""
+    tables, head = {}, None
+    for line in markdown.splitlines():
+        if not line.startswith("| "):
+            head = None
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+        if head is None:
+            head = cells
+        elif not cells[0].startswith("---"):
+            row = dict(zip(head, cells))
+            tables.setdefault(row["operator"], []).append(row)
+    return tables
+
+
+def _row(markdown, op, shape):
+    (row,) = [row for row in _tables(markdown)[op] if row["shape"] == shape]
+    return row
+
+
+def test_markdown_has_one_row_per_operator_and_shape(run):
+    markdown = readme.render(json.loads(run.read_text()))
+    tables = _tables(markdown)
+    assert list(tables) == ["silu", "rms_norm", "attention"]  # the order the run timed them
+    assert [(op, row["shape"]) for op, rows in tables.items() for row in rows] == \
+        [(case.op, case.shape) for case in _cases()]
+    # each table has the peers its operator was timed against, in that order
+    assert list(tables["attention"][0]) == ["operator", "shape", "gemslib", "% of roofline",
+                                            "SDPA cuDNN", "FA2", "best peer", "vs best peer"]
+
+
+def test_header_names_the_gpu_versions_date_command_and_ceilings(run):
+    markdown = readme.render(json.loads(run.read_text()))
+    head = markdown.split("\n| ")[0]
+    for text in ("NVIDIA H200 (132 SMs)", "torch 2.11.0+cu130 (CUDA 13.0)", "Triton 3.6.0",
+                 "Liger-Kernel 0.8.5", "2026-12-01 10:00 UTC", "`python -m benchmark --quick`",
+                 "copy 4000 GB/s", "bf16 matmul 8192^3 700 TFLOP/s", "bf16"):
+        assert text in head, text
+
+
+def test_speedup_behind_marks_roofline_and_missing_peers(run):
+    markdown = readme.render(json.loads(run.read_text()))
+    silu = _row(markdown, "silu", "4096x14336")
+    assert silu["gemslib"] == "60.0" and silu["torch.compile"] == "66.0"
+    assert silu["best peer"] == "torch.compile" and silu["vs best peer"] == "1.10x"
+    assert silu["FlagGems"] == "-"  # errored
+    assert silu["% of roofline"] == f"{100 * 2 * 4096 * 14336 * 2 / 60.0 / 1e3 / 4000:.1f}% copy"
+    behind = _row(markdown, "rms_norm", "4096x4096")
+    assert behind["vs best peer"] == "0.87x (behind)" and behind["best peer"] == "torch.compile"
+    small = _row(markdown, "rms_norm", "1x4096")
+    assert small["Liger-Kernel"] == "-" and small["vs best peer"] == "1.50x"  # not run there
+    attention = _row(markdown, "attention", "B1 H32 S8192 D128")
+    assert attention["vs best peer"] == "0.98x (behind)" and attention["FA2"] == "3132.1"
+    tflops = 4 * 32 * 8192 * 8192 * 128 / 1.8256 / 1e9
+    assert attention["% of roofline"] == f"{100 * tflops / 700:.1f}% matmul"
+
+
+def test_speedup_cell_says_behind_only_when_the_printed_figure_is_below_one():
+    assert readme.speedup_cell(0.996) == "1.00x"
+    assert readme.speedup_cell(0.994) == "0.99x (behind)"
+    assert readme.speedup_cell(2.0) == "2.00x" and readme.speedup_cell(None) == "-"
+
+
+def test_a_gemslib_failure_gets_a_note_column(monkeypatch):
+    monkeypatch.setattr(harness, "median_ms", lambda fn: fn())
+    case = Case("softmax", "8x8", "bf16", 1000, {"gemslib": _fails, "torch eager": _ms(0.001)})
+    results = harness.run_case(case, CEILINGS, rounds=1)
+    report = {"environment": ENV, "ceilings": {"copy_gbps": 4000.0},
+              "summary": harness.summarize(results)}
+    markdown = readme.render(report)
+    row = _row(markdown, "softmax", "8x8")
+    assert row["gemslib"] == "-" and row["vs best peer"] == "-" and row["torch eager"] == "1.0"
+    assert row["note"] == "RuntimeError: no kernel for this shape"
+    assert "matmul rate not measured" in markdown
+
+
+README = f"""# gemslib
+
+## Benchmarks
+
+Some text the owner wrote.
+
+{readme.START}
+The generated table goes here.
+{readme.END}
+
+| old | hand-written table |
+| --- | --- |
+"""
+
+
+def test_readme_markers_are_replaced_and_the_rest_is_untouched(run, tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text(README)
+    assert readme.main([str(run), "--readme", str(path)]) == 0
+    text = path.read_text()
+    markdown = readme.render(json.loads(run.read_text()))
+    before, after = README.split("The generated table goes here.\n")
+    assert text == before + markdown + after
+    assert "wrote 4 rows" in capsys.readouterr().out
+    assert readme.main([str(run), "--readme", str(path)]) == 0  # again: the same text
+    assert path.read_text() == text
+
+
+def test_without_readme_the_markdown_is_printed(run, capsys):
+    assert readme.main([str(run)]) == 0
+    assert capsys.readouterr().out == readme.render(json.loads(run.read_text()))
+
+
+def test_a_readme_without_markers_is_an_error_naming_it(run, tmp_path, capsys):
+    path = tmp_path / "README.md"
+    path.write_text(README.replace(readme.END, ""))
+    assert readme.main([str(run), "--readme", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path} has no {readme.END} marker" in err
+    assert path.read_text() == README.replace(readme.END, "")  # left as it was
+    with pytest.raises(readme.ReportError, match="README.md has 2 .* markers"):
+        readme.replace_between_markers(README + readme.START, "x", "README.md")
+    with pytest.raises(readme.ReportError, match="README.md: .* comes before"):
+        readme.replace_between_markers(f"{readme.END}\n{readme.START}\n", "x", "README.md")
+
+
+def test_a_results_json_without_the_needed_keys_is_an_error_naming_it(run, tmp_path, capsys):
+    report = json.loads(run.read_text())
+    del report["environment"]["gpu"], report["ceilings"], report["summary"][1]["peers"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(report))
+    assert readme.main([str(broken)]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken} lacks environment.gpu, ceilings, summary[1].peers" in err
+    assert readme.main([str(tmp_path / "absent.json")]) == 1
+    assert "absent.json: no such file" in capsys.readouterr().err
+    with pytest.raises(readme.ReportError, match="run.json lacks summary"):
+        readme.render({"environment": ENV, "ceilings": {"copy_gbps": 1.0}}, "run.json")
+
+
+def test_plots_from_the_command_line(run, tmp_path, capsys):
+    assert readme.main([str(run), "--plots", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == \
+        ["attention.png", "rms_norm.png", "silu.png"]
+    assert "wrote 3 plot(s)" in capsys.readouterr().out
