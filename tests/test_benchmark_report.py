@@ -257,3 +257,14 @@ def test_plots_from_the_command_line(run, tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == \
         ["attention.png", "rms_norm.png", "silu.png"]
     assert "wrote 3 plot(s)" in capsys.readouterr().out
+
+
+def test_the_projects_readme_has_the_markers_once_in_order():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "README.md"
+    text = path.read_text()
+    replaced = readme.replace_between_markers(text, "TABLE", str(path))
+    assert replaced.count("TABLE") == 1
+    assert replaced.split(readme.START)[0] == text.split(readme.START)[0]
+    assert replaced.split(readme.END)[1] == text.split(readme.END)[1]
