@@ -1,12 +1,12 @@
 """attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
 SDPA's default choice, and FlagGems.
 
-    python -m benchmark --ops attention decode_attention [--backward]
+    python -m benchmark --ops attention decode_attention [--forward-only]
 
 Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
-bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). ``--backward`` adds
-attention_backward cases: the backward alone (dq, dk, dv from a graph built once), at 2.5x the
-forward's FLOPs (five matmuls of the forward's size against two).
+bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). Unless ``--forward-only``,
+attention_backward cases follow: the backward alone (dq, dk, dv from a graph built once), at
+2.5x the forward's FLOPs (five matmuls of the forward's size against two).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems.
 
-    python -m benchmark --ops rms_norm add_rms_norm [--backward]
+    python -m benchmark --ops rms_norm add_rms_norm [--forward-only]
 
 Bytes moved: rms_norm reads x and writes y (2*M*N); add_rms_norm reads x and residual and
 writes both outputs (4*M*N); the backward reads x and dy and writes dx (3*M*N). The weight and

@@ -1,6 +1,6 @@
 """apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems.
 
-    python -m benchmark --ops rotary [--backward]
+    python -m benchmark --ops rotary [--forward-only]
 
 Bytes moved: q and k read and written once (2 * (q + k) elements); cos and sin are small.
 The eager peer is the Hugging Face formulation, ``x * cos + rotate_half(x) * sin`` with cos and

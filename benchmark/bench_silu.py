@@ -1,6 +1,6 @@
 """silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel and FlagGems.
 
-    python -m benchmark.bench_silu [--quick] [--backward]
+    python -m benchmark.bench_silu [--quick] [--forward-only]
 
 Bytes moved: silu reads and writes M*N elements; silu_and_mul reads M*2N and writes M*N.
 """

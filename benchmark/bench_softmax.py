@@ -1,6 +1,6 @@
 """softmax and log_softmax (bf16, last dim) against torch eager, torch.compile and FlagGems.
 
-    python -m benchmark --ops softmax log_softmax [--backward]
+    python -m benchmark --ops softmax log_softmax [--forward-only]
 
 Bytes moved: read x and write y (2*M*N); the backward reads dy and y and writes dx (3*M*N).
 Wide rows (vocabulary sizes) take an online pass, which reads x twice: its floor is 3*M*N
