@@ -263,7 +263,7 @@ def render_yaml(results: list[BucketResult], kept: runtime.TuneConfigFile | None
 def _compile_share(ops: list[str] | None, quick: bool, share: list[tuple[int, int]]) -> int:
     """Worker: run the (bucket number, candidate number) pairs of ``share`` once each, so
     their kernels land in Triton's cache. Returns how many ran."""
-    device = torch.device("cuda")
+    device = torch.device(runtime.device_type())
     wanted, ran, number = set(share), 0, 0
     for op, space in tune_spaces(ops):
         for bucket in space.buckets:
@@ -280,7 +280,8 @@ def _compile_share(ops: list[str] | None, quick: bool, share: list[tuple[int, in
                     except Exception:  # reported by the timing pass
                         pass
             del run
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return ran
 
 

@@ -127,6 +127,28 @@ def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(
         tune.tune_bucket("toy", broken_only, 0, torch.device(DEVICE), timer)
 
 
+def test_a_compile_worker_runs_exactly_its_share(monkeypatch):
+    """Pairs are numbered (bucket across every space, candidate): a worker runs each pair of
+    its share once, with that candidate forced, and nothing else."""
+    kernel, space, problem, _ = _toy(monkeypatch)
+    ran = []
+
+    def recording(numel):
+        make = problem(numel)
+        return lambda device: (lambda run: lambda: ran.append(
+            (numel, kernel.config_for((0,)).meta_dict["BLOCK"])) or run())(make(device))
+
+    spaces = [("toy", registry.TuneSpace(kernel, space.candidates, (
+                  registry.TuneBucket({"numel": 100}, "n 77", recording(77)),
+                  registry.TuneBucket(None, "n 300", recording(300))))),
+              ("toy", registry.TuneSpace(kernel, space.candidates[:1], (
+                  registry.TuneBucket(None, "n 5", recording(5)),)))]
+    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    # bucket 0 candidate 2, bucket 1 candidate 0, bucket 2 candidate 0; candidate 3 fails
+    assert tune._compile_share(None, False, [(0, 2), (1, 0), (2, 0), (1, 3)]) == 3
+    assert ran == [(77, 64), (300, 16), (300, 24), (5, 16)]
+
+
 def test_quick_runs_try_the_configs_in_use_and_the_first_candidates():
     space = next(s for _, s in tune.tune_spaces(["rms_norm"]) if s.kernel.name == "rms_norm_fwd")
     in_use = tune.launch_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16})
