@@ -7,8 +7,8 @@ A decoder layer (pre-norm, grouped-query attention with rotary embeddings, SwiGL
 
 with random weights (no downloads), run as
 
-- ``eager``: the layer written in torch ops (F.rms_norm, F.linear, F.scaled_dot_product_attention,
-  F.silu), the way a model file writes it;
+- ``eager``: the layer written in torch ops the way Llama's model files write it (separate q, k,
+  v, gate and up projections; F.rms_norm, F.scaled_dot_product_attention, F.silu);
 - ``eager + enable()``: the same code under ``gemslib.enable()`` (aten overrides);
 - ``gemslib``: the layer written with gemslib's operators: add_rms_norm (the residual add
   fused into the next norm, across layers), one QKV matmul, apply_rotary in place on the QKV
@@ -128,7 +128,13 @@ def torch_layer(x: torch.Tensor, w: LayerWeights, shape: LlamaShape, cos: torch.
     ``position``, a Python int as a model file's step counter is): k and v are written into
     ``cache`` (B, Hkv, L, D) there and the token attends to positions 0..position."""
     normed = F.rms_norm(x, (shape.hidden,), w.attn_norm, shape.eps)
-    q, k, v = _split_qkv(F.linear(normed, w.qkv), shape)
+    # separate projections, as Llama's model files write them (views of the stacked weights)
+    d, heads, kv_heads = shape.head_dim, shape.heads, shape.kv_heads
+    q_weight, k_weight, v_weight = w.qkv.split([heads * d, kv_heads * d, kv_heads * d])
+    batch, seq = x.shape[:2]
+    q = F.linear(normed, q_weight).view(batch, seq, heads, d)
+    k = F.linear(normed, k_weight).view(batch, seq, kv_heads, d)
+    v = F.linear(normed, v_weight).view(batch, seq, kv_heads, d)
     q = _rotate_half_split(q, cos[positions], sin[positions])
     k = _rotate_half_split(k, cos[positions], sin[positions])
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -140,11 +146,10 @@ def torch_layer(x: torch.Tensor, w: LayerWeights, shape: LlamaShape, cos: torch.
         v_cache[:, :, position] = v[:, :, 0]
         attended = F.scaled_dot_product_attention(q, k_cache[:, :, :position + 1],
                                                   v_cache[:, :, :position + 1], enable_gqa=True)
-    batch, seq = x.shape[:2]
     h = x + F.linear(attended.transpose(1, 2).reshape(batch, seq, -1), w.o)
     normed = F.rms_norm(h, (shape.hidden,), w.mlp_norm, shape.eps)
-    gate, up = F.linear(normed, w.gate_up).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, w.down)
+    gate_weight, up_weight = w.gate_up.chunk(2)
+    return h + F.linear(F.silu(F.linear(normed, gate_weight)) * F.linear(normed, up_weight), w.down)
 
 
 def torch_stack(x, layers, shape, cos, sin, positions, caches=None, position: int = 0):
