@@ -1254,8 +1254,9 @@ def _prefill_buckets(backward: bool):
                        _prefill_problem(2, 16, 4096, 64, torch.bfloat16, backward)),
             TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B4 H32 S2048 D128 bf16",
                        _prefill_problem(4, 32, 2048, 128, torch.bfloat16, backward)),
-            TuneBucket(None, "B1 H8 S1024 D64 fp32",
-                       _prefill_problem(1, 8, 1024, 64, torch.float32, backward)))
+            # the backward's first bucket takes every D64 call, fp32 too
+            TuneBucket(None, "B1 H8 S1024 D128 fp32",
+                       _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
 
 
 TUNING = (

@@ -485,8 +485,8 @@ SELF_CHECKS = (
 
 def _silu_problem(rows: int, cols: int, backward: bool, gated: bool):
     def make(device):
-        x = _random((rows, 2 * cols if gated else cols), device, torch.bfloat16)
-        grad = _random((rows, cols), device, torch.bfloat16)
+        x = torch.randn(rows, 2 * cols if gated else cols, device=device, dtype=torch.bfloat16)
+        grad = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
         if gated:
             return (lambda: _silu_and_mul_backward(grad, x)) if backward else \
                 (lambda: silu_and_mul(x))

@@ -183,3 +183,28 @@ def test_command_line_needs_a_gpu_and_known_operators(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gemslib.tune", "--ops", "silu", "nope"],
                           cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "unknown operator(s) ['nope']" in done.stderr, done.stderr
+
+
+def test_every_declared_problem_lands_in_its_own_bucket(monkeypatch):
+    """Each bucket's problem, built at its full size, launches its kernel with a shape the
+    bucket (and no earlier one) admits. The kernels are not run (launches are recorded only):
+    on the CPU the sizes are far past what the interpreter can run, and the inputs are left
+    unfilled, since only their shapes matter here)."""
+    monkeypatch.setattr(runtime.TunedKernel, "run", lambda self, config, grid, args: None)
+
+    class NotRun:  # the attention backward's delta kernel is launched directly
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    from gemslib.fused import attention as attention_ops
+    monkeypatch.setattr(attention_ops, "_attention_bwd_delta_kernel", NotRun())
+    for name, like in (("randn", torch.empty), ("rand", torch.empty),
+                       ("randn_like", torch.empty_like)):
+        monkeypatch.setattr(torch, name, like)
+    for op, space in tune.tune_spaces():
+        for index, bucket in enumerate(space.buckets):
+            space.kernel.last_shape = None
+            bucket.make(torch.device(DEVICE))()
+            shape = space.kernel.last_shape
+            assert shape is not None, (op, space.kernel.name, bucket.label)
+            assert tune._bucket_index(space, shape) == index, (op, space.kernel.name,
+                                                               bucket.label, shape)
