@@ -134,7 +134,9 @@ def disagreement(actual, expected) -> str | None:
 def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
     import triton.testing
 
-    warmup, rep = (10, 40) if quick else (25, 100)
+    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one; the full run
+    # times ~1600 (bucket, candidate) pairs and has 8 minutes
+    warmup, rep = (5, 20) if quick else (10, 50)
     return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
