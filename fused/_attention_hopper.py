@@ -53,6 +53,20 @@ LOG2E = 1.4426950408889634
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@gluon.constexpr_function
+def _wgmma_layout(cols):
+    """The register layout of one warpgroup's wgmma result with ``cols`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, cols, 16])
+
+
+@gluon.constexpr_function
+def _register_operand_layout(cols):
+    """A 16-bit left wgmma operand held in registers (p, p^T, ds^T), for a result of ``cols``
+    columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(cols), k_width=2)
+
+
 @gluon.jit
 def _softmax_block(s, row_max, scale_log2):
     """p = 2^(s * scale_log2 - new_max) for one block of scores (scale_log2 >= 0); returns
@@ -106,11 +120,9 @@ def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    p_layout: gl.constexpr = _register_operand_layout(HEAD_D)
     q_tile = q_smem.index(half).reshape([ROWS, HEAD_D])
     rows = first_query + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -272,12 +284,9 @@ def _bwd_consumer(half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qd
     HEAD_D: gl.constexpr = k_smem.shape[4]
     ROWS: gl.constexpr = q_smem.shape[3]
     dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
-    operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                       k_width=2)
+    s_layout: gl.constexpr = _wgmma_layout(ROWS)
+    acc_layout: gl.constexpr = _wgmma_layout(HEAD_D)
+    operand_layout: gl.constexpr = _register_operand_layout(HEAD_D)
     k_tile = k_smem.index(half).reshape([KEYS, HEAD_D])
     v_tile = v_smem.index(half).reshape([KEYS, HEAD_D])
     keys = first_key + half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))

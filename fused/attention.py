@@ -120,6 +120,20 @@ def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_strid
 
 
 @triton.jit
+def _query_block(seq_q, n_q_heads, group_size, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(batch * Hq + head, batch, head, kv_head, query block) of this program of a forward or
+    dQ grid (B * Hq * query blocks,) in layout.head_and_block's order, the last query blocks
+    first when causal (they see the most keys); batch and the heads as int64."""
+    n_blocks = tl.cdiv(seq_q, BLOCK_M)
+    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
+    if CAUSAL:
+        m_block = n_blocks - 1 - m_block
+    batch = (batch_head // n_q_heads).to(tl.int64)
+    head = (batch_head % n_q_heads).to(tl.int64)
+    return batch_head, batch, head, head // group_size, m_block
+
+
+@triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
     seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2,
@@ -134,13 +148,8 @@ def _attention_fwd_kernel(
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
-    n_blocks = tl.cdiv(seq_q, BLOCK_M)
-    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
-    if CAUSAL:  # the last query blocks see the most keys
-        m_block = n_blocks - 1 - m_block
-    batch = (batch_head // n_q_heads).to(tl.int64)
-    head = (batch_head % n_q_heads).to(tl.int64)
-    kv_head = head // group_size
+    batch_head, batch, head, kv_head, m_block = _query_block(seq_q, n_q_heads, group_size,
+                                                             CAUSAL, BLOCK_M)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
@@ -320,13 +329,8 @@ def _attention_bwd_dq_kernel(
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
     keys those rows see. Grid (B * Hq * query blocks,) in layout.head_and_block's order, the
     last query blocks first when causal (they see the most keys); dq contiguous (B, Hq, Sq, D)."""
-    n_blocks = tl.cdiv(seq_q, BLOCK_M)
-    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
-    if CAUSAL:  # the last query blocks see the most keys
-        m_block = n_blocks - 1 - m_block
-    batch = (batch_head // n_q_heads).to(tl.int64)
-    head = (batch_head % n_q_heads).to(tl.int64)
-    kv_head = head // group_size
+    batch_head, batch, head, kv_head, m_block = _query_block(seq_q, n_q_heads, group_size,
+                                                             CAUSAL, BLOCK_M)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
