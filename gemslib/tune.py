@@ -205,6 +205,26 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     return result
 
 
+def tune_all(spaces, device: torch.device, timer: Callable[[Callable], float], quick: bool = False,
+             progress: Callable[[str], None] = print
+             ) -> tuple[list[BucketResult], dict[str, str]]:
+    """Tune every bucket of ``spaces``. An operator with a bucket that cannot be tuned
+    (TuneError) is reported and left out whole, so that the run still writes the others
+    (its entries then come from the file in use). Returns the results and, per operator
+    left out, why."""
+    results, failed = [], {}
+    for op, space in spaces:
+        for index in range(len(space.buckets)):
+            if op in failed:
+                break
+            try:
+                results.append(tune_bucket(op, space, index, device, timer, quick, progress))
+            except TuneError as err:
+                failed[op] = str(err)
+                progress(f"FAILED: {err}")
+    return [r for r in results if r.op not in failed], failed
+
+
 def _flow(config: runtime.LaunchConfig) -> str:
     return "{" + ", ".join(f"{k}: {v}" for k, v in config.as_dict().items()) + "}"
 
@@ -347,17 +367,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1:
         precompile(args.ops, args.quick, args.jobs)
     timer, device = do_bench_ms(args.quick), torch.device("cuda")
-    results = [tune_bucket(op, space, index, device, timer, args.quick)
-               for op, space in spaces for index in range(len(space.buckets))]
+    results, failed = tune_all(spaces, device, timer, args.quick)
     tuned["seconds"] = round(time.perf_counter() - started)
     kept = runtime.active_configs()[0]
-    out.write_text(render_yaml(results, kept, device_name, tuned, {op for op, _ in spaces}))
+    tuned_ops = {op for op, _ in spaces} - set(failed)
+    out.write_text(render_yaml(results, kept, device_name, tuned, tuned_ops))
     runtime.load_tune_config(out)  # what was written must load
     print("tuned configs against default.yaml's:")
     print("\n".join(summary(results)))
+    for op, why in failed.items():
+        print(f"  {op:<22} NOT TUNED, keeps the entries of the file in use: {why}")
     print(f"wrote {out} in {tuned['seconds']} s; use it with GEMSLIB_TUNE_CONFIG={out}, or ship "
           f"it as tune_configs/{device_name}.yaml", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -127,6 +127,19 @@ def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(
         tune.tune_bucket("toy", broken_only, 0, torch.device(DEVICE), timer)
 
 
+def test_an_operator_that_cannot_be_tuned_is_left_out_and_the_others_still_are(monkeypatch):
+    kernel, space, problem, timer = _toy(monkeypatch)
+    idle = registry.TuneSpace(kernel, space.candidates, (
+        registry.TuneBucket({"numel": 100}, "n 77", problem(77)),
+        registry.TuneBucket(None, "nothing", lambda device: lambda: torch.zeros(3))))
+    lines = []
+    results, failed = tune.tune_all([("broken", idle), ("toy", space)], torch.device(DEVICE),
+                                    timer, progress=lines.append)
+    assert list(failed) == ["broken"] and "does not launch it" in failed["broken"]
+    assert [(r.op, r.index) for r in results] == [("toy", 0), ("toy", 1)]
+    assert any(line.startswith("FAILED: broken.toy_double") for line in lines), lines
+
+
 def test_a_compile_worker_runs_exactly_its_share(monkeypatch):
     """Pairs are numbered (bucket across every space, candidate): a worker runs each pair of
     its share once, with that candidate forced, and nothing else."""
