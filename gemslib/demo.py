@@ -342,9 +342,14 @@ def _graphed_decode(x, layers, shape, cos, sin, positions, caches, seqlens) -> C
     with torch.cuda.graph(graph):
         out = gemslib_stack(x, layers, shape, cos, sin, positions, caches, seqlens)
 
+    # the graph reads and writes these tensors' memory: they must outlive it (the caches are
+    # this function's own; freed, their memory would go to other tensors while replays write it)
+    static = (x, layers, cos, sin, positions, caches, seqlens)
+
     def replay() -> torch.Tensor:
         graph.replay()
         return out
+    replay.static = static
     return replay
 
 

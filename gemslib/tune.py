@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ import torch
 from gemslib import registry, runtime
 
 QUICK_CANDIDATES = 4  # leading candidates a --quick run tries, beside the configs in use
+KEEP_MARGIN = 0.01  # a candidate replaces default.yaml's config if it is faster by more
 
 
 class TuneError(RuntimeError):
@@ -61,19 +63,25 @@ class BucketResult:
 
     @property
     def best(self) -> Timing:
+        """The fastest right candidate; the reference if it is within KEEP_MARGIN of that (a
+        change must gain more than the timings' noise)."""
         timed = [t for t in self.timings if t.ms is not None]
-        return min(timed, key=lambda t: t.ms)
+        fastest = min(timed, key=lambda t: t.ms)
+        reference = next((t for t in timed if t.config == self.reference), None)
+        if reference is not None and reference.ms <= fastest.ms * (1 + KEEP_MARGIN):
+            return reference
+        return fastest
 
 
 def tune_spaces(ops: Iterable[str] | None = None) -> list[tuple[str, registry.TuneSpace]]:
-    """(operator, space) for every declared kernel of ``ops`` (default: every operator)."""
+    """(operator, space) for every declared kernel of ``ops``, in their order (default: every
+    operator)."""
     operators = registry.operators()
     unknown = sorted(set(ops or ()) - {name for name, op in operators.items() if op.tuning})
     if unknown:
         raise ValueError(f"gemslib.tune: unknown operator(s) {unknown}; tunable: "
                          f"{sorted(name for name, op in operators.items() if op.tuning)}")
-    return [(name, space) for name, op in operators.items() if not ops or name in ops
-            for space in op.tuning]
+    return [(name, space) for name in (ops or operators) for space in operators[name].tuning]
 
 
 def launch_config(raw) -> runtime.LaunchConfig:
@@ -152,7 +160,8 @@ def candidates_for(space: registry.TuneSpace, in_use: runtime.LaunchConfig | Non
 
 def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.device,
                 timer: Callable[[Callable], float], quick: bool = False,
-                progress: Callable[[str], None] = print) -> BucketResult:
+                progress: Callable[[str], None] = functools.partial(print, flush=True)
+                ) -> BucketResult:
     """Check and time the candidates on bucket ``index``'s problem; see the module docstring."""
     kernel, bucket = space.kernel, space.buckets[index]
     run = bucket.make(device)
@@ -180,8 +189,9 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
         except Exception as err:
             raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
                             f"{_flow(reference)} does not run ({type(err).__name__}: {err})")
-        reference_ms = timer(run)
-    result = BucketResult(op, kernel.name, index, bucket, shape, reference, reference_ms)
+    # the reference is timed among the candidates (one pass, one state of the GPU), so the
+    # tuned config is never slower than it by the run's own measure
+    result = BucketResult(op, kernel.name, index, bucket, shape, reference, math.nan)
     in_use = _bucket_config(selected, kernel, shape)
     for config in candidates_for(space, in_use, reference, quick):
         timing = Timing(config)
@@ -195,6 +205,11 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
         result.timings.append(timing)
     if not any(t.ms is not None for t in result.timings):
         raise TuneError(f"{op}.{kernel.name} {bucket.label}: no candidate runs right")
+    timed_reference = next(t for t in result.timings if t.config == reference)
+    if timed_reference.ms is None:  # it disagreed with its own earlier output
+        raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
+                        f"{_flow(reference)} is not reproducible ({timed_reference.why})")
+    result.reference_ms = reference_ms = timed_reference.ms
     best = result.best
     rejected = [t for t in result.timings if t.ms is None]
     progress(f"{op}.{kernel.name} [{index + 1}/{len(space.buckets)}] {bucket.label}: "
@@ -206,7 +221,7 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
 
 
 def tune_all(spaces, device: torch.device, timer: Callable[[Callable], float], quick: bool = False,
-             progress: Callable[[str], None] = print
+             progress: Callable[[str], None] = functools.partial(print, flush=True)
              ) -> tuple[list[BucketResult], dict[str, str]]:
     """Tune every bucket of ``spaces``. An operator with a bucket that cannot be tuned
     (TuneError) is reported and left out whole, so that the run still writes the others
@@ -282,42 +297,50 @@ def render_yaml(results: list[BucketResult], kept: runtime.TuneConfigFile | None
     return "\n".join(lines) + "\n"
 
 
-def _compile_share(ops: list[str] | None, quick: bool, share: list[tuple[int, int]]) -> int:
-    """Worker: run the (bucket number, candidate number) pairs of ``share`` once each, so
-    their kernels land in Triton's cache. Returns how many ran."""
+def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int) -> int:
+    """Worker: run candidate ``candidate`` of tune space ``space_number`` on each of its
+    buckets' problems once, so that its kernels land in Triton's on-disk cache. One task per
+    (space, candidate): buckets that share a specialization then compile it once. Returns how
+    many buckets ran it."""
     device = torch.device(runtime.device_type())
-    wanted, ran, number = set(share), 0, 0
-    for op, space in tune_spaces(ops):
-        for bucket in space.buckets:
-            pairs = [(number, c) for c in range(len(space.candidates)) if (number, c) in wanted]
-            number += 1
-            if not pairs:
-                continue
-            run = bucket.make(device)
-            for _, candidate in pairs:
-                with space.kernel.forced(launch_config(space.candidates[candidate])):
-                    try:
-                        run()
-                        ran += 1
-                    except Exception:  # reported by the timing pass
-                        pass
-            del run
+    _, space = tune_spaces(ops)[space_number]
+    config, ran = launch_config(space.candidates[candidate]), 0
+    for bucket in space.buckets:
+        run = bucket.make(device)
+        with space.kernel.forced(config):
+            try:
+                run()
+                ran += 1
+            except Exception:  # reported by the timing pass
+                pass
+        del run
     if device.type == "cuda":
         torch.cuda.synchronize()
     return ran
 
 
-def precompile(ops: list[str] | None, quick: bool, jobs: int) -> None:
+def precompile(pool, ops: list[str] | None, quick: bool) -> None:
+    """Compile every candidate the run will time, in ``pool``'s processes, each taking the
+    next (space, candidate) task as it finishes one (compile times differ by 10x between
+    kernels)."""
     spaces = tune_spaces(ops)
-    pairs = [(number, candidate) for number, size in enumerate(
-        len(space.candidates[:QUICK_CANDIDATES] if quick else space.candidates)
-        for _, space in spaces for _ in space.buckets) for candidate in range(size)]
-    shares = [pairs[start::jobs] for start in range(jobs)]
-    started = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        ran = sum(pool.starmap(_compile_share, [(ops, quick, s) for s in shares if s]))
-    print(f"compiled {ran} of {len(pairs)} (bucket, candidate) pairs in {jobs} processes "
+    tasks = [(number, candidate) for number, (_, space) in enumerate(spaces)
+             for candidate in range(min(len(space.candidates), QUICK_CANDIDATES) if quick
+                                    else len(space.candidates))]
+    n_pairs = sum(len(spaces[number][1].buckets) for number, _ in tasks)
+    started, ran, done, shown = time.perf_counter(), 0, 0, 0
+    for count in pool.imap_unordered(_compile_task, [(ops, *task) for task in tasks]):
+        ran, done = ran + count, done + 1
+        if done * 4 // len(tasks) > shown:
+            shown = done * 4 // len(tasks)
+            print(f"  compiling {', '.join(ops or ['everything'])}: {done}/{len(tasks)} "
+                  f"candidates ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"compiled {ran} of {n_pairs} (bucket, candidate) pairs "
           f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def _compile_task(task: tuple) -> int:
+    return _compile_candidate(*task)
 
 
 def environment() -> dict[str, str]:
@@ -364,15 +387,27 @@ def main(argv: list[str] | None = None) -> int:
     tuned = {**environment(), "quick": args.quick}
     print(f"tuning {len(spaces)} kernels ({sum(len(s.buckets) for _, s in spaces)} buckets) on "
           f"{tuned['gpu']}, torch {tuned['torch']}, Triton {tuned['triton']}", flush=True)
-    if args.jobs > 1:
-        precompile(args.ops, args.quick, args.jobs)
     timer, device = do_bench_ms(args.quick), torch.device("cuda")
-    results, failed = tune_all(spaces, device, timer, args.quick)
-    tuned["seconds"] = round(time.perf_counter() - started)
     kept = runtime.active_configs()[0]
-    tuned_ops = {op for op, _ in spaces} - set(failed)
-    out.write_text(render_yaml(results, kept, device_name, tuned, tuned_ops))
-    runtime.load_tune_config(out)  # what was written must load
+    results, failed = [], {}
+    ops = list(dict.fromkeys(op for op, _ in spaces))
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    for number, op in enumerate(ops):
+        if pool is not None:
+            precompile(pool, [op], args.quick)
+        op_results, op_failed = tune_all([(o, s) for o, s in spaces if o == op], device, timer,
+                                         args.quick)
+        results += op_results
+        failed.update(op_failed)
+        # written after each operator, so a run cut short keeps what it finished (the others
+        # keep the entries of the file in use until then)
+        tuned["seconds"] = round(time.perf_counter() - started)
+        tuned["complete"] = number == len(ops) - 1
+        done = {o for o in ops[:number + 1] if o not in failed}
+        out.write_text(render_yaml(results, kept, device_name, tuned, done))
+        runtime.load_tune_config(out)  # what was written must load
+    if pool is not None:
+        pool.close()
     print("tuned configs against default.yaml's:")
     print("\n".join(summary(results)))
     for op, why in failed.items():

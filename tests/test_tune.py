@@ -105,6 +105,19 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
                 [(b.max, b.configs, b.autotune) for b in kept_buckets], (op, name)
 
 
+def test_a_candidate_within_the_noise_margin_does_not_replace_the_reference(monkeypatch):
+    kernel, space, _, _ = _toy(monkeypatch)
+    times_ms = {16: 2.0 * (1 + tune.KEEP_MARGIN / 2), 64: 2.0}
+
+    def timer(run):
+        return times_ms[kernel.config_for((0,)).meta_dict["BLOCK"]]
+    result = tune.tune_bucket("toy", space, 0, torch.device(DEVICE), timer, progress=print)
+    assert result.best.config == tune.launch_config(space.candidates[0])
+    times_ms[16] = 2.0 * (1 + tune.KEEP_MARGIN * 2)
+    result = tune.tune_bucket("toy", space, 0, torch.device(DEVICE), timer, progress=print)
+    assert result.best.config == tune.launch_config(space.candidates[2])
+
+
 def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(monkeypatch):
     kernel, space, problem, timer = _toy(monkeypatch)
     misplaced = registry.TuneSpace(kernel, space.candidates, (
@@ -140,9 +153,9 @@ def test_an_operator_that_cannot_be_tuned_is_left_out_and_the_others_still_are(m
     assert any(line.startswith("FAILED: broken.toy_double") for line in lines), lines
 
 
-def test_a_compile_worker_runs_exactly_its_share(monkeypatch):
-    """Pairs are numbered (bucket across every space, candidate): a worker runs each pair of
-    its share once, with that candidate forced, and nothing else."""
+def test_a_compile_task_runs_its_candidate_on_every_bucket_of_its_space(monkeypatch):
+    """A task is (space number, candidate number): the worker runs that candidate, forced,
+    once on each bucket's problem of that space, and nothing else; a failing one is passed."""
     kernel, space, problem, _ = _toy(monkeypatch)
     ran = []
 
@@ -151,15 +164,17 @@ def test_a_compile_worker_runs_exactly_its_share(monkeypatch):
         return lambda device: (lambda run: lambda: ran.append(
             (numel, kernel.config_for((0,)).meta_dict["BLOCK"])) or run())(make(device))
 
-    spaces = [("toy", registry.TuneSpace(kernel, space.candidates, (
+    spaces = [("toy", registry.TuneSpace(kernel, space.candidates[:1], (
+                  registry.TuneBucket(None, "n 5", recording(5)),))),
+              ("toy", registry.TuneSpace(kernel, space.candidates, (
                   registry.TuneBucket({"numel": 100}, "n 77", recording(77)),
-                  registry.TuneBucket(None, "n 300", recording(300))))),
-              ("toy", registry.TuneSpace(kernel, space.candidates[:1], (
-                  registry.TuneBucket(None, "n 5", recording(5)),)))]
+                  registry.TuneBucket(None, "n 300", recording(300)))))]
     monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
-    # bucket 0 candidate 2, bucket 1 candidate 0, bucket 2 candidate 0; candidate 3 fails
-    assert tune._compile_share(None, False, [(0, 2), (1, 0), (2, 0), (1, 3)]) == 3
-    assert ran == [(77, 64), (300, 16), (300, 24), (5, 16)]
+    assert tune._compile_candidate(None, 1, 2) == 2
+    assert ran == [(77, 64), (300, 64)]
+    ran.clear()
+    assert tune._compile_candidate(None, 1, 3) == 0  # BLOCK 24 does not compile
+    assert ran == [(77, 24), (300, 24)]
 
 
 def test_quick_runs_try_the_configs_in_use_and_the_first_candidates():
