@@ -1,6 +1,6 @@
 """``python -m gemslib.tune``: tune every kernel's launch configs on this GPU; write its YAML.
 
-    python -m gemslib.tune [--ops NAME ...] [--out PATH] [--quick] [--jobs N]
+    python -m gemslib.tune [--ops NAME ...] [--out PATH] [--quick] [--timings JSON] [--jobs N]
 
 Each operator file declares ``TUNING``: per kernel, candidate configs and, per bucket of its
 tune-config entry, a representative problem (registry.TuneSpace / TuneBucket). For every
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import math
 import multiprocessing
 import os
@@ -150,10 +151,11 @@ def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
 
 def candidates_for(space: registry.TuneSpace, in_use: runtime.LaunchConfig | None,
                    reference: runtime.LaunchConfig, quick: bool) -> list[runtime.LaunchConfig]:
-    """Every candidate, or (quick) the config in use, the reference and the first few."""
+    """Every candidate and the configs in use (the reference, default.yaml's, and the file in
+    use's), or (quick) those two and the first few candidates."""
     every = [launch_config(raw) for raw in space.candidates]
-    if not quick:
-        return list(dict.fromkeys(every + [reference]))
+    if not quick:  # the configs in use too: the tuned file never loses to the one it replaces
+        return list(dict.fromkeys(every + [c for c in (reference, in_use) if c is not None]))
     return list(dict.fromkeys([c for c in (in_use, reference) if c is not None]
                               + every[:QUICK_CANDIDATES]))
 
@@ -204,7 +206,8 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
                 timing.why = f"does not run ({type(err).__name__}: {str(err)[:80]})"
         result.timings.append(timing)
     if not any(t.ms is not None for t in result.timings):
-        raise TuneError(f"{op}.{kernel.name} {bucket.label}: no candidate runs right")
+        raise TuneError(f"{op}.{kernel.name} {bucket.label}: no candidate runs right (the "
+                        f"first: {result.timings[0].why})")
     timed_reference = next(t for t in result.timings if t.config == reference)
     if timed_reference.ms is None:  # it disagreed with its own earlier output
         raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
@@ -316,6 +319,9 @@ def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int)
         del run
     if device.type == "cuda":
         torch.cuda.synchronize()
+        # an idle worker holds no tensors: a dozen of them, each keeping its largest problem's
+        # memory cached, filled the GPU and starved the timing process (H200, 2026-11-30)
+        torch.cuda.empty_cache()
     return ran
 
 
@@ -341,6 +347,16 @@ def precompile(pool, ops: list[str] | None, quick: bool) -> None:
 
 def _compile_task(task: tuple) -> int:
     return _compile_candidate(*task)
+
+
+def timings_record(results: list[BucketResult], tuned: dict) -> dict:
+    """Every candidate's time (or why it was rejected) per bucket, for ``--timings``: what a
+    later pruning of the candidate lists goes by."""
+    return {"tuned": tuned, "buckets": [
+        {"op": r.op, "kernel": r.kernel, "bucket": r.bucket.label, "shape": list(r.shape),
+         "reference": r.reference.as_dict(), "best": r.best.config.as_dict(),
+         "candidates": [{"config": t.config.as_dict(), "ms": t.ms, "rejected": t.why or None}
+                        for t in r.timings]} for r in results]}
 
 
 def environment() -> dict[str, str]:
@@ -370,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"per bucket only the configs in use and the first "
                              f"{QUICK_CANDIDATES} candidates, shorter timings")
+    parser.add_argument("--timings", type=Path,
+                        help="also write every candidate's time to this JSON file")
     parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the candidates first (1: compile while timing)")
     args = parser.parse_args(argv)
@@ -406,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         done = {o for o in ops[:number + 1] if o not in failed}
         out.write_text(render_yaml(results, kept, device_name, tuned, done))
         runtime.load_tune_config(out)  # what was written must load
+        if args.timings:
+            args.timings.write_text(json.dumps(timings_record(results, tuned), indent=1))
     if pool is not None:
         pool.close()
     print("tuned configs against default.yaml's:")

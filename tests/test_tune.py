@@ -1,6 +1,7 @@
 """``python -m gemslib.tune``: the declared tune spaces, and the tuner on a toy kernel (the
 interpreter runs it; the timings are scripted, since nothing is timed in tests)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,14 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
     assert results[0].shape == (77,) and results[1].shape == (300,)
     assert "best {BLOCK: 64, SHIFT: 0, num_warps: 2, num_stages: 1} 2000.0 us" in lines[0]
     assert "(1.50x)" in lines[0] and "2 rejected" in lines[0]
+
+    record = json.loads(json.dumps(tune.timings_record(results, {"gpu": "Toy GPU"})))
+    first = record["buckets"][0]
+    assert (first["op"], first["bucket"], first["shape"]) == ("toy", "n 77", [77])
+    assert first["best"]["BLOCK"] == 64 and len(first["candidates"]) == 4
+    times = {c["config"]["BLOCK"]: (c["ms"], c["rejected"]) for c in first["candidates"]}
+    assert times[16] == (3.0, None) and times[64] == (2.0, None)
+    assert times[32][0] is None and times[32][1].startswith("output 0")
 
     kept = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
     tuned = {"gpu": "Toy GPU", "torch": "2.x", "triton": "3.6.0", "date": "2026-11-30 10:00 UTC",
@@ -186,7 +195,9 @@ def test_quick_runs_try_the_configs_in_use_and_the_first_candidates():
     assert quick[2:] == [tune.launch_config(raw) for raw in space.candidates[:tune.QUICK_CANDIDATES]
                          if tune.launch_config(raw) not in (in_use, reference)]
     full = tune.candidates_for(space, in_use, reference, quick=False)
-    assert len(full) == len(space.candidates) and reference in full
+    assert set(full) == {tune.launch_config(raw) for raw in space.candidates} | {in_use, reference}
+    outsider = tune.launch_config({"BLOCK_M": 3, "BLOCK_N": 16384, "num_warps": 16})
+    assert outsider in tune.candidates_for(space, outsider, reference, quick=False)  # in use
 
 
 def test_disagreement_names_what_differs():
