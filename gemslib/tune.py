@@ -285,6 +285,7 @@ def render_yaml(results: list[BucketResult], kept: runtime.TuneConfigFile | None
                     else:
                         lines.append(f"      - config: {_flow(best.config)}{note}")
         else:
+            lines[-1] += f"  # not tuned in this run: the entries of {kept.path.name}"
             for kernel, buckets in kept.ops[op].items():
                 lines.append(f"    {kernel}:")
                 for bucket in buckets:
@@ -422,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned["seconds"] = round(time.perf_counter() - started)
         tuned["complete"] = number == len(ops) - 1
         done = {o for o in ops[:number + 1] if o not in failed}
+        tuned["ops"] = [o for o in ops if o in done]
         out.write_text(render_yaml(results, kept, device_name, tuned, done))
         runtime.load_tune_config(out)  # what was written must load
         if args.timings:

@@ -101,6 +101,8 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
              "quick": False}
     text = tune.render_yaml(results, kept, "toy_gpu", tuned, {"toy"})
     data = yaml.safe_load(text)
+    assert "  silu:  # not tuned in this run: the entries of default.yaml\n" in text
+    assert "  toy:\n" in text
     loaded = runtime.parse_tune_config(runtime.shipped_configs_dir() / "toy.yaml", data)
     assert data["tuned"] == tuned and loaded.device == "toy_gpu"
     buckets = loaded.ops["toy"]["toy_double"]
