@@ -1,9 +1,10 @@
-"""Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--backward]``.
+"""Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--forward-only]``.
 
 Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
-importable peer on the same inputs, prints one table, writes ``<out>/results.json`` and one
-plot per operator (when matplotlib is installed). Needs a CUDA GPU; without one it says so and
-exits 0.
+importable peer on the same inputs, forward and backward kernels, prints one table, writes
+``<out>/results.json``, ``<out>/results.md`` (the README's tables, see ``benchmark.readme``)
+and ``<out>/<op>.png``, one plot per operator (when matplotlib is installed). Needs a CUDA GPU;
+without one it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,11 +36,19 @@ def module_ops() -> dict[str, tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
-    parser.add_argument("--backward", action="store_true", help="also time backward kernels")
+    direction = parser.add_mutually_exclusive_group()
+    direction.add_argument("--forward-only", action="store_true",
+                           help="skip the backward kernels (timed by default)")
+    direction.add_argument("--backward", action="store_true",
+                           help="accepted for old command lines: the backward kernels are timed "
+                                "by default")
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
-                        help="folder for results.json and the plots")
-    parser.add_argument("--no-plot", action="store_true")
+                        help="folder for results.json, results.md and the plots "
+                             "(default: benchmark/results)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="skip the plots (python -m benchmark.readme --plots draws them "
+                             "from results.json later)")
     args = parser.parse_args(argv)
     ops_by_module = module_ops()
     known = sorted({op for ops in ops_by_module.values() for op in ops})
@@ -51,17 +61,18 @@ def main(argv: list[str] | None = None) -> int:
               "so there is nothing to run here.")
         return 0
 
-    from benchmark import harness
+    from benchmark import harness, readme
 
     started = time.perf_counter()
+    env = harness.environment()  # once: the date is the run's start, plots need no GPU
     ceilings = harness.measure_ceilings(matmul=True)  # attention reports % of the matmul rate
-    print(f"{harness.environment()}", flush=True)
+    print(env, flush=True)
     results = []
     for name, ops in ops_by_module.items():
         if args.ops and not set(args.ops) & set(ops):
             continue  # building a module's cases allocates inputs (and compiles torch peers)
         module = importlib.import_module(f"benchmark.{name}")
-        for case in module.cases(quick=args.quick, backward=args.backward):
+        for case in module.cases(quick=args.quick, backward=not args.forward_only):
             if case.op not in ops:  # --ops would skip it without a word
                 raise RuntimeError(f"{name} yields {case.op}, which its OPS does not list")
             if args.ops and case.op not in args.ops:
@@ -73,10 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(harness.format_table(rows, ceilings))
     args.out.mkdir(parents=True, exist_ok=True)
-    harness.write_json(args.out / "results.json", results, rows, ceilings)
-    plots = [] if args.no_plot else harness.plot(results, ceilings, args.out)
-    print(f"\nwrote {args.out / 'results.json'}" + (f" and {len(plots)} plot(s)" if plots else "")
-          + f" in {time.perf_counter() - started:.0f} s")
+    command = shlex.join(["python", "-m", "benchmark", *(sys.argv[1:] if argv is None else argv)])
+    report = harness.write_json(args.out / "results.json", results, rows, ceilings, env, command)
+    written = ["results.json"]
+    if rows:  # the markdown python -m benchmark.readme renders from results.json for the README
+        (args.out / "results.md").write_text(readme.render(report))
+        written.append("results.md")
+    plots = [] if args.no_plot else harness.plot(results, ceilings, args.out, env["gpu"])
+    written += [f"{len(plots)} plot(s)"] if plots else []
+    print(f"\nwrote {', '.join(written)} to {args.out} "
+          f"({time.perf_counter() - started:.0f} s)")
     failures = [row for row in rows if row.get("error")]
     for row in failures:
         print(f"gemslib FAILED at {row['op']} {row['shape']}: {row['error']}")

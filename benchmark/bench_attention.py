@@ -1,12 +1,12 @@
 """attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
 SDPA's default choice, and FlagGems.
 
-    python -m benchmark --ops attention decode_attention [--backward]
+    python -m benchmark --ops attention decode_attention [--forward-only]
 
 Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
-bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). ``--backward`` adds
-attention_backward cases: the backward alone (dq, dk, dv from a graph built once), at 2.5x the
-forward's FLOPs (five matmuls of the forward's size against two).
+bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). Unless ``--forward-only``,
+attention_backward cases follow: the backward alone (dq, dk, dv from a graph built once), at
+2.5x the forward's FLOPs (five matmuls of the forward's size against two).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ DTYPE = torch.bfloat16
 # (batch, heads, seq, head dim)
 QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
 EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128)]
-BACKWARD_SWEEP = [(4, 32, 2048, 128), (2, 16, 4096, 64)]
 # (batch, cache length)
 QUICK_DECODE = [(1, 8192), (16, 32768)]
 EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
@@ -148,54 +147,3 @@ def cases(quick: bool = False, backward: bool = False):
         del q, k_cache, v_cache
 
 
-SWEEP_CANDIDATES = {
-    # screened on the CPU (sm_90a, ptxas -v, head dim 128, bf16): 128-row blocks spill with 4
-    # warps (88-1548 bytes), so only 8 warps there; 128-key blocks at 4 stages exceed 227 KB of
-    # shared memory. The first H200 sweep (NOTES) dropped 64-row blocks with 8 warps (1.5-2x
-    # slower) and 2 stages for 128-row blocks
-    "attention_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "LAZY": lazy, "num_warps": w,
-                       "num_stages": st}
-                      for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
-                                              (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
-                      for tma in (0, 1) for lazy in (0, 1) for st in stages],
-    "attention_bwd_dkdv": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
-                           for n in (64, 128) for m in (32, 64) for w in (4, 8)
-                           for st in (1, 2, 3)],
-    "attention_bwd_dq": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
-                         for m in (64, 128) for n in (32, 64, 128) for w in (4, 8)
-                         for st in (2, 3)],
-    # the earlier H200 sweeps: 32-key blocks and 2 warps are latency-bound at B1 (x3 at L32768),
-    # 1 stage and 8 warps never won, nor 8-16 per SM. 3 per SM: the 64-key configs fit three
-    # programs on an SM (ncu), and the split count now rounds down to whole waves
-    "decode": [{"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
-               for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
-               for per_sm in (1, 2, 3, 4)],
-}
-
-
-def sweep_problems():
-    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
-    for batch, heads, seq, dim in QUICK_PREFILL:
-        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
-                   for _ in range(3))
-        for causal in (False, True):
-            yield (attention_ops.ATTENTION_FWD, f"S{seq} D{dim}" + (" causal" if causal else ""),
-                   0, lambda c=causal: gemslib.attention(q, k, v, causal=c))
-    for batch, heads, seq, dim in BACKWARD_SWEEP:
-        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=DTYPE)
-                   for _ in range(3))
-        for causal in (False, True):
-            grads = _backward_only(lambda q, k, v, c=causal: gemslib.attention(q, k, v, causal=c),
-                                   q, k, v)
-            label = f"bwd S{seq} D{dim}" + (" causal" if causal else "")
-            # each kernel's problem returns its own gradient first (the sweep compares that)
-            yield (attention_ops.ATTENTION_BWD_DKDV, label + " dkdv", 0,
-                   lambda grads=grads: grads()[1:])
-            yield (attention_ops.ATTENTION_BWD_DQ, label + " dq", 0, grads)
-    for batch, cache_len in QUICK_DECODE + EXTRA_DECODE:
-        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
-        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
-                                        device="cuda", dtype=DTYPE) for _ in range(2))
-        yield (attention_ops.DECODE, f"B{batch} L{cache_len}",
-               2 * k_cache.numel() * k_cache.element_size(),
-               lambda: gemslib.decode_attention(q, k_cache, v_cache))

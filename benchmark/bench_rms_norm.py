@@ -1,6 +1,6 @@
 """rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems.
 
-    python -m benchmark --ops rms_norm add_rms_norm [--backward]
+    python -m benchmark --ops rms_norm add_rms_norm [--forward-only]
 
 Bytes moved: rms_norm reads x and writes y (2*M*N); add_rms_norm reads x and residual and
 writes both outputs (4*M*N); the backward reads x and dy and writes dx (3*M*N). The weight and
@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import gemslib
 from benchmark.harness import Case, compiled, optional_peer, outputs_close
-from gemslib.ops import rms_norm as rms_ops
 
 QUICK_RMS_NORM = [(65536, 4096), (4096, 4096), (8192, 5120)]
 EXTRA_RMS_NORM = [(1, 4096), (16384, 8192), (2048, 12288), (512, 65536)]
@@ -95,27 +94,3 @@ def cases(quick: bool = False, backward: bool = False):
         del x, residual, fresh
 
 
-SWEEP_CANDIDATES = {
-    "rms_norm_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-                     for m, n in ((1, 1024), (1, 2048), (1, 4096), (1, 8192), (2, 2048),
-                                  (2, 4096), (4, 2048), (1, 16384))
-                     for w in (4, 8, 16)],
-    # num_stages > 1 lets Triton prefetch the next row while this one is reduced
-    "rms_norm_bwd": [{"BLOCK_N": n, "num_warps": w, "num_stages": st} for n in (4096, 8192)
-                     for w in (4, 8, 16) for st in (1, 2)],
-}
-
-
-def sweep_problems():
-    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
-    size = torch.finfo(DTYPE).bits // 8
-    for rows, cols in [(65536, 4096), (4096, 4096), (8192, 5120), (16384, 8192), (2048, 12288),
-                       (512, 65536)]:
-        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
-        weight = torch.randn(cols, device="cuda", dtype=DTYPE)
-        grad = torch.randn_like(x)
-        _, rstd = rms_ops._forward(x, weight, EPS, want_rstd=True)
-        label = f"{rows}x{cols}"
-        yield rms_ops.RMS_NORM_FWD, label, 2 * x.numel() * size, lambda: gemslib.rms_norm(x, weight)
-        yield (rms_ops.RMS_NORM_BWD, label, 3 * x.numel() * size,
-               lambda: rms_ops._launch_backward(grad, x, weight, rstd))

@@ -52,33 +52,3 @@ def cases(quick: bool = False, backward: bool = False):
         del x, weight
 
 
-SWEEP_CANDIDATES = {
-    "rms_norm_linear_silu":
-        # matmul tiles for large M
-        [{"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "USE_TMA": t, "SPLIT_K": 1,
-          "num_warps": w, "num_stages": s}
-         for m, n, k in ((128, 128, 64), (128, 256, 64), (64, 256, 64), (128, 128, 128))
-         for t in (0, 1) for w in (4, 8) for s in (3, 4)]
-        # decode tiles: 16 rows, narrow column tiles, long K steps (the 2026-11-30 sweep: 64
-        # columns, 2 warps, TMA best; 16-32 columns 1.5-2.5x slower, dropped)
-        + [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "USE_TMA": t, "SPLIT_K": 1,
-            "num_warps": w, "num_stages": s}
-           for n, k in ((64, 128), (64, 256), (128, 128))
-           for t in (0, 1) for w in (2, 4) for s in (3, 4)]
-        # decode, K split into SPLIT_K ranges: more programs in flight over W
-        + [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 1, "USE_TMA": t,
-            "SPLIT_K": split, "num_warps": w, "num_stages": 3}
-           for n in (64, 128) for split in (2, 4, 8) for t in (0, 1) for w in (2, 4)],
-}
-
-
-def sweep_problems():
-    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
-    size = torch.finfo(DTYPE).bits // 8
-    for rows, n_out in [(1, 14336), (16, 14336), (4096, 14336)]:
-        x = torch.randn(rows, K, device="cuda", dtype=DTYPE)
-        norm_weight = torch.randn(K, device="cuda", dtype=DTYPE)
-        weight = torch.randn(n_out, K, device="cuda", dtype=DTYPE) * K ** -0.5
-        yield (fused_ops.RMS_NORM_LINEAR_SILU, f"M{rows} N{n_out}",
-               (x.numel() + weight.numel() + rows * n_out) * size,
-               lambda: gemslib.rms_norm_linear_silu(x, norm_weight, weight, eps=EPS))

@@ -1,6 +1,6 @@
 """apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems.
 
-    python -m benchmark --ops rotary [--backward]
+    python -m benchmark --ops rotary [--forward-only]
 
 Bytes moved: q and k read and written once (2 * (q + k) elements); cos and sin are small.
 The eager peer is the Hugging Face formulation, ``x * cos + rotate_half(x) * sin`` with cos and
@@ -78,18 +78,3 @@ def cases(quick: bool = False, backward: bool = False):
         del q, k
 
 
-SWEEP_CANDIDATES = {
-    "rotary": [{"BLOCK_H": h, "LOOP_HEADS": loop, "num_warps": w} for h in (4, 8, 16, 32)
-               for loop in (0, 1) for w in (1, 2, 4, 8)],
-}
-
-
-def sweep_problems():
-    size = torch.finfo(DTYPE).bits // 8
-    for batch, seq, q_heads, kv_heads, head_dim in QUICK_SHAPES:
-        q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE)
-        k = torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=DTYPE)
-        angles = torch.rand(seq, head_dim // 2, device="cuda") * 6.3
-        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
-        yield (rotary_ops.ROTARY, f"B{batch} S{seq}", 2 * (q.numel() + k.numel()) * size,
-               lambda: gemslib.apply_rotary(q, k, cos, sin))

@@ -1,6 +1,6 @@
 """silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel and FlagGems.
 
-    python -m benchmark.bench_silu [--quick] [--backward]
+    python -m benchmark.bench_silu [--quick] [--forward-only]
 
 Bytes moved: silu reads and writes M*N elements; silu_and_mul reads M*2N and writes M*N.
 """
@@ -82,38 +82,6 @@ def cases(quick: bool = False, backward: bool = False):
                            silu_ops.silu_and_mul_backward_reference(grad.float(), gate_up.float()))))
             del grad
         del gate_up
-
-
-# Candidate launch configs for benchmark/sweep.py, and the problems to time them on.
-SWEEP_CANDIDATES = {
-    "silu_fwd": [{"BLOCK": b, "num_warps": w} for b in (1024, 2048, 4096, 8192)
-                 for w in (4, 8, 16) if b // (32 * w) >= 4],
-    "silu_bwd": [{"BLOCK": b, "num_warps": w} for b in (1024, 2048, 4096, 8192)
-                 for w in (4, 8, 16) if b // (32 * w) >= 4],
-    "silu_and_mul_fwd": [{"BLOCK_N": b, "num_warps": w} for b in (512, 1024, 2048, 4096)
-                         for w in (2, 4, 8, 16) if b // (32 * w) >= 4],
-    "silu_and_mul_bwd": [{"BLOCK_N": b, "num_warps": w} for b in (512, 1024, 2048, 4096)
-                         for w in (2, 4, 8, 16) if b // (32 * w) >= 4],
-}
-
-
-def sweep_problems():
-    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
-    size = torch.finfo(DTYPE).bits // 8
-    for rows, cols in [(256, 4096), (4096, 14336), (16384, 14336)]:
-        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
-        grad = torch.randn_like(x)
-        gate_up = torch.randn(rows, 2 * cols, device="cuda", dtype=DTYPE)
-        label = f"{rows}x{cols}"
-        yield silu_ops.SILU_FWD, label, 2 * x.numel() * size, lambda: gemslib.silu(x)
-        # the launchers directly: through torch.ops the custom-op dispatch (tens of us on the
-        # host) would hide the kernel at small sizes
-        yield (silu_ops.SILU_BWD, label, 3 * x.numel() * size,
-               lambda: silu_ops._silu_backward(grad, x))
-        yield (silu_ops.SILU_AND_MUL_FWD, label, 3 * x.numel() * size,
-               lambda: gemslib.silu_and_mul(gate_up))
-        yield (silu_ops.SILU_AND_MUL_BWD, label, 5 * x.numel() * size,
-               lambda: silu_ops._silu_and_mul_backward(grad, gate_up))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """softmax and log_softmax (bf16, last dim) against torch eager, torch.compile and FlagGems.
 
-    python -m benchmark --ops softmax log_softmax [--backward]
+    python -m benchmark --ops softmax log_softmax [--forward-only]
 
 Bytes moved: read x and write y (2*M*N); the backward reads dy and y and writes dx (3*M*N).
 Wide rows (vocabulary sizes) take an online pass, which reads x twice: its floor is 3*M*N
@@ -13,7 +13,6 @@ import torch
 
 import gemslib
 from benchmark.harness import Case, compiled, optional_peer, outputs_close
-from gemslib.ops import softmax as softmax_ops
 
 QUICK_SHAPES = [(16384, 4096), (1024, 131072), (512, 262144)]
 EXTRA_SHAPES = [(4096, 4096), (2048, 50257), (1, 131072), (65536, 1024), (8192, 32000)]
@@ -62,31 +61,3 @@ def cases(quick: bool = False, backward: bool = False):
         del x
 
 
-SWEEP_CANDIDATES = {
-    "softmax_fwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-                    for m, n in ((1, 4096), (1, 8192), (2, 4096), (1, 16384))
-                    for w in (4, 8, 16)],
-    "softmax_bwd": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-                    for m, n in ((1, 4096), (1, 8192), (2, 4096))
-                    for w in (4, 8, 16)],
-    # CHUNK 0 is softmax_fwd's one program per row, the baseline the split forms must beat
-    "softmax_split_fwd": [{"CHUNK": 0, "num_warps": 8}]
-                         + [{"CHUNK": c, "num_warps": w} for c in (2048, 4096, 8192, 16384, 32768)
-                            for w in (2, 4, 8, 16)],
-}
-
-
-def sweep_problems():
-    """(kernel, label, bytes moved, callable) for benchmark/sweep.py."""
-    size = torch.finfo(DTYPE).bits // 8
-    for rows, cols in QUICK_SHAPES:
-        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
-        y = softmax_ops.softmax(x, -1)
-        grad = torch.randn_like(x)
-        label = f"{rows}x{cols}"
-        yield softmax_ops.SOFTMAX_FWD, label, 2 * x.numel() * size, lambda: gemslib.softmax(x, -1)
-        yield (softmax_ops.SOFTMAX_BWD, label, 3 * x.numel() * size,
-               lambda: softmax_ops._backward(grad, y, 1, False, y.dtype))
-        if cols > 8192:  # rows split over programs: one read instead of two
-            yield (softmax_ops.SOFTMAX_SPLIT_FWD, label, 2 * x.numel() * size,
-                   lambda: gemslib.softmax(x, -1))

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One GPU session in one call: install, test, check, sweep, benchmark; logs under $OUT.
-#   bash benchmark/gpu_session.sh [sweep-ops...]      (SKIP_TESTS=1 skips pytest and the main job,
-#   NO_BENCH=1 the benchmark,
-#   FULL=1 runs the full benchmark, backward kernels too, instead of the quick one, EXPERIMENT="a b" runs
-#   benchmark/experiments/a.py and b.py first)
-# Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT.
+# One GPU session in one call: install, test, check, tune, benchmark; logs under $OUT.
+#   bash benchmark/gpu_session.sh [ops-to-tune...]    (SKIP_TESTS=1 skips pytest and the main job,
+#   NO_BENCH=1 the benchmark, FULL=1 runs every shape instead of the headline ones (either run
+#   times the backward kernels too), EXPERIMENT="a b" runs benchmark/experiments/a.py and b.py first)
+# Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT, so
+# no plots: `python -m benchmark.readme $OUT/bench/results.json --plots DIR` draws them anywhere.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gemslib_out}
 mkdir -p "$OUT"
@@ -28,14 +28,15 @@ fi
 for experiment in ${EXPERIMENT:-}; do  # a space-separated list
   python -m "benchmark.experiments.$experiment" 2>&1 | tee "$OUT/experiment_$experiment.log"
 done
-for op in "$@"; do
-  timeout "${SWEEP_TIMEOUT:-300}" python -m benchmark.sweep "$op" 2>&1 | tee "$OUT/sweep_$op.log"
-done
+if [ "$#" -gt 0 ]; then  # the tuned file lands in $OUT; the benchmark below runs with it
+  timeout "${TUNE_TIMEOUT:-540}" python -m gemslib.tune --ops "$@" --out "$OUT/tuned.yaml" 2>&1 \
+    | tee "$OUT/tune.log" && export GEMSLIB_TUNE_CONFIG="$OUT/tuned.yaml"
+fi
 if [ "${NO_BENCH:-0}" = 1 ]; then
   :
-elif [ "${FULL:-0}" = 1 ]; then  # every shape, backward kernels too
-  python -m benchmark --backward --no-plot --out "$OUT/full" 2>&1 | tee "$OUT/bench.log" || status=1
+elif [ "${FULL:-0}" = 1 ]; then  # every shape
+  python -m benchmark --no-plot --out "$OUT/full" 2>&1 | tee "$OUT/bench.log" || status=1
 else
-  python -m benchmark --quick --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1
+  python -m benchmark --quick --no-plot --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 exit $status

@@ -7,7 +7,8 @@ gemslib, the peers and the machine's ceilings are measured side by side in the s
 from __future__ import annotations
 
 import datetime
-import importlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import platform
@@ -100,6 +101,15 @@ def compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False)
 
 
+def roofline(gbps: float | None, tflops: float | None, ceilings: Ceilings) -> str | None:
+    """The ceiling a figure is judged against: ``"matmul"`` (TFLOP/s over the run's bf16 matmul
+    rate) when the case counts FLOPs and the run measured that rate, else ``"copy"`` (GB/s over
+    the copy bandwidth) when it counts bytes; ``None`` when neither applies."""
+    if tflops is not None and ceilings.matmul_tflops:
+        return "matmul"
+    return "copy" if gbps is not None else None
+
+
 def run_case(case: Case, ceilings: Ceilings, rounds: int = 3) -> list[Result]:
     """Time every implementation ``rounds`` times, round-robin, and keep each one's best
     median: a transient slowdown of the GPU then hits one round, not one implementation."""
@@ -124,10 +134,9 @@ def run_case(case: Case, ceilings: Ceilings, rounds: int = 3) -> list[Result]:
         ms = best[impl]
         gbps = case.bytes_moved / ms / 1e6 if case.bytes_moved else None
         tflops = case.flops / ms / 1e9 if case.flops else None
-        if case.flops and ceilings.matmul_tflops:
-            pct = 100 * tflops / ceilings.matmul_tflops
-        else:
-            pct = 100 * gbps / ceilings.copy_gbps if gbps else None
+        basis = roofline(gbps, tflops, ceilings)
+        pct = (100 * tflops / ceilings.matmul_tflops if basis == "matmul"
+               else 100 * gbps / ceilings.copy_gbps if basis == "copy" else None)
         results.append(Result(case.op, case.shape, case.dtype, impl, ms * 1e3, gbps, tflops, pct))
     if case.outputs_agree is not None and GEMSLIB not in failed:
         try:
@@ -192,53 +201,143 @@ def format_table(rows: list[dict], ceilings: Ceilings) -> str:
     return "\n".join([ceiling, *lines])
 
 
+PEER_DISTRIBUTIONS = {"Liger-Kernel": "liger-kernel", "FlagGems": "flag-gems"}
+
+
 def environment() -> dict:
+    """This machine and its software, read once at the start of a run: GPU name and SM count,
+    torch (and the CUDA it was built with), Triton, Python, the installed peers' versions and
+    the UTC date. Queries the CUDA device, so only a GPU run calls it; reports and plots read the
+    dict back from results.json."""
     import triton
 
     props = torch.cuda.get_device_properties(0)
+    peers = {}
+    for name, distribution in PEER_DISTRIBUTIONS.items():
+        try:
+            peers[name] = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(),
+            "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(), "peers": peers,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def write_json(path: Path, results: list[Result], rows: list[dict], ceilings: Ceilings) -> None:
+def write_json(path: Path, results: list[Result], rows: list[dict], ceilings: Ceilings,
+               env: dict, command: str | None = None) -> dict:
+    """Write the run to ``path`` and return what was written: ``environment`` (``env``, as
+    :func:`environment` gave it at the start of the run), ``command`` (the command line),
+    ``ceilings``, ``summary`` (:func:`summarize`'s rows) and ``results`` (every timing)."""
+    report = {"environment": env, "command": command, "ceilings": asdict(ceilings),
+              "summary": rows, "results": [asdict(r) for r in results]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": environment(), "ceilings": asdict(ceilings),
-                                "summary": rows, "results": [asdict(r) for r in results]},
-                               indent=2))
+    path.write_text(json.dumps(report, indent=2))
+    return report
 
 
-def plot(results: list[Result], ceilings: Ceilings, out_dir: Path) -> list[Path]:
-    """One bar chart per operator: achieved GB/s per shape and implementation."""
-    try:
-        import matplotlib
+def load_json(path: Path) -> tuple[list[Result], Ceilings, dict]:
+    """A results.json back as the run's results, ceilings and environment (to draw the plots
+    on another machine)."""
+    report = json.loads(Path(path).read_text())
+    return ([Result(**r) for r in report["results"]], Ceilings(**report["ceilings"]),
+            report["environment"])
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    written = []
+
+@dataclass
+class PlotSpec:
+    """What one operator's chart shows, before any drawing.
+
+    ``values[impl][i]`` is ``impl``'s figure at ``shapes[i]`` in ``unit`` ("TFLOP/s", "GB/s" or
+    "us"), ``None`` where it failed. ``ceiling`` is the run's roofline in that unit (the bf16
+    matmul rate for TFLOP/s, the copy bandwidth for GB/s; ``None`` for time or when the run did
+    not measure it). ``log_scale`` when the figures span more than ``LOG_SPAN``x, as they do
+    between a one-row decode shape and a prefill shape.
+    """
+
+    op: str
+    title: str
+    unit: str
+    shapes: list[str]
+    values: dict[str, list[float | None]]
+    ceiling: float | None
+    ceiling_label: str | None
+    log_scale: bool
+
+
+LOG_SPAN = 30.0
+
+
+def plot_specs(results: list[Result], ceilings: Ceilings, gpu: str) -> list[PlotSpec]:
+    """One :class:`PlotSpec` per operator, in name order. An operator that counts FLOPs is shown
+    in TFLOP/s against the matmul rate, one that counts only bytes in GB/s against the copy
+    bandwidth, one that counts neither in microseconds (lower is better)."""
+    specs = []
     for op in sorted({r.op for r in results}):
-        mine = [r for r in results if r.op == op and r.gbps]
+        mine = [r for r in results if r.op == op]
+        if any(r.tflops is not None for r in mine):
+            unit, figure, ceiling = "TFLOP/s", "tflops", ceilings.matmul_tflops
+            label = f"bf16 matmul {ceiling:.0f} TFLOP/s" if ceiling else None
+        elif any(r.gbps is not None for r in mine):
+            unit, figure, ceiling = "GB/s", "gbps", ceilings.copy_gbps
+            label = f"copy {ceiling:.0f} GB/s"
+        else:
+            unit, figure, ceiling, label = "us", "time_us", None, None
         shapes = list(dict.fromkeys(r.shape for r in mine))
-        impls = list(dict.fromkeys(r.impl for r in mine))
-        fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(shapes) + 2.5), 4))
-        width = 0.8 / max(len(impls), 1)
-        for i, impl in enumerate(impls):
-            values = [next((r.gbps for r in mine if r.shape == s and r.impl == impl), 0)
-                      for s in shapes]
-            ax.bar([x + i * width for x in range(len(shapes))], values, width, label=impl)
-        ax.axhline(ceilings.copy_gbps, color="black", linestyle="--", linewidth=1,
-                   label=f"copy {ceilings.copy_gbps:.0f} GB/s")
-        ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(shapes))], shapes,
-                      fontsize=8)
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{op} ({environment()['gpu']})")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        path = out_dir / f"{op}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        values = {}
+        for impl in dict.fromkeys(r.impl for r in mine):
+            at = {r.shape: getattr(r, figure) for r in mine if r.impl == impl}
+            series = [at.get(shape) for shape in shapes]
+            if any(v is not None for v in series):  # an impl that failed everywhere: no bars
+                values[impl] = series
+        positive = [v for series in values.values() for v in series if v]
+        log_scale = bool(positive) and max(positive) > LOG_SPAN * min(positive)
+        better = "lower" if unit == "us" else "higher"
+        specs.append(PlotSpec(op, f"{op}: {unit}, {better} is better ({gpu})", unit, shapes,
+                              values, ceiling, label, log_scale))
+    return specs
+
+
+def draw(spec: PlotSpec, path: Path) -> None:
+    """A grouped bar chart of ``spec`` (one group per shape, one bar per implementation, the
+    ceiling as a dashed line) saved as a PNG at ``path``. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(spec.values)
+    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(spec.shapes) + 2.5), 4))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        drawn = [(x, v) for x, v in enumerate(spec.values[impl]) if v is not None]
+        ax.bar([x + i * width for x, _ in drawn], [v for _, v in drawn], width, label=impl)
+    if spec.ceiling:
+        ax.axhline(spec.ceiling, color="black", linestyle="--", linewidth=1,
+                   label=spec.ceiling_label)
+    if spec.log_scale:
+        ax.set_yscale("log")
+    ax.set_xticks([x + width * (len(impls) - 1) / 2 for x in range(len(spec.shapes))],
+                  spec.shapes, fontsize=8)
+    ax.set_ylabel(spec.unit)
+    ax.set_title(spec.title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(results: list[Result], ceilings: Ceilings, out_dir: Path, gpu: str) -> list[Path]:
+    """One PNG per operator, ``<out_dir>/<op>.png`` (see :func:`plot_specs`); none when
+    matplotlib is not installed (it is the optional ``bench`` extra)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for spec in plot_specs(results, ceilings, gpu):
+        path = out_dir / f"{spec.op}.png"
+        draw(spec, path)
         written.append(path)
     return written
 

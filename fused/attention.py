@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck
+from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _attention_hopper
@@ -1207,4 +1207,103 @@ SELF_CHECKS = (
               torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
                   q[:, :, None], k, v, enable_gqa=True)[:, :, 0],
               dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _prefill_problem(batch: int, heads: int, seq: int, dim: int, dtype: torch.dtype,
+                     backward: bool):
+    """Causal and not, summed, on the Triton kernels (the Gluon ones switched off while the
+    problem runs: they take the 16-bit D128 calls on sm_90 and have no tunables)."""
+    def make(device):
+        q, k, v = (torch.randn(batch, heads, seq, dim, device=device, dtype=dtype)
+                   for _ in range(3))
+        grad_out = torch.randn_like(q)
+        saved = [_launch_forward(q, k, v, causal, dim ** -0.5) for causal in (False, True)]
+
+        def run():
+            global use_hopper_kernel, use_hopper_backward
+            previous = use_hopper_kernel, use_hopper_backward
+            use_hopper_kernel = use_hopper_backward = False
+            try:
+                if backward:
+                    return [_launch_backward(grad_out, q, k, v, out, lse, None, causal,
+                                             dim ** -0.5)
+                            for causal, (out, lse) in zip((False, True), saved)]
+                return [_launch_forward(q, k, v, causal, dim ** -0.5)[0]
+                        for causal in (False, True)]
+            finally:
+                use_hopper_kernel, use_hopper_backward = previous
+        return run
+    return make
+
+
+def _decode_problem(shapes: tuple[tuple[int, int], ...], dim: int, dtype: torch.dtype):
+    """decode_attention at each (batch, cache length), Hq 32, Hkv 8, summed."""
+    def make(device):
+        problems = [(torch.randn(batch, 32, dim, device=device, dtype=dtype),
+                     torch.randn(batch, 8, length, dim, device=device, dtype=dtype),
+                     torch.randn(batch, 8, length, dim, device=device, dtype=dtype))
+                    for batch, length in shapes]
+        return lambda: [decode_attention(q, k_cache, v_cache) for q, k_cache, v_cache in problems]
+    return make
+
+
+def _prefill_buckets(backward: bool):
+    return (TuneBucket({"head_dim": 64, "elem_bytes": 2} if not backward else {"head_dim": 64},
+                       "B2 H16 S4096 D64 bf16",
+                       _prefill_problem(2, 16, 4096, 64, torch.bfloat16, backward)),
+            TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B4 H32 S2048 D128 bf16",
+                       _prefill_problem(4, 32, 2048, 128, torch.bfloat16, backward)),
+            # the backward's first bucket takes every D64 call, fp32 too
+            TuneBucket(None, "B1 H8 S1024 D128 fp32",
+                       _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
+
+
+# Compiling the candidates is most of a full tuner run (attention's took 361 s of ~500 on
+# the H200, 2026-11-30), so the lists leave out what never won a sweep or a tuner run there:
+# LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row dQ tiles on 4
+# warps (they spill), 4 decode programs per SM.
+TUNING = (
+    # 128-row blocks spill with 4 warps (ptxas, D128 bf16), 128-key blocks at 4 stages exceed
+    # the shared memory; the small tiles are for fp32 inputs
+    TuneSpace(ATTENTION_FWD,
+              tuple({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "LAZY": 0, "num_warps": w,
+                     "num_stages": st}
+                    for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
+                                            (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
+                    for tma in (0, 1) for st in stages)
+              + tuple({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": 0, "LAZY": 0, "num_warps": 4,
+                       "num_stages": st} for m, n in ((32, 32), (32, 64), (64, 32)) for st in (1, 2)),
+              _prefill_buckets(backward=False)),
+    TuneSpace(ATTENTION_BWD_DKDV,
+              tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                    for n in (64, 128) for m in (32, 64) for w in (4, 8) for st in (2, 3))
+              + tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": st}
+                      for m, n in ((16, 32), (32, 32)) for st in (1, 2)),
+              _prefill_buckets(backward=True)),
+    TuneSpace(ATTENTION_BWD_DQ,
+              tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st}
+                    for m, w in ((64, 4), (64, 8), (128, 8)) for n in (32, 64, 128)
+                    for st in (2, 3))
+              + tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": st}
+                      for m, n in ((32, 16), (32, 32)) for st in (1, 2)),
+              _prefill_buckets(backward=True)),
+    # 32-key blocks and 2 warps were latency-bound at B1 on the H200; 3 per SM: the 64-key
+    # configs fit three programs on an SM; the 32-key ones are for fp32 caches and wide heads
+    TuneSpace(DECODE,
+              tuple({"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
+                    for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
+                    for per_sm in (1, 2, 3))
+              + tuple({"BLOCK_N": 32, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": 2}
+                      for per_sm in (1, 2)),
+              (TuneBucket({"elem_bytes": 2}, "B16 L8192 + B1 L32768 D128 bf16",
+                          _decode_problem(((16, 8192), (1, 32768)), 128, torch.bfloat16)),
+               TuneBucket({"head_dim": 128}, "B4 L4096 D128 fp32",
+                          _decode_problem(((4, 4096),), 128, torch.float32)),
+               TuneBucket(None, "B2 L2048 D256 fp32",
+                          _decode_problem(((2, 2048),), 256, torch.float32)))),
 )

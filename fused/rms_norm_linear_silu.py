@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import layout, runtime
-from gemslib.registry import SelfCheck
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -357,4 +357,51 @@ SELF_CHECKS = (
               dtypes=(torch.float16, torch.float32) if runtime.INTERPRETER else
               (torch.float16, torch.bfloat16, torch.float32),
               term_scale=_term_scale),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4096):
+    """Llama-3-8B's gate projection at each row count (summed), on the Triton kernel (the
+    Hopper path, where it applies, is switched off while the problem runs)."""
+    def make(device):
+        xs = [torch.randn(rows, n_in, device=device, dtype=torch.bfloat16) for rows in row_counts]
+        norm_weight = torch.randn(n_in, device=device, dtype=torch.bfloat16)
+        weight = torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * n_in ** -0.5
+
+        def run():
+            global use_hopper_path
+            previous, use_hopper_path = use_hopper_path, False
+            try:
+                return [rms_norm_linear_silu(x, norm_weight, weight) for x in xs]
+            finally:
+                use_hopper_path = previous
+        return run
+    return make
+
+
+TUNING = (
+    TuneSpace(
+        RMS_NORM_LINEAR_SILU,
+        # matmul tiles for large M
+        tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "USE_TMA": t,
+               "SPLIT_K": 1, "num_warps": w, "num_stages": s}
+              for m, n, k in ((128, 128, 64), (128, 256, 64), (64, 256, 64), (128, 128, 128))
+              for t in (0, 1) for w in (4, 8) for s in (3, 4))
+        # decode tiles: 16 rows, narrow column tiles, long K steps (16-32 columns were 1.5-2.5x
+        # slower on the H200)
+        + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "USE_TMA": t,
+                 "SPLIT_K": 1, "num_warps": w, "num_stages": s}
+                for n, k in ((64, 128), (64, 256), (128, 128))
+                for t in (0, 1) for w in (2, 4) for s in (3, 4))
+        # decode with K split into SPLIT_K ranges: more programs in flight over W
+        + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 1, "USE_TMA": t,
+                 "SPLIT_K": split, "num_warps": w, "num_stages": 3}
+                for n in (64, 128) for split in (2, 4, 8) for t in (0, 1) for w in (2, 4)),
+        (TuneBucket({"rows": 16}, "M1 + M16 N14336 K4096", _tune_problem((1, 16))),
+         TuneBucket({"rows": 64}, "M64 N14336 K4096", _tune_problem((64,))),
+         TuneBucket(None, "M4096 N14336 K4096", _tune_problem((4096,))))),
 )

@@ -1,5 +1,7 @@
 """``python -m gemslib``: print the environment, check every operator, time it on a GPU.
 
+``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways (gemslib/demo.py).
+
 Checks each operator's self-checks (declared in its file as ``SELF_CHECKS``) against a float64
 reference on fresh random inputs, in every dtype the check lists, and exits 1 on any mismatch.
 On a GPU it also times gemslib against what a user would call without it (torch). On a machine
@@ -86,6 +88,14 @@ def check_operators(rows: int, time_rows: int | None, out=print) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        import torch
+
+        from gemslib import demo, runtime
+
+        if not runtime.INTERPRETER and not torch.cuda.is_available():
+            _reexec_under_interpreter(argv)
+        return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m gemslib", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=61, help="leading size of the check problems")
     parser.add_argument("--time-rows", type=int, default=8192,

@@ -7,6 +7,7 @@ Each operator file in ``ops/`` and ``fused/`` declares what it implements::
         ...
     )
     SELF_CHECKS = (SelfCheck(...), ...)
+    TUNING = (TuneSpace(...), ...)
 
 and this module collects those declarations by walking the two packages; the operator's name
 is its file name. :func:`enable` registers a wrapper per aten overload through
@@ -68,11 +69,35 @@ class SelfCheck:
 
 
 @dataclass(frozen=True)
+class TuneBucket:
+    """One bucket of a kernel's tune-config entry, for ``python -m gemslib.tune``: the calls
+    whose shape keys are all <= ``max`` (``None``: the last bucket, every other call), and a
+    representative problem inside it. ``make(device)`` draws the problem's inputs and returns
+    a callable that runs it (launching the kernel, whose config the tuner forces) and returns
+    its output tensor(s); ``label`` names the problem (e.g. ``"4096x14336"``)."""
+    max: Mapping[str, int] | None
+    label: str
+    make: Callable[[torch.device], Callable[[], object]]
+
+
+@dataclass(frozen=True)
+class TuneSpace:
+    """How ``python -m gemslib.tune`` tunes ``kernel`` (a runtime.TunedKernel): every config of
+    ``candidates`` (dicts of the kernel's tunables plus num_warps / num_stages) is checked and
+    timed on each bucket's problem, and the fastest right one becomes that bucket's config.
+    ``buckets`` are in the file's order: the first whose ``max`` admits a shape serves it."""
+    kernel: object
+    candidates: tuple[Mapping[str, int], ...]
+    buckets: tuple[TuneBucket, ...]
+
+
+@dataclass(frozen=True)
 class Operator:
     name: str
     module: object
     overrides: tuple[AtenOverride, ...]
     self_checks: tuple[SelfCheck, ...]
+    tuning: tuple[TuneSpace, ...] = ()
 
 
 _OPERATOR_PACKAGES = ("gemslib.ops", "gemslib.fused")
@@ -94,7 +119,8 @@ def operators() -> Mapping[str, Operator]:
                     name=info.name, module=module,
                     overrides=tuple(o for o in getattr(module, "ATEN_OVERRIDES", ())
                                     if runtime.dispatch_key() in o.dispatch_keys),
-                    self_checks=tuple(getattr(module, "SELF_CHECKS", ())))
+                    self_checks=tuple(getattr(module, "SELF_CHECKS", ())),
+                    tuning=tuple(getattr(module, "TUNING", ())))
         _operators = found
     return _operators
 

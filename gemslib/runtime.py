@@ -305,11 +305,14 @@ def parse_tune_config(path: Path, data: Any) -> TuneConfigFile:
     for key in ("schema", "device", "ops"):
         if key not in data:
             raise _fail(path, key, "missing")
-    unknown = set(data) - {"schema", "device", "source", "ops"}
+    unknown = set(data) - {"schema", "device", "source", "tuned", "ops"}
     if unknown:
         raise _fail(path, "<top level>", f"unknown keys {sorted(unknown)}")
     if data["schema"] != SCHEMA_VERSION:
         raise _fail(path, "schema", f"expected {SCHEMA_VERSION}, got {data['schema']!r}")
+    if "tuned" in data and not isinstance(data["tuned"], dict):
+        raise _fail(path, "tuned", f"expected a mapping (gpu, torch, triton, date, ...), got "
+                                   f"{data['tuned']!r}")
     if not isinstance(data["device"], str):
         raise _fail(path, "device", f"expected a string, got {data['device']!r}")
     if not isinstance(data["ops"], dict):

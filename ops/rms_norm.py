@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from gemslib import layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck
+from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
@@ -580,4 +580,49 @@ SELF_CHECKS = (
               run=lambda x, r, w: add_rms_norm(x, r, w)[0],
               reference=lambda x, r, w: add_rms_norm_reference(x, r, w)[0],
               torch_peer=lambda x, r, w: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6)),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(rows: int, cols: int, backward: bool):
+    def make(device):
+        x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+        weight = torch.randn(cols, device=device, dtype=torch.bfloat16)
+        if not backward:
+            return lambda: rms_norm(x, weight)
+        grad = torch.randn_like(x)
+        _, rstd = _forward(x, weight, 1e-6, want_rstd=True)
+        return lambda: _launch_backward(grad, x, weight, rstd)
+    return make
+
+
+def _buckets(shapes, backward: bool):
+    """(max, rows, cols) -> TuneBuckets whose problems are rows x cols."""
+    return tuple(TuneBucket(bound, f"{rows}x{cols}", _tune_problem(rows, cols, backward))
+                 for bound, rows, cols in shapes)
+
+
+TUNING = (
+    # a row per program up to 16K columns in one block, or a few rows together when narrow;
+    # wide rows loop over column blocks (8192x5120 was fastest looping over 1024)
+    TuneSpace(RMS_NORM_FWD,
+              tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+                    for m, n in ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 1024), (4, 1024),
+                                 (1, 2048), (2, 2048), (4, 2048), (1, 4096), (2, 4096),
+                                 (4, 4096), (1, 8192), (2, 8192), (1, 16384))
+                    for w in (4, 8, 16)),
+              _buckets((({"cols": 128}, 65536, 128), ({"cols": 512}, 65536, 512),
+                        ({"cols": 2048}, 16384, 2048), ({"cols": 4096, "rows": 8192}, 4096, 4096),
+                        ({"cols": 4096}, 65536, 4096), ({"cols": 6144}, 8192, 5120),
+                        ({"cols": 8192}, 16384, 8192), ({"cols": 16384}, 2048, 12288),
+                        (None, 512, 65536)), backward=False)),
+    # num_stages > 1 lets Triton prefetch the next row while this one is reduced
+    TuneSpace(RMS_NORM_BWD,
+              tuple({"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                    for n in (1024, 2048, 4096, 8192) for w in (4, 8, 16) for st in (1, 2)),
+              _buckets((({"cols": 1024}, 16384, 1024), ({"cols": 4096}, 4096, 4096),
+                        ({"cols": 6144}, 8192, 5120), (None, 2048, 12288)), backward=True)),
 )

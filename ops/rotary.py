@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from gemslib import runtime
-from gemslib.registry import SelfCheck
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
@@ -322,6 +322,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         if q.stride(-1) != 1 or k.stride(-1) != 1:
             raise ValueError("gemslib.apply_rotary: inplace=True needs q and k with a unit last "
                              "stride")
+        if torch.compiler.is_compiling():  # the compiler must see the writes
+            _rotary_inplace_op(q, k, cos, sin, positions, interleaved)
+            return q, k
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
         return runtime.differentiable_call(_rotary_op, _RotaryFunction, q, k, cos, sin, positions,
@@ -344,6 +347,21 @@ _rotary_op = torch.library.custom_op("gemslib::rotary", _rotary_impl, mutates_ar
 @_rotary_op.register_fake
 def _(q, k, cos, sin, positions, interleaved, inverse):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         positions: torch.Tensor | None, interleaved: bool) -> None:
+    """In-place rotation of q and k (``apply_rotary(..., inplace=True)`` under torch.compile)."""
+    _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
+
+
+_rotary_inplace_op = torch.library.custom_op("gemslib::rotary_", _rotary_inplace_impl,
+                                             mutates_args=("q", "k"))
+
+
+@_rotary_inplace_op.register_fake
+def _(q, k, cos, sin, positions, interleaved):
+    return None
 
 
 # One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
@@ -393,4 +411,28 @@ SELF_CHECKS = (
                   [t.flatten() for t in rotary_reference(q, k, cos, sin)]),
               torch_peer=lambda q, k, cos, sin: torch.cat(
                   [t.flatten() for t in rotary_reference(q, k, cos, sin)])),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(batch: int, seq: int, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
+    def make(device):
+        q = torch.randn(batch, seq, q_heads, head_dim, device=device, dtype=torch.bfloat16)
+        k = torch.randn(batch, seq, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+        angles = torch.rand(seq, head_dim // 2, device=device) * 6.3
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return lambda: apply_rotary(q, k, cos, sin)
+    return make
+
+
+TUNING = (
+    # BLOCK_H heads of a token per program (LOOP_HEADS 0), or one program per token looping
+    # over its heads BLOCK_H at a time (LOOP_HEADS 1)
+    TuneSpace(ROTARY, tuple({"BLOCK_H": h, "LOOP_HEADS": loop, "num_warps": w}
+                            for h in (4, 8, 16, 32) for loop in (0, 1) for w in (1, 2, 4, 8)),
+              (TuneBucket({"tokens": 4096}, "B1 S4096 Hq32 Hk8 D128", _tune_problem(1, 4096)),
+               TuneBucket(None, "B8 S4096 Hq32 Hk8 D128", _tune_problem(8, 4096)))),
 )

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from gemslib import layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck
+from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
@@ -477,3 +477,38 @@ SELF_CHECKS = (
               run=_silu_and_mul_backward, reference=silu_and_mul_backward_reference,
               torch_peer=silu_and_mul_backward_reference),
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _silu_problem(rows: int, cols: int, backward: bool, gated: bool):
+    def make(device):
+        x = torch.randn(rows, 2 * cols if gated else cols, device=device, dtype=torch.bfloat16)
+        grad = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+        if gated:
+            return (lambda: _silu_and_mul_backward(grad, x)) if backward else \
+                (lambda: silu_and_mul(x))
+        return (lambda: _silu_backward(grad, x)) if backward else (lambda: silu(x))
+    return make
+
+
+_ELEMENTWISE_CANDIDATES = tuple({"BLOCK": block, "num_warps": warps}
+                                for block in (512, 1024, 2048, 4096, 8192)
+                                for warps in (2, 4, 8, 16) if block // (32 * warps) >= 4)
+_GATED_CANDIDATES = tuple({"BLOCK_N": block, "num_warps": warps}
+                          for block in (512, 1024, 2048, 4096)
+                          for warps in (2, 4, 8, 16) if block // (32 * warps) >= 4)
+
+TUNING = tuple(
+    TuneSpace(kernel, candidates, (
+        TuneBucket(small, f"{small_rows}x{cols}", _silu_problem(small_rows, cols, backward, gated)),
+        TuneBucket(None, f"{large_rows}x{cols}", _silu_problem(large_rows, cols, backward, gated))))
+    for kernel, candidates, backward, gated, small, small_rows, large_rows, cols in (
+        # elementwise: up to a million elements the launch dominates, past it the stream
+        (SILU_FWD, _ELEMENTWISE_CANDIDATES, False, False, {"numel": 1 << 20}, 64, 4096, 14336),
+        (SILU_BWD, _ELEMENTWISE_CANDIDATES, True, False, {"numel": 1 << 20}, 64, 4096, 14336),
+        # gated: decode/prefill-sized row counts, then the largest batches
+        (SILU_AND_MUL_FWD, _GATED_CANDIDATES, False, True, {"rows": 8192}, 4096, 16384, 14336),
+        (SILU_AND_MUL_BWD, _GATED_CANDIDATES, True, True, {"rows": 8192}, 4096, 16384, 14336)))

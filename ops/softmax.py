@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gemslib import layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck
+from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
 LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by the compiler
@@ -614,4 +614,49 @@ SELF_CHECKS = (
     SelfCheck("log_softmax", lambda device, dtype, rows: (_logits(device, dtype, rows),),
               run=log_softmax, reference=log_softmax_reference,
               torch_peer=lambda x: torch.log_softmax(x, -1)),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(rows: int, cols: int, kernel: str):
+    def make(device):
+        x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+        if kernel == "fwd":  # the row kernel itself, whatever the split config says
+            out = torch.empty_like(x)
+            return lambda: _launch_rows(SOFTMAX_FWD, [x], out, False) or out
+        if kernel == "split":  # the public call: CHUNK decides split or not
+            return lambda: _forward(x, -1, False, x.dtype)
+        y, grad = torch.softmax(x.float(), -1).to(x.dtype), torch.randn_like(x)
+        return lambda: _backward(grad, y, -1, False, x.dtype)
+    return make
+
+
+def _buckets(shapes, kernel: str):
+    return tuple(TuneBucket(bound, f"{rows}x{cols}", _tune_problem(rows, cols, kernel))
+                 for bound, rows, cols in shapes)
+
+
+_ROW_CANDIDATES = tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+                        for m, n in ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 1024),
+                                     (1, 2048), (2, 2048), (1, 4096), (2, 4096), (1, 8192),
+                                     (1, 16384))
+                        for w in (4, 8, 16))
+
+TUNING = (
+    TuneSpace(SOFTMAX_FWD, _ROW_CANDIDATES,
+              _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
+                        ({"cols": 4096}, 16384, 4096), ({"cols": 8192}, 8192, 8192),
+                        (None, 8192, 32000)), "fwd")),
+    # CHUNK 0 is softmax_fwd's one program per row, the baseline the split forms must beat
+    TuneSpace(SOFTMAX_SPLIT_FWD,
+              ({"CHUNK": 0, "num_warps": 8},)
+              + tuple({"CHUNK": c, "num_warps": w} for c in (2048, 4096, 8192, 16384, 32768)
+                      for w in (2, 4, 8, 16)),
+              _buckets((({"cols": 65536}, 2048, 50257), (None, 1024, 131072)), "split")),
+    TuneSpace(SOFTMAX_BWD, _ROW_CANDIDATES,
+              _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
+                        ({"cols": 8192}, 16384, 4096), (None, 8192, 32000)), "bwd")),
 )

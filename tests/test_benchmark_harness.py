@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmark import __main__ as bench_main
-from benchmark import harness
+from benchmark import harness, readme
 from benchmark.harness import Ceilings, Result
 
 
@@ -36,22 +36,84 @@ def test_gemslib_variants_and_bounds_are_shown_but_never_the_peer_to_beat():
     assert row["best_peer"] == "torch.compile" and abs(row["speedup"] - 1.1) < 1e-9
 
 
-def test_table_and_json(tmp_path, monkeypatch):
+def test_table_and_json(tmp_path):
     ceilings = Ceilings(copy_gbps=4250.0)
     rows = harness.summarize(_results())
     table = harness.format_table(rows, ceilings)
     assert "copy 4250 GB/s" in table and "torch.compile" in table and "1.10x" in table
-    monkeypatch.setattr(harness, "environment", lambda: {"gpu": "test"})
-    harness.write_json(tmp_path / "r.json", _results(), rows, ceilings)
+    written = harness.write_json(tmp_path / "r.json", _results(), rows, ceilings, {"gpu": "test"},
+                                 "python -m benchmark --quick")
     data = json.loads((tmp_path / "r.json").read_text())
+    assert data == written and data["environment"] == {"gpu": "test"}
+    assert data["command"] == "python -m benchmark --quick"
     assert data["summary"][0]["best_peer"] == "torch.compile"
     assert len(data["results"]) == 4 and data["ceilings"]["copy_gbps"] == 4250.0
+    results, loaded_ceilings, env = harness.load_json(tmp_path / "r.json")
+    assert results == _results() and loaded_ceilings == ceilings and env == {"gpu": "test"}
 
 
 def test_without_a_gpu_the_runner_says_so_and_exits_cleanly(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_main.main(["--quick"]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The runner on the CPU: one fake benchmark module, CUDA "available", made-up ceilings and
+    times (each implementation returns its "median" in ms). Records cases()'s arguments."""
+    import sys
+    import types
+
+    calls = []
+
+    def cases(quick=False, backward=False):
+        calls.append({"quick": quick, "backward": backward})
+        impls = {"gemslib": lambda: 0.010, "torch eager": lambda: 0.012}
+        yield harness.Case("fake", "64x64", "bf16", 16384, impls)
+        if backward:
+            yield harness.Case("fake_backward", "64x64", "bf16", 24576, impls)
+
+    module = types.SimpleNamespace(OPS=("fake", "fake_backward"), cases=cases)
+    monkeypatch.setitem(sys.modules, "benchmark.bench_fake", module)
+    monkeypatch.setattr(bench_main, "bench_modules", lambda: ["bench_fake"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(harness, "environment", lambda: {
+        "gpu": "Fake GPU", "torch": "2.11.0", "triton": "3.6.0", "date": "2026-12-01 10:00 UTC"})
+    monkeypatch.setattr(harness, "measure_ceilings", lambda matmul: Ceilings(4000.0, 700.0))
+    monkeypatch.setattr(harness, "median_ms", lambda fn: fn())
+    return calls
+
+
+def test_one_command_times_forward_and_backward_kernels(fake_gpu, tmp_path):
+    assert bench_main.main(["--quick", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert fake_gpu == [{"quick": True, "backward": True}]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [row["op"] for row in data["summary"]] == ["fake", "fake_backward"]
+    assert data["environment"]["gpu"] == "Fake GPU"
+    assert data["command"] == f"python -m benchmark --quick --no-plot --out {tmp_path}"
+    # the README's markdown, written beside the JSON it is rendered from
+    assert (tmp_path / "results.md").read_text() == readme.render(data)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_runner_draws_one_plot_per_operator(fake_gpu, tmp_path):
+    assert bench_main.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["fake.png", "fake_backward.png"]
+
+
+def test_forward_only_skips_the_backward_kernels_and_backward_is_still_accepted(fake_gpu,
+                                                                                tmp_path, capsys):
+    assert bench_main.main(["--forward-only", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert fake_gpu[-1] == {"quick": False, "backward": False}
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [row["op"] for row in data["summary"]] == ["fake"]
+    assert bench_main.main(["--backward", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert fake_gpu[-1] == {"quick": False, "backward": True}
+    with pytest.raises(SystemExit):
+        bench_main.main(["--backward", "--forward-only"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_every_benchmark_module_is_discovered():
@@ -80,79 +142,3 @@ def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
     (row,) = harness.summarize(results)
     assert row["error"].startswith("output check failed: RuntimeError: kernel does not compile")
     assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0
-
-
-def test_sweep_precompile_worker_runs_exactly_its_share(monkeypatch):
-    """A compile worker runs each (problem, candidate) pair of its share once, with that
-    candidate forced, and nothing else."""
-    import contextlib
-    import sys
-    import types
-
-    from benchmark import sweep
-
-    ran = []
-
-    class Kernel:
-        def __init__(self, name):
-            self.name, self.config = name, None
-
-        @contextlib.contextmanager
-        def forced(self, config):
-            self.config = config
-            yield
-            self.config = None
-
-    kernels = [Kernel("a"), Kernel("b")]
-
-    def problems():
-        for index, kernel in enumerate(kernels):
-            yield kernel, f"p{index}", 0, lambda k=kernel, i=index: ran.append((i, k.config))
-
-    fake = types.SimpleNamespace(
-        sweep_problems=problems,
-        SWEEP_CANDIDATES={"a": [{"X": 1, "num_warps": 2}, {"X": 2, "num_warps": 8}],
-                          "b": [{"X": 3, "num_stages": 3}]})
-    monkeypatch.setitem(sys.modules, "benchmark.bench_fake", fake)
-    assert sweep._compile_share("fake", [(0, 1), (1, 0)]) == 2
-    assert [(i, c.meta, c.num_warps, c.num_stages) for i, c in ran] == \
-        [(0, (("X", 2),), 8, 1), (1, (("X", 3),), 4, 3)]
-    ran.clear()
-    assert sweep._compile_share("fake", [(1, 0)]) == 1
-    assert [i for i, _ in ran] == [1]
-
-
-def test_sweep_yaml_puts_each_swept_shape_first_and_keeps_the_rest(tmp_path):
-    """The file the sweep writes loads, gives each swept shape its best config (whatever the
-    order the problems came in) and a shape outside every swept bound the buckets it had."""
-    from benchmark import sweep
-    from gemslib import runtime
-    from gemslib.ops import rms_norm
-
-    kernel = rms_norm.RMS_NORM_FWD
-    best = {kernel: [((65536, 4096), {"BLOCK_M": 4, "BLOCK_N": 4096, "num_warps": 8}),
-                     ((512, 65536), {"BLOCK_M": 1, "BLOCK_N": 8192, "num_warps": 16}),
-                     ((4096, 4096), {"BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 4})]}
-    path = tmp_path / "tuned.yaml"
-    sweep.write_yaml(path, best, "a test")
-    loaded = runtime.load_tune_config(path)
-    buckets = loaded.ops["rms_norm"]["rms_norm_fwd"]
-    before = runtime.load_tune_config(runtime.config_path()).ops["rms_norm"]["rms_norm_fwd"]
-    def plain(buckets):
-        return [(b.max, b.configs, b.autotune) for b in buckets]
-
-    assert plain(buckets[3:]) == plain(before) and "a test" in path.read_text()
-
-    def chosen(shape):
-        named = dict(zip(kernel.shape_keys, shape))
-        return next(b for b in buckets if b.matches(named)).configs[0].as_dict()
-
-    for shape, config in best[kernel]:
-        assert chosen(shape) == {"num_stages": 1, **config}
-    # a shape past every swept bound in some key keeps the buckets it had
-    assert chosen((8, 131072)) == next(b for b in before if b.matches(
-        {"rows": 8, "cols": 131072})).configs[0].as_dict()
-    # the other kernels are untouched
-    silu_before = runtime.load_tune_config(runtime.config_path()).ops["silu"]
-    assert {name: plain(b) for name, b in loaded.ops["silu"].items()} == \
-        {name: plain(b) for name, b in silu_before.items()}

@@ -151,6 +151,36 @@ def test_traces_under_torch_compile_fullgraph():
     assert_close_to_reference(k.grad, k64.grad, torch.float32)
 
 
+def test_in_place_on_views_of_one_buffer_compiles_fullgraph():
+    """q and k as views of a fused QKV projection, rotated in place inside a compiled
+    function: the compiler sees the writes (the buffer afterwards holds the rotated values)."""
+    heads, kv_heads, dim = 4, 2, 16
+    _, _, cos, sin, positions = _inputs((2, 5, heads, dim), kv_heads, 8, "batch", torch.float32)
+    qkv = random_tensor((2, 5, (heads + 2 * kv_heads) * dim), torch.float32)
+    expected_q, expected_k = rotary_ops.rotary_reference(
+        qkv[..., :heads * dim].view(2, 5, heads, dim).double(),
+        qkv[..., heads * dim:(heads + kv_heads) * dim].view(2, 5, kv_heads, dim).double(),
+        cos.double(), sin.double(), positions)
+
+    def rotate_projection(qkv):
+        q = qkv[..., :heads * dim].view(2, 5, heads, dim)
+        k = qkv[..., heads * dim:(heads + kv_heads) * dim].view(2, 5, kv_heads, dim)
+        gemslib.apply_rotary(q, k, cos, sin, positions, inplace=True)
+        return qkv * 1.0
+
+    compiled = torch.compile(rotate_projection, fullgraph=True,
+                             backend="inductor" if ON_GPU else "aot_eager")
+    untouched_v = qkv[..., (heads + kv_heads) * dim:].clone()
+    result = compiled(qkv)
+    for rotated in (result, qkv):  # the returned value and the mutated input
+        assert_close_to_reference(rotated[..., :heads * dim].view(2, 5, heads, dim),
+                                  expected_q, torch.float32)
+        assert_close_to_reference(
+            rotated[..., heads * dim:(heads + kv_heads) * dim].view(2, 5, kv_heads, dim),
+            expected_k, torch.float32)
+        assert torch.equal(rotated[..., (heads + kv_heads) * dim:], untouched_v)
+
+
 @pytest.mark.parametrize("block_h", [2, 8])
 @pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])

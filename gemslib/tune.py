@@ -1,0 +1,443 @@
+"""``python -m gemslib.tune``: tune every kernel's launch configs on this GPU; write its YAML.
+
+    python -m gemslib.tune [--ops NAME ...] [--out PATH] [--quick] [--timings JSON] [--jobs N]
+
+Each operator file declares ``TUNING``: per kernel, candidate configs and, per bucket of its
+tune-config entry, a representative problem (registry.TuneSpace / TuneBucket). For every
+bucket the tuner runs the problem with default.yaml's config for it (the reference), then
+forces each candidate on the kernel, checks its output against the reference (a candidate
+that fails to run or disagrees is reported and dropped) and times it with
+``triton.testing.do_bench`` (median). The fastest right candidate becomes the bucket's config.
+The file written has the schema of tune_configs/README.md and records the GPU, the torch and
+Triton versions and the date under ``tuned``; operators left out by ``--ops`` keep their
+entries from the file in use. ``--quick`` tries, per bucket, the config in use, default.yaml's
+and the first few candidates, with shorter timings. Compiling dominates a run, so ``--jobs``
+worker processes first run every (bucket, candidate) pair once to fill Triton's on-disk cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from gemslib import registry, runtime
+
+QUICK_CANDIDATES = 4  # leading candidates a --quick run tries, beside the configs in use
+KEEP_MARGIN = 0.01  # a candidate replaces default.yaml's config if it is faster by more
+
+
+class TuneError(RuntimeError):
+    """A declared tune space does not fit its kernel (a problem that does not launch the
+    kernel or lands in another bucket; no candidate that runs right)."""
+
+
+@dataclass
+class Timing:
+    config: runtime.LaunchConfig
+    ms: float | None = None  # None: rejected
+    why: str = ""
+
+
+@dataclass
+class BucketResult:
+    """The outcome for one bucket: the fastest right candidate and the reference's time."""
+    op: str
+    kernel: str
+    index: int
+    bucket: registry.TuneBucket
+    shape: tuple[int, ...]
+    reference: runtime.LaunchConfig
+    reference_ms: float
+    timings: list[Timing] = field(default_factory=list)
+
+    @property
+    def best(self) -> Timing:
+        """The fastest right candidate; the reference if it is within KEEP_MARGIN of that (a
+        change must gain more than the timings' noise)."""
+        timed = [t for t in self.timings if t.ms is not None]
+        fastest = min(timed, key=lambda t: t.ms)
+        reference = next((t for t in timed if t.config == self.reference), None)
+        if reference is not None and reference.ms <= fastest.ms * (1 + KEEP_MARGIN):
+            return reference
+        return fastest
+
+
+def tune_spaces(ops: Iterable[str] | None = None) -> list[tuple[str, registry.TuneSpace]]:
+    """(operator, space) for every declared kernel of ``ops``, in their order (default: every
+    operator)."""
+    operators = registry.operators()
+    unknown = sorted(set(ops or ()) - {name for name, op in operators.items() if op.tuning})
+    if unknown:
+        raise ValueError(f"gemslib.tune: unknown operator(s) {unknown}; tunable: "
+                         f"{sorted(name for name, op in operators.items() if op.tuning)}")
+    return [(name, space) for name in (ops or operators) for space in operators[name].tuning]
+
+
+def launch_config(raw) -> runtime.LaunchConfig:
+    meta = tuple(sorted((k, int(v)) for k, v in raw.items() if k not in ("num_warps", "num_stages")))
+    return runtime.LaunchConfig(meta, int(raw.get("num_warps", 4)), int(raw.get("num_stages", 1)))
+
+
+def _bucket_config(config_file: runtime.TuneConfigFile, kernel, shape) -> runtime.LaunchConfig | None:
+    """The config ``config_file`` gives ``kernel`` at ``shape`` (None if it has no entry)."""
+    buckets = config_file.ops.get(kernel.op, {}).get(kernel.name)
+    if buckets is None:
+        return None
+    named = dict(zip(kernel.shape_keys, shape))
+    return next(b for b in buckets if b.matches(named)).configs[0]
+
+
+def _bucket_index(space: registry.TuneSpace, shape) -> int:
+    named = dict(zip(space.kernel.shape_keys, shape))
+    return next(i for i, b in enumerate(space.buckets)
+                if b.max is None or all(named[k] <= v for k, v in b.max.items()))
+
+
+def _tensors(result) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for item in result for t in _tensors(item)]
+    return []
+
+
+def disagreement(actual, expected) -> str | None:
+    """Why the candidate's outputs differ from the reference's (None: they agree): NaNs in
+    other places, or a norm-wise relative error past the rounding of the outputs' dtype
+    (2e-2 for 16-bit outputs, 1e-4 for fp32; two right configs differ by their summation
+    order only)."""
+    actual, expected = _tensors(actual), _tensors(expected)
+    if len(actual) != len(expected):
+        return f"{len(actual)} outputs, the reference has {len(expected)}"
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        if got.shape != want.shape:
+            return f"output {index}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+        got, want = got.double(), want.double()
+        if not torch.equal(torch.isnan(got), torch.isnan(want)):
+            return f"output {index}: NaN in other places"
+        infinite = torch.isinf(want)
+        if not torch.equal(torch.isinf(got), infinite) or \
+                not torch.equal(got[infinite], want[infinite]):
+            return f"output {index}: other infinities"
+        finite = torch.isfinite(want)
+        diff = (got[finite] - want[finite]).norm()
+        scale = want[finite].norm()
+        tolerance = 1e-4 if expected[index].dtype == torch.float32 else 2e-2
+        if diff > tolerance * scale or not math.isfinite(float(diff)):
+            return f"output {index}: relative error {float(diff / max(scale, 1e-300)):.2e}"
+    return None
+
+
+def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
+    import triton.testing
+
+    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one; the full run
+    # times ~1600 (bucket, candidate) pairs and has 8 minutes
+    warmup, rep = (5, 20) if quick else (10, 50)
+    return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def candidates_for(space: registry.TuneSpace, in_use: runtime.LaunchConfig | None,
+                   reference: runtime.LaunchConfig, quick: bool) -> list[runtime.LaunchConfig]:
+    """Every candidate and the configs in use (the reference, default.yaml's, and the file in
+    use's), or (quick) those two and the first few candidates."""
+    every = [launch_config(raw) for raw in space.candidates]
+    if not quick:  # the configs in use too: the tuned file never loses to the one it replaces
+        return list(dict.fromkeys(every + [c for c in (reference, in_use) if c is not None]))
+    return list(dict.fromkeys([c for c in (in_use, reference) if c is not None]
+                              + every[:QUICK_CANDIDATES]))
+
+
+def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.device,
+                timer: Callable[[Callable], float], quick: bool = False,
+                progress: Callable[[str], None] = functools.partial(print, flush=True)
+                ) -> BucketResult:
+    """Check and time the candidates on bucket ``index``'s problem; see the module docstring."""
+    kernel, bucket = space.kernel, space.buckets[index]
+    run = bucket.make(device)
+    selected, default = runtime.active_configs()
+    kernel.last_shape = None
+    # the shape first: launch and planned_config record it before the kernel runs, so even a
+    # first candidate that cannot run here tells it
+    with kernel.forced(launch_config(space.candidates[0])):
+        try:
+            run()
+        except Exception:
+            pass
+    if kernel.last_shape is None:
+        raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} does not launch it")
+    shape = tuple(int(s) for s in kernel.last_shape)
+    landed = _bucket_index(space, shape)
+    if landed != index:
+        raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} (shape "
+                        f"{dict(zip(kernel.shape_keys, shape))}) lands in bucket {landed}, "
+                        f"not {index}")
+    reference = _bucket_config(default, kernel, shape) or launch_config(space.candidates[0])
+    with kernel.forced(reference):
+        try:
+            expected = run()
+        except Exception as err:
+            raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
+                            f"{_flow(reference)} does not run ({type(err).__name__}: {err})")
+    # the reference is timed among the candidates (one pass, one state of the GPU), so the
+    # tuned config is never slower than it by the run's own measure
+    result = BucketResult(op, kernel.name, index, bucket, shape, reference, math.nan)
+    in_use = _bucket_config(selected, kernel, shape)
+    for config in candidates_for(space, in_use, reference, quick):
+        timing = Timing(config)
+        with kernel.forced(config):
+            try:
+                timing.why = disagreement(run(), expected) or ""
+                if not timing.why:
+                    timing.ms = timer(run)
+            except Exception as err:  # e.g. out of shared memory: not a candidate here
+                timing.why = f"does not run ({type(err).__name__}: {str(err)[:80]})"
+        result.timings.append(timing)
+    if not any(t.ms is not None for t in result.timings):
+        raise TuneError(f"{op}.{kernel.name} {bucket.label}: no candidate runs right (the "
+                        f"first: {result.timings[0].why})")
+    timed_reference = next(t for t in result.timings if t.config == reference)
+    if timed_reference.ms is None:  # it disagreed with its own earlier output
+        raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
+                        f"{_flow(reference)} is not reproducible ({timed_reference.why})")
+    result.reference_ms = reference_ms = timed_reference.ms
+    best = result.best
+    rejected = [t for t in result.timings if t.ms is None]
+    progress(f"{op}.{kernel.name} [{index + 1}/{len(space.buckets)}] {bucket.label}: "
+             f"best {_flow(best.config)} {best.ms * 1e3:.1f} us; default.yaml's "
+             f"{reference_ms * 1e3:.1f} us ({reference_ms / best.ms:.2f}x); "
+             f"{len(result.timings) - len(rejected)} timed"
+             + (f", {len(rejected)} rejected ({rejected[0].why})" if rejected else ""))
+    return result
+
+
+def tune_all(spaces, device: torch.device, timer: Callable[[Callable], float], quick: bool = False,
+             progress: Callable[[str], None] = functools.partial(print, flush=True)
+             ) -> tuple[list[BucketResult], dict[str, str]]:
+    """Tune every bucket of ``spaces``. An operator with a bucket that cannot be tuned
+    (TuneError) is reported and left out whole, so that the run still writes the others
+    (its entries then come from the file in use). Returns the results and, per operator
+    left out, why."""
+    results, failed = [], {}
+    for op, space in spaces:
+        for index in range(len(space.buckets)):
+            if op in failed:
+                break
+            try:
+                results.append(tune_bucket(op, space, index, device, timer, quick, progress))
+            except TuneError as err:
+                failed[op] = str(err)
+                progress(f"FAILED: {err}")
+    return [r for r in results if r.op not in failed], failed
+
+
+def _flow(config: runtime.LaunchConfig) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in config.as_dict().items()) + "}"
+
+
+def _bound(bound) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in bound.items()) + "}"
+
+
+def render_yaml(results: list[BucketResult], kept: runtime.TuneConfigFile | None,
+                device: str, tuned: dict[str, str], tuned_ops: set[str]) -> str:
+    """The tune-config file: the tuned buckets (in the declared order, each with the problem it
+    was tuned on and its time), and ``kept``'s entries for operators not tuned in this run."""
+    lines = ["# Launch configurations written by `python -m gemslib.tune`; do not edit by hand:",
+             "# re-run the tuner. Schema: tune_configs/README.md.",
+             "schema: 1", f"device: {device}",
+             f"source: python -m gemslib.tune on {tuned['gpu']}", "tuned:"]
+    lines += [f"  {key}: " + (f"{value!r}" if isinstance(value, str) else
+                              str(value).lower() if isinstance(value, bool) else str(value))
+              for key, value in tuned.items()]
+    lines.append("ops:")
+    by_kernel: dict[tuple[str, str], list[BucketResult]] = {}
+    for result in results:
+        by_kernel.setdefault((result.op, result.kernel), []).append(result)
+    ops = list(dict.fromkeys([op for op, _ in by_kernel]
+                             + [op for op in (kept.ops if kept else {}) if op not in tuned_ops]))
+    for op in ops:
+        lines.append(f"  {op}:")
+        if op in tuned_ops:
+            for (result_op, kernel), buckets in by_kernel.items():
+                if result_op != op:
+                    continue
+                lines.append(f"    {kernel}:")
+                for result in sorted(buckets, key=lambda r: r.index):
+                    best = result.best
+                    note = (f"  # {result.bucket.label}: {best.ms * 1e3:.1f} us, default.yaml's "
+                            f"{result.reference_ms * 1e3:.1f} us")
+                    if result.bucket.max is not None:
+                        lines.append(f"      - max: {_bound(result.bucket.max)}")
+                        lines.append(f"        config: {_flow(best.config)}{note}")
+                    else:
+                        lines.append(f"      - config: {_flow(best.config)}{note}")
+        else:
+            lines[-1] += f"  # not tuned in this run: the entries of {kept.path.name}"
+            for kernel, buckets in kept.ops[op].items():
+                lines.append(f"    {kernel}:")
+                for bucket in buckets:
+                    head = "      - "
+                    if bucket.max is not None:
+                        lines.append(f"{head}max: {_bound(bucket.max)}")
+                        head = "        "
+                    if bucket.autotune:
+                        lines.append(f"{head}autotune:")
+                        lines += [f"          - {_flow(c)}" for c in bucket.configs]
+                    else:
+                        lines.append(f"{head}config: {_flow(bucket.configs[0])}")
+    return "\n".join(lines) + "\n"
+
+
+def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int) -> int:
+    """Worker: run candidate ``candidate`` of tune space ``space_number`` on each of its
+    buckets' problems once, so that its kernels land in Triton's on-disk cache. One task per
+    (space, candidate): buckets that share a specialization then compile it once. Returns how
+    many buckets ran it."""
+    device = torch.device(runtime.device_type())
+    _, space = tune_spaces(ops)[space_number]
+    config, ran = launch_config(space.candidates[candidate]), 0
+    for bucket in space.buckets:
+        run = bucket.make(device)
+        with space.kernel.forced(config):
+            try:
+                run()
+                ran += 1
+            except Exception:  # reported by the timing pass
+                pass
+        del run
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        # an idle worker holds no tensors: a dozen of them, each keeping its largest problem's
+        # memory cached, filled the GPU and starved the timing process (H200, 2026-11-30)
+        torch.cuda.empty_cache()
+    return ran
+
+
+def precompile(pool, ops: list[str] | None, quick: bool) -> None:
+    """Compile every candidate the run will time, in ``pool``'s processes, each taking the
+    next (space, candidate) task as it finishes one (compile times differ by 10x between
+    kernels)."""
+    spaces = tune_spaces(ops)
+    tasks = [(number, candidate) for number, (_, space) in enumerate(spaces)
+             for candidate in range(min(len(space.candidates), QUICK_CANDIDATES) if quick
+                                    else len(space.candidates))]
+    n_pairs = sum(len(spaces[number][1].buckets) for number, _ in tasks)
+    started, ran, done, shown = time.perf_counter(), 0, 0, 0
+    for count in pool.imap_unordered(_compile_task, [(ops, *task) for task in tasks]):
+        ran, done = ran + count, done + 1
+        if done * 4 // len(tasks) > shown:
+            shown = done * 4 // len(tasks)
+            print(f"  compiling {', '.join(ops or ['everything'])}: {done}/{len(tasks)} "
+                  f"candidates ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"compiled {ran} of {n_pairs} (bucket, candidate) pairs "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def _compile_task(task: tuple) -> int:
+    return _compile_candidate(*task)
+
+
+def timings_record(results: list[BucketResult], tuned: dict) -> dict:
+    """Every candidate's time (or why it was rejected) per bucket, for ``--timings``: what a
+    later pruning of the candidate lists goes by."""
+    return {"tuned": tuned, "buckets": [
+        {"op": r.op, "kernel": r.kernel, "bucket": r.bucket.label, "shape": list(r.shape),
+         "reference": r.reference.as_dict(), "best": r.best.config.as_dict(),
+         "candidates": [{"config": t.config.as_dict(), "ms": t.ms, "rejected": t.why or None}
+                        for t in r.timings]} for r in results]}
+
+
+def environment() -> dict[str, str]:
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def summary(results: list[BucketResult]) -> list[str]:
+    """Per operator: how much faster the tuned configs are than default.yaml's (geometric mean
+    over its buckets) and the range."""
+    lines = []
+    for op in dict.fromkeys(r.op for r in results):
+        ratios = [r.reference_ms / r.best.ms for r in results if r.op == op]
+        mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        lines.append(f"  {op:<22} {mean:.2f}x default.yaml (geometric mean of {len(ratios)} "
+                     f"buckets; {min(ratios):.2f}-{max(ratios):.2f}x)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gemslib.tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+", help="operators to tune (default: all)")
+    parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"per bucket only the configs in use and the first "
+                             f"{QUICK_CANDIDATES} candidates, shorter timings")
+    parser.add_argument("--timings", type=Path,
+                        help="also write every candidate's time to this JSON file")
+    parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                        help="processes that compile the candidates first (1: compile while timing)")
+    args = parser.parse_args(argv)
+    try:
+        spaces = tune_spaces(args.ops)  # unknown names fail before anything runs
+    except ValueError as err:
+        parser.error(str(err))
+    if runtime.INTERPRETER or not torch.cuda.is_available():
+        print("gemslib.tune: no CUDA GPU here; the tuner times kernels on the GPU it writes the "
+              "configs for.", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    device_name = runtime.device_name()
+    out = args.out or Path(f"{device_name}.yaml")
+    tuned = {**environment(), "quick": args.quick}
+    print(f"tuning {len(spaces)} kernels ({sum(len(s.buckets) for _, s in spaces)} buckets) on "
+          f"{tuned['gpu']}, torch {tuned['torch']}, Triton {tuned['triton']}", flush=True)
+    timer, device = do_bench_ms(args.quick), torch.device("cuda")
+    kept = runtime.active_configs()[0]
+    results, failed = [], {}
+    ops = list(dict.fromkeys(op for op, _ in spaces))
+    pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
+    for number, op in enumerate(ops):
+        if pool is not None:
+            precompile(pool, [op], args.quick)
+        op_results, op_failed = tune_all([(o, s) for o, s in spaces if o == op], device, timer,
+                                         args.quick)
+        results += op_results
+        failed.update(op_failed)
+        # written after each operator, so a run cut short keeps what it finished (the others
+        # keep the entries of the file in use until then)
+        tuned["seconds"] = round(time.perf_counter() - started)
+        tuned["complete"] = number == len(ops) - 1
+        done = {o for o in ops[:number + 1] if o not in failed}
+        tuned["ops"] = [o for o in ops if o in done]
+        out.write_text(render_yaml(results, kept, device_name, tuned, done))
+        runtime.load_tune_config(out)  # what was written must load
+        if args.timings:
+            args.timings.write_text(json.dumps(timings_record(results, tuned), indent=1))
+    if pool is not None:
+        pool.close()
+    print("tuned configs against default.yaml's:")
+    print("\n".join(summary(results)))
+    for op, why in failed.items():
+        print(f"  {op:<22} NOT TUNED, keeps the entries of the file in use: {why}")
+    print(f"wrote {out} in {tuned['seconds']} s; use it with GEMSLIB_TUNE_CONFIG={out}, or ship "
+          f"it as tune_configs/{device_name}.yaml", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
