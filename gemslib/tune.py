@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{QUICK_CANDIDATES} candidates, shorter timings")
     parser.add_argument("--timings", type=Path,
                         help="also write every candidate's time to this JSON file")
-    parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+    parser.add_argument("--jobs", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the candidates first (1: compile while timing)")
     args = parser.parse_args(argv)
     try:
