@@ -360,6 +360,10 @@ def timings_record(results: list[BucketResult], tuned: dict) -> dict:
                         for t in r.timings]} for r in results]}
 
 
+def gpu_available() -> bool:
+    return not runtime.INTERPRETER and torch.cuda.is_available()
+
+
 def environment() -> dict[str, str]:
     import triton
 
@@ -396,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         spaces = tune_spaces(args.ops)  # unknown names fail before anything runs
     except ValueError as err:
         parser.error(str(err))
-    if runtime.INTERPRETER or not torch.cuda.is_available():
+    if not gpu_available():
         print("gemslib.tune: no CUDA GPU here; the tuner times kernels on the GPU it writes the "
               "configs for.", file=sys.stderr)
         return 2
@@ -406,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     tuned = {**environment(), "quick": args.quick}
     print(f"tuning {len(spaces)} kernels ({sum(len(s.buckets) for _, s in spaces)} buckets) on "
           f"{tuned['gpu']}, torch {tuned['torch']}, Triton {tuned['triton']}", flush=True)
-    timer, device = do_bench_ms(args.quick), torch.device("cuda")
+    timer, device = do_bench_ms(args.quick), torch.device(runtime.device_type())
     kept = runtime.active_configs()[0]
     results, failed = [], {}
     ops = list(dict.fromkeys(op for op, _ in spaces))

@@ -164,6 +164,32 @@ def test_an_operator_that_cannot_be_tuned_is_left_out_and_the_others_still_are(m
     assert any(line.startswith("FAILED: broken.toy_double") for line in lines), lines
 
 
+def test_a_run_writes_the_file_after_each_operator_and_reports_one_it_cannot_tune(
+        monkeypatch, tmp_path):
+    """main, on the toy: the file is rewritten after each operator (a run cut short keeps what
+    it finished), an operator whose bucket cannot be tuned is left out, and the run exits 1."""
+    kernel, space, problem, timer = _toy(monkeypatch)
+    idle = registry.TuneSpace(kernel, space.candidates, (
+        registry.TuneBucket(None, "nothing", lambda device: lambda: torch.zeros(3)),))
+    spaces = [("toy", space), ("broken", idle)]
+    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    monkeypatch.setattr(tune, "gpu_available", lambda: True)
+    monkeypatch.setattr(tune, "environment", lambda: {"gpu": "Toy GPU", "torch": "2.x",
+                                                      "triton": "3.6.0", "date": "today"})
+    monkeypatch.setattr(tune, "do_bench_ms", lambda quick: timer)
+    out = tmp_path / "toy.yaml"
+    written = []
+    real_load = runtime.load_tune_config
+    monkeypatch.setattr(runtime, "load_tune_config",
+                        lambda path: written.append(yaml.safe_load(path.read_text()))
+                        or real_load(path))
+    assert tune.main(["--out", str(out), "--jobs", "1"]) == 1
+    assert [w["tuned"]["complete"] for w in written] == [False, True]
+    assert [w["tuned"]["ops"] for w in written] == [["toy"], ["toy"]]
+    assert "broken" not in written[-1]["ops"] and "toy" in written[-1]["ops"]
+    assert written[-1] == yaml.safe_load(out.read_text())
+
+
 def test_a_compile_task_runs_its_candidate_on_every_bucket_of_its_space(monkeypatch):
     """A task is (space number, candidate number): the worker runs that candidate, forced,
     once on each bucket's problem of that space, and nothing else; a failing one is passed."""
