@@ -7,12 +7,16 @@ tune-config entry, a representative problem (registry.TuneSpace / TuneBucket). F
 bucket the tuner runs the problem with default.yaml's config for it (the reference), then
 forces each candidate on the kernel, checks its output against the reference (a candidate
 that fails to run or disagrees is reported and dropped) and times it with
-``triton.testing.do_bench`` (median). The fastest right candidate becomes the bucket's config.
+``triton.testing.do_bench`` (median). The fastest right candidate becomes the bucket's config,
+unless the reference is within KEEP_MARGIN of it; the file in use's configs are candidates too.
 The file written has the schema of tune_configs/README.md and records the GPU, the torch and
-Triton versions and the date under ``tuned``; operators left out by ``--ops`` keep their
-entries from the file in use. ``--quick`` tries, per bucket, the config in use, default.yaml's
-and the first few candidates, with shorter timings. Compiling dominates a run, so ``--jobs``
-worker processes first run every (bucket, candidate) pair once to fill Triton's on-disk cache.
+Triton versions, the date and the operators tuned under ``tuned``; operators left out by
+``--ops``, and any whose bucket cannot be tuned (reported; the run exits 1), keep their entries
+from the file in use. The file is rewritten after each operator, so a run that is stopped keeps
+what it finished. ``--quick`` tries, per bucket, the config in use, default.yaml's and the first
+few candidates, with shorter timings. Compiling dominates a run, so before each operator is
+timed, ``--jobs`` worker processes run each of its candidates once on every bucket's problem
+to fill Triton's on-disk cache.
 """
 
 from __future__ import annotations
