@@ -169,7 +169,8 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("case", HOPPER_CASES)
 def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
                                                                        monkeypatch):
-    """On sm_90 every such call runs the Gluon kernel (counted), and matches float64 in o and
+    """On sm_90 every such call of more than one query row runs the Gluon kernel (counted), one
+    row the decode kernel; each matches float64 in o and
     the log-sum-exp; elsewhere the Triton kernel gives the same answers."""
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
     shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
@@ -183,8 +184,13 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     hopper_forward = attention_ops._attention_hopper.forward
     monkeypatch.setattr(attention_ops._attention_hopper, "forward",
                         lambda *args: calls.append(args) or hopper_forward(*args))
+    decode_calls = []
+    launch_decode = attention_ops._launch_decode
+    monkeypatch.setattr(attention_ops, "_launch_decode",
+                        lambda *args, **kw: decode_calls.append(args) or launch_decode(*args, **kw))
     out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
-    assert len(calls) == int(HOPPER)
+    one_row = seq_q == 1  # one query row goes to the decode kernel, on every GPU
+    assert (len(calls), len(decode_calls)) == (int(HOPPER and not one_row), int(one_row))
     expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
                                                                 causal, scale)
     rtol = tolerance(dtype)["rtol"]
