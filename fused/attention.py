@@ -362,13 +362,14 @@ def _attention_bwd_dq_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
     cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
     scale_log2, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
-    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, BLOCK_G: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-    MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (clamped to [0, L]; all L without seqlens) cache positions, whose K/V
@@ -378,8 +379,10 @@ def _decode_kernel(
     normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
     itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
     log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
-    launch per decode step instead of a partial and a merge launch. PROGRAMS_PER_SM is the
-    launcher's (it sets the number of splits); the kernel does not use it.
+    launch per decode step instead of a partial and a merge launch. With HAS_LSE the program
+    that writes a head's output also writes its log-sum-exp (natural log; -inf without keys)
+    to ``lse[b * Hq + head]``. PROGRAMS_PER_SM is the launcher's (it sets the number of
+    splits); the kernel does not use it.
     """
     split = tl.program_id(0)
     batch_kv = tl.program_id(1)
@@ -430,6 +433,10 @@ def _decode_kernel(
     out_at = o_ptr + batch * o_stride_b + heads[:, None] * o_stride_h + dims_v[None, :]
     if not SPLIT:
         tl.store(out_at, out.to(o_ptr.dtype.element_ty), mask=out_mask)
+        if HAS_LSE:
+            tl.store(lse_ptr + batch * n_q_heads + heads,
+                     tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2),
+                     mask=head_mask)
     else:
         lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
         head_slots = (batch * n_q_heads + heads) * n_splits  # (B, Hq, splits) buffers
@@ -472,6 +479,10 @@ def _decode_kernel(
                      + (kv_head * group_size + members)[:, None] * o_stride_h + dims_v[None, :],
                      merged.to(o_ptr.dtype.element_ty),
                      mask=member_ok[:, None] & (dims_v[None, :] < head_dim_v))
+            if HAS_LSE:
+                tl.store(lse_ptr + batch * n_q_heads + kv_head * group_size + members,
+                         tl.where(total == 0.0, -float("inf"), top + tl.log(total)),
+                         mask=member_ok)
             tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
 
 
@@ -524,6 +535,15 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
     if out is not None and out.stride(-1) != 1 and out.shape[-1] > 1:
         result, lse = _launch_forward(q, k, v, causal, scale)
         return out.copy_(result), lse
+    if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v:
+        # one query row (a decode step through SDPA): the decode kernel reads each KV head once
+        # for its group and splits the keys over the SMs, where the prefill kernels would read
+        # it once per query head and fill 1 of 64-128 rows. Top-left causal: key 0 only.
+        if causal:
+            k, v = k[:, :, :1], v[:, :, :1]
+        lse = torch.empty((batch, n_q_heads, 1), dtype=torch.float32, device=q.device)
+        result = _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse)[:, :, None]
+        return (result, lse) if out is None else (out.copy_(result), lse)
     if use_hopper_kernel and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and _attention_hopper.eligible(q, k, v):
         result, lse = _attention_hopper.forward(q, k, v, causal, scale)
@@ -636,7 +656,8 @@ class _DecodePlan(NamedTuple):
     replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
 
 
-def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -> _DecodePlan:
+def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
+                 with_lse: bool = False) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
@@ -653,7 +674,7 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -
     arguments = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
         n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1,
+        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1, with_lse,
         q.dtype == torch.float32, max(16, group_pow2), group_pow2,
         max(16, runtime.next_power_of_2(head_dim)),
         block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
@@ -664,15 +685,18 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config) -
                        (config, grid, arguments))
 
 
-def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens) -> torch.Tensor:
+def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
+                lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps when
+    the plan was made with_lse."""
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
         arrivals = lse_part = o_part = out  # not touched
     DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out, o_part,
-                   lse_part, arrivals, *plan.arguments))
+                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
+                   lse if lse is not None else out, o_part, lse_part, arrivals, *plan.arguments))
     return out
 
 
@@ -696,26 +720,28 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
         return None
 
 
-def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
-                   layout: tuple | None = None) -> torch.Tensor:
+def _launch_decode(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None,
+                   lse: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (the checked
-    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls."""
+    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls. ``lse``
+    (B, Hq) fp32 contiguous, if given, gets each head's log-sum-exp."""
     unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
     copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
     q, k_cache, v_cache = unit_last
     batch, n_q_heads, head_dim = q.shape
     cache_len, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    if batch * n_q_heads * head_dim_v == 0:
-        return q.new_empty((batch, n_q_heads, head_dim_v))
-    if cache_len == 0:
+    if batch * n_q_heads * head_dim_v == 0 or cache_len == 0:
+        if lse is not None:
+            lse.fill_(-float("inf"))
         return q.new_zeros((batch, n_q_heads, head_dim_v))
     plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
-                        DECODE.planned_config((head_dim, q.element_size(), cache_len)))
-    if layout is not None and not copied and layout in _decode_layouts:
+                        DECODE.planned_config((head_dim, q.element_size(), cache_len)),
+                        with_lse=lse is not None)
+    if layout is not None and not copied and layout in _decode_layouts and lse is None:
         _decode_layouts[layout] = plan
-    return _run_decode(plan, q, k_cache, v_cache, seqlens)
+    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse)
 
 
 # --------------------------------------------------------------------------------------------
@@ -959,6 +985,10 @@ def _matching_layout(query, shape):
     strides (torch's SDPA backends give their outputs q's layout; their fake kernels say so,
     and torch.compile checks real outputs against them)."""
     if tuple(query.shape) == tuple(shape):
+        if query.is_contiguous():
+            # also when only a dim of size 1 (one query row) is out of order: empty_like keeps
+            # its stride on real tensors, the fake kernels' (on meta) are plain contiguous
+            return torch.empty(shape, dtype=query.dtype, device=query.device)
         return torch.empty_like(query)
     order = sorted(range(4), key=lambda dim: query.stride(dim), reverse=True)
     return torch.empty([shape[dim] for dim in order], dtype=query.dtype,

@@ -18,7 +18,8 @@ CASES = [
     (1, 2, 2, 16, 16, 16, 16),
     (2, 4, 2, 37, 53, 32, 32),     # GQA, odd lengths, Sq < Skv
     (1, 3, 1, 45, 20, 24, 24),     # MQA, Sq > Skv, head dim not a power of two
-    (1, 2, 1, 1, 70, 64, 40),      # one query row, Dv != D
+    (1, 2, 1, 1, 70, 64, 40),      # one query row (the decode kernel), Dv != D
+    (2, 8, 2, 1, 200, 32, 32),     # one query row, GQA, keys in splits
     (1, 1, 1, 130, 130, 8, 8),     # several blocks of rows and keys, tiny head dim
 ]
 if ON_GPU:
@@ -45,6 +46,25 @@ def test_forward_matches_reference(case, dtype, causal):
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
     public = gemslib.attention(q, k, v, causal=causal)
     torch.testing.assert_close(public, out, rtol=0, atol=0)
+
+
+def test_one_query_row_runs_the_decode_kernel(monkeypatch):
+    """Sq = 1 (a decode step written with SDPA): one decode launch, whose lse is the one the
+    backward reads; the gradients match the reference's through it."""
+    launched = []
+    real = attention_ops._launch_decode
+    monkeypatch.setattr(attention_ops, "_launch_decode",
+                        lambda *args, **kwargs: launched.append(kwargs) or real(*args, **kwargs))
+    q = random_tensor((2, 4, 1, 16), torch.float32, scale=1.0).requires_grad_()
+    k, v = (random_tensor((2, 2, 40, 16), torch.float32, scale=1.0).requires_grad_()
+            for _ in range(2))
+    grad = random_tensor((2, 4, 1, 16), torch.float32)
+    gemslib.attention(q, k, v).backward(grad)
+    assert len(launched) == 1 and launched[0]["lse"] is not None
+    inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    attention_ops.attention_reference(*inputs)[0].backward(grad.double())
+    for ours, reference in zip((q, k, v), inputs):
+        torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
@@ -149,7 +169,8 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("case", HOPPER_CASES)
 def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
                                                                        monkeypatch):
-    """On sm_90 every such call runs the Gluon kernel (counted), and matches float64 in o and
+    """On sm_90 every such call of more than one query row runs the Gluon kernel (counted), one
+    row the decode kernel; each matches float64 in o and
     the log-sum-exp; elsewhere the Triton kernel gives the same answers."""
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
     shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
@@ -163,8 +184,13 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     hopper_forward = attention_ops._attention_hopper.forward
     monkeypatch.setattr(attention_ops._attention_hopper, "forward",
                         lambda *args: calls.append(args) or hopper_forward(*args))
+    decode_calls = []
+    launch_decode = attention_ops._launch_decode
+    monkeypatch.setattr(attention_ops, "_launch_decode",
+                        lambda *args, **kw: decode_calls.append(args) or launch_decode(*args, **kw))
     out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
-    assert len(calls) == int(HOPPER)
+    one_row = seq_q == 1  # one query row goes to the decode kernel, on every GPU
+    assert (len(calls), len(decode_calls)) == (int(HOPPER and not one_row), int(one_row))
     expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
                                                                 causal, scale)
     rtol = tolerance(dtype)["rtol"]
@@ -406,14 +432,15 @@ def test_sdpa_runs_gemslib_under_enable(dtype):
                                    atol=rtol * v.abs().max().item())
 
 
+@pytest.mark.parametrize("seq_q", [19, 1])  # 1: the decode kernel
 @pytest.mark.parametrize("dim", [32, 128])  # 128: the Gluon kernel on the H200
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
+def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim, seq_q):
     """The overrides' o and lse have the shapes and strides of torch's fake kernels for each
     backend (torch.compile's inductor checks real outputs against those): here for q, k, v
     seen through (B, S, H, D) storage, and a query length that is not a multiple of 32."""
     q, k, v = (random_tensor((2, seq, 4, dim), dtype, scale=1.0).transpose(1, 2)
-               for seq in (19, 23, 23))
+               for seq in (seq_q, 23, 23))
     if ON_GPU:
         calls = [("_scaled_dot_product_flash_attention", (q, k, v, 0.0, True, False)),
                  ("_scaled_dot_product_cudnn_attention", (q, k, v, None, True, 0.0, True, False)),
@@ -444,7 +471,7 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim):
         rtol = tolerance(dtype)["rtol"]
         torch.testing.assert_close(actual[0].double(), reference, rtol=rtol,
                                    atol=rtol * v.abs().max().item())
-        torch.testing.assert_close(actual[1].flatten(2)[..., :19].double(), reference_lse,
+        torch.testing.assert_close(actual[1].flatten(2)[..., :seq_q].double(), reference_lse,
                                    rtol=1e-4, atol=1e-4)
 
 

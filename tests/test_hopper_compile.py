@@ -196,6 +196,9 @@ CALLS = [
                                      torch.tensor([300, 7])),  # one split: output written directly
     lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
                                      _bf16(1, 1, 300, 128)),  # two splits merged, no seqlens
+    # one query row through attention: the decode kernel writing its lse, split and not
+    lambda: gemslib.attention(_bf16(1, 4, 1, 128), _bf16(1, 1, 300, 128), _bf16(1, 1, 300, 128)),
+    lambda: gemslib.attention(_bf16(2, 8, 1, 64), _bf16(2, 2, 30, 64), _bf16(2, 2, 30, 64)),
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
         *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
                      100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
