@@ -55,6 +55,65 @@ def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def may_overlap_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: a stride-0 dim (an expanded tensor), or
+    strides that do not nest (as_strided views). Conservative: False proves no overlap."""
+    if t.is_contiguous():  # the usual case, answered without a look at the strides
+        return False
+    if has_internal_overlap(t):
+        return True
+    span = 0  # elements spanned by the dims of smaller stride, minus one
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] > 1),
+                               key=lambda d: abs(d[1])):
+        if abs(stride) <= span:
+            return True
+        span += (size - 1) * abs(stride)
+    return False
+
+
+def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an element of ``a`` and one of ``b`` may be the same memory. Exact for views
+    with one set of strides (slices of one buffer, such as q and k of a fused QKV projection)
+    unless the search below runs long; conservative (True when their bytes' spans intersect)
+    otherwise."""
+    if not memory_overlaps(a, b):
+        return False
+    size = a.element_size()
+    delta, remainder = divmod(b.data_ptr() - a.data_ptr(), size)
+    if a.dim() != b.dim() or size != b.element_size() or remainder:
+        return True
+    # a[i] and b[j] coincide iff sum_d (i_d - j_d) * stride_d == delta with each digit
+    # i_d - j_d in [-(b's size - 1), a's size - 1]: a search from the largest stride, keeping
+    # only digits whose remainder the smaller dims can still reach (a dim of size 1 has only
+    # index 0, so its stride is the other tensor's)
+    dims = []
+    for stride_a, stride_b, size_a, size_b in zip(a.stride(), b.stride(), a.shape, b.shape):
+        if max(size_a, size_b) == 1:
+            continue
+        stride = stride_b if size_a == 1 else stride_a
+        if (size_b > 1 and stride_b != stride) or stride <= 0:
+            return True
+        dims.append((stride, size_a - 1, size_b - 1))
+    dims.sort(reverse=True)
+    reach = [(sum(st * up for st, up, _ in dims[i:]), sum(st * down for st, _, down in dims[i:]))
+             for i in range(len(dims) + 1)]
+    budget = [10000]
+
+    def solvable(index: int, rest: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        if index == len(dims):
+            return rest == 0
+        stride, up, down = dims[index]
+        high, low = reach[index + 1]
+        first = max(-down, -((high - rest) // stride))  # rest - digit * stride <= high
+        last = min(up, (rest + low) // stride)  # rest - digit * stride >= -low
+        return any(solvable(index + 1, rest - digit * stride) for digit in range(first, last + 1))
+
+    return solvable(0, delta)
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., n) as a 2-d (rows, n) tensor with a unit last stride: a view where the leading
     dims merge, a copy otherwise."""
