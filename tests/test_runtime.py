@@ -230,3 +230,33 @@ def test_a_zero_bound_admits_only_zero(tmp_path):
     first, rest = runtime.load_tune_config(path).ops["silu"]["silu_fwd"]
     assert first.matches({"numel": 0}) and not first.matches({"numel": 1})
     assert rest.matches({"numel": 1})
+
+
+def test_interpreted_launches_leak_no_numpy_warnings():
+    """Under the interpreter (numpy arithmetic) extreme inputs make numpy warn inside the
+    kernels; no such warning may reach the caller, for any operator (on a GPU there are none
+    to leak, and the same calls must not warn either)."""
+    import warnings
+
+    big = random_tensor((3, 40), torch.float32) * 1e30
+    big[0, 0], big[1, 1] = float("inf"), float("-inf")
+    q = random_tensor((1, 2, 5, 16), torch.float32)
+    angles = random_tensor((5, 8), torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gemslib.silu(big)
+        gemslib.silu_and_mul(big)
+        gemslib.rms_norm(big, eps=0.0)
+        gemslib.rms_norm(torch.zeros_like(big), eps=0.0)
+        gemslib.add_rms_norm(big, big)
+        gemslib.softmax(big)
+        gemslib.apply_rotary(q.transpose(1, 2) * float("inf"), q.transpose(1, 2), angles.cos(),
+                             angles.sin())
+        gemslib.attention(q, q * 1e30, q)
+        gemslib.decode_attention(q[:, :, 0], q * 1e30, q)
+        gemslib.rms_norm_linear_silu(big, big[0], big[:7])
+        leaf = big.clone().requires_grad_()
+        gemslib.rms_norm(leaf).sum().backward()
+    leaked = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+              if issubclass(w.category, (RuntimeWarning, DeprecationWarning))]
+    assert not leaked, leaked
