@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemslib import runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
@@ -104,7 +104,7 @@ def _rotary_kernel(
     k_batch_stride, k_seq_stride, k_head_stride,
     q_out_batch_stride, q_out_seq_stride, q_out_head_stride,
     k_out_batch_stride, k_out_seq_stride, k_out_head_stride,
-    cos_stride, sin_stride, positions_batch_stride, positions_seq_stride,
+    cos_stride, sin_stride, positions_batch_stride, positions_seq_stride, n_positions,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
@@ -117,16 +117,25 @@ def _rotary_kernel(
     token = tl.program_id(0)
     batch = (token // seq_len).to(tl.int64)
     seq = (token % seq_len).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_R)[None, :]
     if HAS_POSITIONS:
         position = tl.load(positions_ptr + batch * positions_batch_stride
                            + seq * positions_seq_stride).to(tl.int64)
+        # a position outside the table: a device-side assert (compiled in, see ROTARY), and
+        # never a read outside cos/sin (NaN angles where asserts are off)
+        in_table = (position >= 0) & (position < n_positions)
+        tl.device_assert(in_table, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
+        position = tl.where(in_table, position, 0)
+        pair_mask = (pairs < half) & in_table
+        cos = tl.load(cos_ptr + position * cos_stride + pairs, mask=pair_mask).to(tl.float32)
+        sin = tl.load(sin_ptr + position * sin_stride + pairs, mask=pair_mask).to(tl.float32)
+        cos = tl.where(pairs < half, tl.where(in_table, cos, float("nan")), 1.0)
+        sin = tl.where(pairs < half, tl.where(in_table, sin, float("nan")), 0.0)
     else:
-        position = seq
-    pairs = tl.arange(0, BLOCK_R)[None, :]
-    cos = tl.load(cos_ptr + position * cos_stride + pairs, mask=pairs < half, other=1.0)
-    sin = tl.load(sin_ptr + position * sin_stride + pairs, mask=pairs < half, other=0.0)
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
+        cos = tl.load(cos_ptr + seq * cos_stride + pairs, mask=pairs < half, other=1.0)
+        sin = tl.load(sin_ptr + seq * sin_stride + pairs, mask=pairs < half, other=0.0)
+        cos = cos.to(tl.float32)
+        sin = sin.to(tl.float32)
     if INVERSE:
         sin = -sin
     q_token = q_ptr + batch * q_batch_stride + seq * q_seq_stride
@@ -160,7 +169,7 @@ def _rotary_kernel(
 
 
 ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
-                             shape_keys=("tokens", "heads", "head_dim"))
+                             shape_keys=("tokens", "heads", "head_dim"), device_asserts=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +208,7 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
         grid,
         q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
         seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
-        cos.stride(0), sin.stride(0), *position_strides,
+        cos.stride(0), sin.stride(0), *position_strides, cos.shape[0],
         positions is not None, interleaved, inverse, copy_rest, block_r, block_rest,
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
@@ -281,6 +290,23 @@ def _check(q, k, cos, sin, positions) -> None:
                          f"rows, got {cos.shape[0]}")
 
 
+def _check_writes_alias_nothing(q, k, cos, sin, positions) -> None:
+    """In place, q and k are written while q, k, cos, sin and positions are read by other
+    programs: a shared element would be read after it was written."""
+    name = "gemslib.apply_rotary"
+    for arg, t in (("q", q), ("k", k)):
+        if layout.may_overlap_itself(t):
+            raise ValueError(f"{name}: inplace=True needs {arg} without overlapping elements "
+                             "(a stride-0 dim, as from expand)")
+    if layout.may_share_elements(q, k):
+        raise ValueError(f"{name}: inplace=True needs q and k that do not share memory")
+    for written, target in (("q", q), ("k", k)):
+        for arg, t in (("cos", cos), ("sin", sin), ("positions", positions)):
+            if t is not None and layout.may_share_elements(target, t):
+                raise ValueError(f"{name}: inplace=True writes {written}, which shares memory "
+                                 f"with {arg}")
+
+
 def _kernel_runs(q, k, cos, sin) -> bool:
     return (q.dtype in KERNEL_DTYPES and runtime.on_kernel_device(q)
             and cos.dtype in KERNEL_DTYPES and sin.dtype in KERNEL_DTYPES
@@ -291,8 +317,23 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def _check_positions_in_table(positions, n_positions: int) -> None:
+    """Positions on the CPU are checked here; on a GPU, where reading them would wait for the
+    device, the kernel checks them itself (a device-side assert)."""
+    if positions is None or positions.device.type != "cpu" or positions.numel() == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= n_positions:
+        bad = low if low < 0 else high
+        raise IndexError(f"gemslib.apply_rotary: positions must be in [0, {n_positions}) (the rows "
+                         f"of cos and sin), got {bad}")
+
+
 def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
     """Kernel (or torch) into q_out/k_out, which may be q/k themselves."""
+    _check_positions_in_table(positions, cos.shape[0])
+    if q_out is q:  # in place (the check reads data pointers: here, not where compile traces)
+        _check_writes_alias_nothing(q, k, cos, sin, positions)
     if not _kernel_runs(q, k, cos, sin):
         sign = -1 if inverse else 1
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -313,7 +354,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; cos, sin (max_position, rot_dim/2);
     positions (B, S) or (T,) integers, default arange(S) for every sequence. With
     ``inplace=True`` q and k are overwritten and returned. Differentiable when not in place.
+    Positions outside [0, max_position) raise IndexError for CPU tensors; on a GPU the kernel
+    stops with a device-side assert (torch raises it at the next synchronisation), as torch's
+    own indexing does.
     """
+    interleaved = checks.as_bool("gemslib.apply_rotary", "interleaved", interleaved)
+    inplace = checks.as_bool("gemslib.apply_rotary", "inplace", inplace)
     _check(q, k, cos, sin, positions)
     if inplace:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

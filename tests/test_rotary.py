@@ -1,5 +1,8 @@
 """apply_rotary: layouts, GQA, partial rotary, positions, in place, gradients, custom op."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -195,3 +198,58 @@ def test_both_program_layouts_match_reference(loop_heads, interleaved, block_h):
     expected_q, expected_k = _reference(q, k, cos, sin, positions, interleaved)
     assert_close_to_reference(q_rot, expected_q, torch.float32)
     assert_close_to_reference(k_rot, expected_k, torch.float32)
+
+
+_BAD_POSITION_ON_GPU = r"""
+import torch, gemslib
+q = torch.randn(1, 3, 2, 16, device="cuda")
+k = torch.randn(1, 3, 1, 16, device="cuda")
+angles = torch.rand(10, 8, device="cuda")
+gemslib.apply_rotary(q, k, angles.cos(), angles.sin(),
+                     positions=torch.tensor([[0, POSITION, 2]], device="cuda"))
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("position", [10, -1, 100000])
+def test_positions_outside_the_table_are_an_error(position):
+    """A position outside [0, cos.shape[0]) never reads outside cos/sin: on the CPU an
+    IndexError naming positions; on a GPU the kernel's device-side assert (in a subprocess:
+    it leaves the CUDA context unusable)."""
+    if ON_GPU:
+        done = subprocess.run([sys.executable, "-c", _BAD_POSITION_ON_GPU.replace(
+            "POSITION", str(position))], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0
+        assert "device-side assert" in done.stderr, done.stderr[-2000:]
+        assert "positions must be in [0, cos.shape[0])" in done.stdout + done.stderr
+        return
+    q, k, cos, sin, _ = _inputs((1, 3, 2, 16), 1, 8, None, torch.float32)
+    positions = torch.tensor([[0, position, 2]])
+    for call in (lambda: gemslib.apply_rotary(q, k, cos[:10], sin[:10], positions=positions),
+                 lambda: gemslib.apply_rotary(q.clone(), k.clone(), cos[:10], sin[:10],
+                                              positions=positions, inplace=True),
+                 lambda: gemslib.apply_rotary(q.double(), k.double(), cos[:10].double(),
+                                              sin[:10].double(), positions=positions)):
+        with pytest.raises(IndexError, match=r"positions must be in \[0, 10\)"):
+            call()
+
+
+def test_in_place_rotation_of_shared_memory_is_an_error():
+    q, k, cos, sin, _ = _inputs((1, 3, 2, 16), 2, 8, None, torch.float32)
+    with pytest.raises(ValueError, match="q and k that do not share memory"):
+        gemslib.apply_rotary(q, q, cos, sin, inplace=True)
+    with pytest.raises(ValueError, match="overlapping elements"):
+        gemslib.apply_rotary(q[:, :, :1].expand(1, 3, 2, 16), k, cos, sin, inplace=True)
+    # out of place, shared inputs are only read: both rotate alike
+    q_rot, k_rot = gemslib.apply_rotary(q, q, cos, sin)
+    expected, _ = _reference(q, q, cos, sin, None, False)
+    assert_close_to_reference(q_rot, expected, torch.float32)
+    assert_close_to_reference(k_rot, expected, torch.float32)
+
+
+@pytest.mark.parametrize("argument", ["interleaved", "inplace"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_flags_must_be_bools_as_torch_requires(argument, value):
+    q, k, cos, sin, _ = _inputs((1, 3, 2, 16), 1, 8, None, torch.float32)
+    with pytest.raises(TypeError, match=f"argument '{argument}' must be bool"):
+        gemslib.apply_rotary(q, k, cos, sin, **{argument: value})
