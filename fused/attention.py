@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -372,8 +372,8 @@ def _decode_kernel(
     PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
-    first ``seqlens[b]`` (clamped to [0, L]; all L without seqlens) cache positions, whose K/V
-    are read once for all of them.
+    first ``seqlens[b]`` (in [0, L], asserted; all L without seqlens) cache positions, whose
+    K/V are read once for all of them.
 
     Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
     normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
@@ -389,7 +389,12 @@ def _decode_kernel(
     batch = (batch_kv // n_kv_heads).to(tl.int64)
     kv_head = (batch_kv % n_kv_heads).to(tl.int64)
     if HAS_SEQLENS:
-        seq_len = tl.minimum(tl.maximum(tl.load(seqlens_ptr + batch).to(tl.int32), 0), cache_len)
+        # a length outside [0, L]: a device-side assert (compiled in, see DECODE); clamped so
+        # that no input reads outside the cache where asserts are off
+        seq_len = tl.load(seqlens_ptr + batch).to(tl.int64)
+        tl.device_assert((seq_len >= 0) & (seq_len <= cache_len),
+                         "gemslib.decode_attention: seqlens must be in [0, L] (the cache length)")
+        seq_len = tl.minimum(tl.maximum(seq_len, 0), cache_len).to(tl.int32)
     else:
         seq_len = cache_len
     key_start = split * split_len
@@ -499,7 +504,7 @@ ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attenti
                                        shape_keys=("head_dim", "elem_bytes"))
 DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
                              tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
-                             shape_keys=("head_dim", "elem_bytes", "seq_kv"))
+                             shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,10 +600,11 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     delta = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     grad_lse = grad_lse.contiguous() if grad_lse is not None else None
-    _attention_bwd_delta_kernel[(batch * n_q_heads, runtime.cdiv(seq_q, 64))](
-        out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, n_q_heads,
-        head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
-        BLOCK_M=64, BLOCK_DV=block_dv)
+    with runtime.quiet_interpreter():
+        _attention_bwd_delta_kernel[(batch * n_q_heads, runtime.cdiv(seq_q, 64))](
+            out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, n_q_heads,
+            head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
+            BLOCK_M=64, BLOCK_DV=block_dv)
     shape = (head_dim, q.element_size())
     # after the sequence lengths and the head count each kernel's grid runs over
     rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * 1.4426950408889634,
@@ -685,10 +691,25 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
                        (config, grid, arguments))
 
 
+def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
+                            on_device_too: bool = False) -> None:
+    """Lengths on the CPU (or anywhere, with ``on_device_too``: the caller reads them on the
+    host anyway) are checked here; on a GPU the kernel asserts them itself, since reading them
+    here would wait for the device."""
+    if seqlens is None or seqlens.numel() == 0 or (seqlens.device.type != "cpu"
+                                                   and not on_device_too):
+        return
+    low, high = int(seqlens.min()), int(seqlens.max())
+    if low < 0 or high > cache_len:
+        raise ValueError(f"gemslib.decode_attention: seqlens must be in [0, {cache_len}] (the "
+                         f"caches' length), got {low if low < 0 else high}")
+
+
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
                 lse: torch.Tensor | None = None) -> torch.Tensor:
     """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps when
     the plan was made with_lse."""
+    _check_seqlens_in_cache(seqlens, k_cache.shape[2])
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
@@ -753,7 +774,7 @@ def attention_reference(q, k, v, causal=False, scale=None):
     """(o, lse) by the definition, K/V repeated over each group of query heads."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
     if causal:
         visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
@@ -764,7 +785,7 @@ def attention_reference(q, k, v, causal=False, scale=None):
 
 def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
     """One query per sequence against the first seqlens[b] cache positions (clamped to
-    [0, L]), by definition."""
+    [0, L]; decode_attention rejects lengths outside), by definition."""
     outs = []
     for b in range(q.shape[0]):
         length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
@@ -778,6 +799,12 @@ def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
+
+
+def default_scale(head_dim: int) -> float:
+    """SDPA's default scale 1 / sqrt(D). With D = 0 every score is an empty sum, 0, whatever
+    the scale (torch gives uniform weights), so any finite scale serves."""
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
 
 
 def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
@@ -800,8 +827,7 @@ def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of k and v's "
                          f"{k.shape[1]} (grouped-query attention)")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"{name}: scale must be a number or None, got {type(scale).__name__}")
+    checks.as_float(name, "scale", scale, optional=True)
 
 
 def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
@@ -824,18 +850,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
     multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Differentiable in q, k and v (the
     backward recomputes the probabilities from the saved row log-sum-exp)."""
+    causal = checks.as_bool("gemslib.attention", "causal", causal)
     _check(q, k, v, scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else checks.as_float(
+        "gemslib.attention", "scale", scale)
     if runtime.wants_custom_op(q, k, v):
         return runtime.differentiable_call(_attention_op, _AttentionFunction, q, k, v,
                                            bool(causal), scale)[0]
     return _attention_impl(q, k, v, causal, scale)[0]
 
 
+def _kernels_take(q, k, v, *others) -> bool:
+    """The attention kernels take these (else torch): head dims 1 to 256, kernel dtypes on the
+    kernel device (and not bf16 under the interpreter)."""
+    return runtime.dot_kernel_runs(q, k, v, *others) and 0 < min(q.shape[-1], v.shape[-1]) \
+        and max(q.shape[-1], v.shape[-1]) <= 256
+
+
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): the kernel where it runs, torch otherwise."""
-    if not runtime.kernel_runs(q, k, v) or max(q.shape[-1], v.shape[-1]) > 256:
+    if not _kernels_take(q, k, v):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
         return out.to(q.dtype), lse.float()
@@ -848,7 +883,7 @@ def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ``_attention_impl``'s (out, lse): the kernels where the forward ran
     them, autograd through the float reference otherwise."""
-    if not runtime.kernel_runs(q, k, v, grad_out) or max(q.shape[-1], v.shape[-1]) > 256:
+    if not _kernels_take(q, k, v, grad_out):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.enable_grad():
             inputs = [t.detach().to(work).requires_grad_() for t in (q, k, v)]
@@ -916,15 +951,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
     if plan is _UNCHECKED:
         _check_decode(q, k_cache, v_cache, seqlens, scale)
+        scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
         if layout is not None and len(_decode_layouts) < 4096:
             _decode_layouts[layout] = None  # checked; the launch adds its plan
     elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
         return _run_decode(plan, q, k_cache, v_cache, seqlens)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):
         # no backward kernel: the reference, in torch ops, keeps gradients right
+        _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
     if compiling:
         return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
@@ -932,11 +969,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None):
-    if not runtime.kernel_runs(q, k_cache, v_cache) or max(q.shape[-1], v_cache.shape[-1]) > 256:
+    if not _kernels_take(q, k_cache, v_cache):
+        _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale).to(q.dtype)
-    # the kernel clamps the lengths to [0, L] itself: no host sync, no extra launch
+    # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
     return _launch_decode(q, k_cache, v_cache, seqlens, scale, layout)
 
 
@@ -967,6 +1005,8 @@ def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
     """Why the kernels do not take this SDPA call (None: they do)."""
     if query.dtype not in KERNEL_DTYPES:
         return f"dtype {query.dtype}"
+    if not runtime.dot_kernel_runs(query):
+        return runtime.INTERPRETER_BF16_DOT
     if attn_bias is not None:
         return "an attention mask or bias"
     if dropout_p:
@@ -977,7 +1017,26 @@ def _why_not_sdpa(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
         return "head counts or head dims the kernel does not pair"
     if max(query.shape[-1], value.shape[-1]) > 256:
         return "a head dim over 256"
+    if min(query.shape[-1], value.shape[-1]) == 0:
+        return "a head dim of 0"
     return None
+
+
+_FP32_PAIRING = ("fp32 SDPA that records gradients (torch's backward, wherever it runs, "
+                 "recomputes the scores in its own arithmetic; an lse from gemslib's pairs with "
+                 "them only to their fp32 rounding)")
+
+
+def _why_not_sdpa_forward(query, key, value, attn_bias=None, dropout_p=0.0, scale=None):
+    """:func:`_why_not_sdpa` for the forward operators. An fp32 forward that autograd records
+    stays torch's: its backward may run outside enable() and its scores, recomputed there by
+    torch, round differently from gemslib's; at peaked rows the difference to the saved lse
+    does not cancel (3 times torch's own gradient error on the H200; benchmark/NOTES.md). So fp32 SDPA
+    training under enable() is torch's forward and backward; fp32 inference is gemslib's."""
+    if query.dtype == torch.float32 and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad):
+        return _FP32_PAIRING
+    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
 
 
 def _matching_layout(query, shape):
@@ -996,7 +1055,7 @@ def _matching_layout(query, shape):
 
 
 def _sdpa_outputs(query, key, value, is_causal, scale, out=None):
-    default = 1.0 / math.sqrt(query.shape[-1])
+    default = default_scale(query.shape[-1])
     if out is None:
         out = _matching_layout(query, (*query.shape[:3], value.shape[-1]))
     return _launch_forward(query, key, value, is_causal, default if scale is None else scale,
@@ -1013,7 +1072,7 @@ def _aten_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, at
 
 def _why_not_flash_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                            scale=None):
-    return _why_not_sdpa(query, key, value, attn_mask, dropout_p, scale)
+    return _why_not_sdpa_forward(query, key, value, attn_mask, dropout_p, scale)
 
 
 def _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scale,
@@ -1022,7 +1081,7 @@ def _sdpa_gradients(grad_out, query, key, value, out, logsumexp, is_causal, scal
     backend's layout ((B, H, Sq), cuDNN's (B, H, Sq, 1), efficient's padded (B, H, >= Sq), CPU's
     strided). The gradients take the layout of torch's fake kernel for the operator: like the
     inputs (CUDA flash, cuDNN), or ``heads_last`` (B, S, H, D) memory (CPU flash, efficient)."""
-    default = 1.0 / math.sqrt(query.shape[-1])
+    default = default_scale(query.shape[-1])
     lse = logsumexp[..., 0] if logsumexp.dim() == 4 else logsumexp[..., :query.shape[2]]
     grads = _launch_backward(grad_out, query, key, value, out, lse.float().contiguous(), None,
                              is_causal, default if scale is None else scale)
@@ -1038,6 +1097,8 @@ def _why_not_sdpa_backward(grad_out, query, key, value, attn_bias=None, dropout_
     # when it did not, torch's forward saved the lse in the layout the backward reads
     if grad_out.dtype != query.dtype:
         return f"grad_out in {grad_out.dtype}, inputs in {query.dtype}"
+    if query.dtype == torch.float32:  # its forward was torch's (_why_not_sdpa_forward)
+        return _FP32_PAIRING
     return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
 
 
@@ -1078,7 +1139,7 @@ def _aten_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_
 def _why_not_flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                    *, scale=None):
     return "a debug mask" if return_debug_mask else \
-        _why_not_sdpa(query, key, value, None, dropout_p, scale)
+        _why_not_sdpa_forward(query, key, value, None, dropout_p, scale)
 
 
 def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
@@ -1093,7 +1154,7 @@ def _aten_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
 def _why_not_cudnn(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
                    is_causal=False, return_debug_mask=False, *, scale=None):
     return "a debug mask" if return_debug_mask else \
-        _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+        _why_not_sdpa_forward(query, key, value, attn_bias, dropout_p, scale)
 
 
 def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
@@ -1110,7 +1171,7 @@ def _aten_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=
 
 def _why_not_efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
                        is_causal=False, *, scale=None):
-    return _why_not_sdpa(query, key, value, attn_bias, dropout_p, scale)
+    return _why_not_sdpa_forward(query, key, value, attn_bias, dropout_p, scale)
 
 
 def _aten_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,

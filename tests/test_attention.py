@@ -1,5 +1,9 @@
 """attention: the prefill forward against float64 references (work in progress)."""
 
+import logging
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -373,14 +377,43 @@ def test_decode_repeated_layout_with_caches_at_other_alignments():
     assert torch.equal(outputs[0], outputs[2])
 
 
-def test_decode_clamps_lengths_to_the_cache():
+_BAD_LENGTHS_ON_GPU = r"""
+import torch, gemslib
+q = torch.randn(3, 2, 16, device="cuda")
+k = torch.randn(3, 1, 40, 16, device="cuda")
+gemslib.decode_attention(q, k, k, torch.tensor(LENGTHS, device="cuda"))
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("lengths", [[-5, 10, 40], [3, 41, 40], [0, 1000, 7]])
+def test_decode_rejects_lengths_outside_the_cache(lengths):
+    """A length outside [0, L] is an error, never a silent clamp or a read past the cache: on
+    the CPU a ValueError (the kernel path and torch's, for float64), on a GPU the kernel's
+    device-side assert (in a subprocess: it leaves the CUDA context unusable)."""
+    if ON_GPU:
+        done = subprocess.run([sys.executable, "-c", _BAD_LENGTHS_ON_GPU.replace(
+            "LENGTHS", str(lengths))], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0
+        assert "device-side assert" in done.stderr, done.stderr[-2000:]
+        assert "seqlens must be in [0, L]" in done.stdout + done.stderr
+        return
+    for dtype in (torch.float32, torch.float64):
+        q = random_tensor((3, 2, 16), dtype)
+        k = random_tensor((3, 1, 40, 16), dtype)
+        with pytest.raises(ValueError, match=r"seqlens must be in \[0, 40\]"):
+            gemslib.decode_attention(q, k, k, torch.tensor(lengths))
+
+
+def test_decode_lengths_at_the_ends_of_the_range():
+    """0 (no keys: zeros) and L (the whole cache) are valid lengths."""
     q = random_tensor((3, 2, 16), torch.float32)
     k = random_tensor((3, 1, 40, 16), torch.float32)
-    lengths = torch.tensor([-5, 1000, 40], device=q.device)
+    lengths = torch.tensor([0, 40, 17], device=q.device)
     out = gemslib.decode_attention(q, k, k, lengths)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no keys: zeros, as for length 0
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
     expected = attention_ops.decode_attention_reference(q.double(), k.double(), k.double(),
-                                                        torch.tensor([0, 40, 40]))
+                                                        lengths)
     assert_close_to_reference(out, expected, torch.float32, reduction_len=40)
 
 
@@ -476,8 +509,9 @@ def test_sdpa_overrides_return_torchs_output_layouts(dtype, dim, seq_q):
 
 
 def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
-    """A mask goes to torch's kernel; a call whose inputs need grad is served forward and
-    backward (on the GPU fp32 reaches the memory-efficient pair, on the CPU the flash pair)."""
+    """A mask goes to torch's kernel; so does fp32 SDPA that records gradients, forward and
+    backward (on the GPU fp32 reaches the memory-efficient pair, on the CPU the flash pair),
+    while fp32 inference is gemslib's."""
     q = random_tensor((1, 2, 9, 32), torch.float32)
     mask = torch.rand(9, 9, device=q.device) > 0.3
     leaf = q.detach().requires_grad_()
@@ -485,7 +519,9 @@ def test_sdpa_calls_the_kernel_does_not_take_go_to_torch():
         masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         needs_grad = F.scaled_dot_product_attention(leaf, leaf, leaf, is_causal=True)
         needs_grad.sum().backward()
-    assert sum(activation.calls.values()) == 2, activation.calls
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert sum(activation.calls.values()) == 1, activation.calls
+    assert sum(activation.fallbacks.values()) == 3, activation.fallbacks
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
     reference_leaf = q.detach().double().requires_grad_()
     F.scaled_dot_product_attention(reference_leaf, reference_leaf, reference_leaf,
@@ -546,12 +582,45 @@ def test_sdpa_backward_pairs_with_its_forward_in_any_scope(scopes, backend, dtyp
     op = _sdpa_backend_op(backend)
     expected_ops = {"both": {op, op + "_backward"}, "forward-only": {op},
                     "backward-only": {op + "_backward"}}[scopes]
-    assert set(activation.calls) == expected_ops and not activation.fallbacks, \
-        (activation.calls, activation.fallbacks)
+    if dtype == torch.float32:  # fp32 training stays torch's (test_fp32_sdpa_training_...)
+        assert set(activation.fallbacks) == expected_ops and not activation.calls, \
+            (activation.calls, activation.fallbacks)
+    else:
+        assert set(activation.calls) == expected_ops and not activation.fallbacks, \
+            (activation.calls, activation.fallbacks)
     _assert_grads_close(grads, _reference_grads(q, k, v, True, dim ** -0.5, grad_out), dtype)
 
 
-@pytest.mark.parametrize("backend,dtype,dim", SDPA_PAIRS)
+@pytest.mark.parametrize("scopes", ["forward-only", "backward-only", "both"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp32_sdpa_training_under_enable_is_torchs_in_any_scope(scopes, causal):
+    """fp32 SDPA that records gradients stays torch's under enable(), forward and backward:
+    torch's backward recomputes the scores in its own arithmetic, so an lse from gemslib's
+    forward paired with it only to the scores' fp32 rounding (3 times torch's own gradient
+    error at randn * 3 inputs on the H200). So the gradients are torch's own, bit for bit,
+    whichever half runs inside the block."""
+    q = random_tensor((4, 4, 3, 8), torch.float32).requires_grad_()
+    k = random_tensor((4, 4, 6, 8), torch.float32).requires_grad_()
+    v = random_tensor((4, 4, 6, 8), torch.float32).requires_grad_()
+    grad_out = random_tensor((4, 4, 3, 8), torch.float32)
+    expected = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                   (q, k, v), grad_out)
+    forward = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    backward = lambda out: torch.autograd.grad(out, (q, k, v), grad_out)
+    out = forward() if scopes == "backward-only" else None
+    with gemslib.enable(ops=["attention"], record=True) as inside:
+        if scopes == "forward-only":
+            out = forward()
+        else:
+            grads = backward(out if out is not None else forward())
+    if scopes == "forward-only":
+        grads = backward(out)
+    assert not inside.calls and inside.fallbacks, (inside.calls, inside.fallbacks)
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend,dtype,dim", [p for p in SDPA_PAIRS if p[1] != torch.float32])
 def test_sdpa_backward_overrides_return_torchs_gradient_layouts(backend, dtype, dim):
     """The backward overrides' gradients have the shapes and strides of torch's fake kernels
     (like the inputs for CUDA flash and cuDNN, (B, S, H, D) memory for the CPU flash and the
@@ -628,7 +697,7 @@ def test_sdpa_training_step_under_enable_and_torch_compile():
     """A compiled loss calling SDPA on (B, S, H, D) storage seen as (B, H, S, D), under
     enable(): gemslib serves its forward and backward (on the GPU, inductor checks the
     overrides' outputs against torch's fake kernels), and the gradients are right."""
-    dtype = torch.float16 if ON_GPU else torch.float32
+    dtype = torch.float16  # fp32 training stays torch's (test_fp32_sdpa_training_...)
     bases = [random_tensor((2, 40, 4, 64), dtype, scale=1.0).requires_grad_() for _ in range(3)]
     weight = random_tensor((2, 4, 40, 64), torch.float32, scale=1.0)
 
@@ -742,3 +811,74 @@ def test_decode_inputs_that_need_grad_get_gradients_through_torch():
     k = random_tensor((1, 2, 11, 16), torch.float32).requires_grad_()
     gemslib.decode_attention(q, k, k).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_head_dim_zero_gives_torchs_result():
+    """D = 0: every score is 0, so each row averages the values it may see (what SDPA gives),
+    forward and backward, direct and under enable()."""
+    q = random_tensor((2, 4, 5, 0), torch.float32)
+    k = random_tensor((2, 2, 7, 0), torch.float32)
+    v = random_tensor((2, 2, 7, 6), torch.float32)
+    for causal in (False, True):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(gemslib.attention(q, k, v, causal=causal), expected)
+        with gemslib.enable(ops=["attention"]):
+            torch.testing.assert_close(F.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=causal),
+                expected)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.autograd.grad(gemslib.attention(*leaves, causal=True).sum(), leaves)
+    expected_grads = torch.autograd.grad(F.scaled_dot_product_attention(
+        *leaves, is_causal=True, enable_gqa=True).sum(), leaves)
+    for got, want in zip(torch.autograd.grad(gemslib.attention(*leaves, causal=True).sum(),
+                                             leaves), expected_grads):
+        torch.testing.assert_close(got, want)
+    decoded = gemslib.decode_attention(q[:, :, 0], k, v)
+    torch.testing.assert_close(decoded, v.mean(2).repeat_interleave(2, 1))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q: gemslib.attention(q, q, q, causal="yes"), "argument 'causal' must be bool, not str"),
+    (lambda q: gemslib.attention(q, q, q, causal=1), "argument 'causal' must be bool, not int"),
+    (lambda q: gemslib.attention(q, q, q, scale="0.1"), "argument 'scale' must be float or None"),
+    (lambda q: gemslib.attention(q, q, q, scale=torch.ones(2)), "argument 'scale' must be float"),
+    (lambda q: gemslib.decode_attention(q[:, :, 0], q, q, scale="0.1"),
+     "gemslib.decode_attention\\(\\): argument 'scale' must be float or None, not str"),
+])
+def test_scalar_arguments_are_checked_as_torch_does(call, match):
+    q = random_tensor((1, 2, 3, 8), torch.float32)
+    with pytest.raises(TypeError, match=match):
+        call(q)
+
+
+def test_scalar_arguments_torch_accepts_are_accepted():
+    q, k, v = (random_tensor((1, 2, 3, 8), torch.float32) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.5)
+    for scale in (0.5, torch.tensor(0.5)):
+        assert_close_to_reference(gemslib.attention(q, k, v, scale=scale), expected.double(),
+                                  torch.float32, reduction_len=8, term_scale=v.abs().max().item())
+
+
+def test_bf16_calls_are_right_on_every_backend(caplog):
+    """bf16: the kernels on a GPU; under the interpreter (whose bf16 tl.dot is wrong) torch
+    computes them, and enable() records those calls as fallbacks with the reason."""
+    q = random_tensor((1, 4, 9, 16), torch.bfloat16, scale=1.0)
+    k = random_tensor((1, 2, 12, 16), torch.bfloat16, scale=1.0)
+    v = random_tensor((1, 2, 12, 16), torch.bfloat16, scale=1.0)
+    expected, _ = attention_ops.attention_reference(q.double(), k.double(), v.double(), True)
+    assert_close_to_reference(gemslib.attention(q, k, v, causal=True), expected, torch.bfloat16,
+                              reduction_len=12, term_scale=v.abs().max().item())
+    decode_expected = attention_ops.decode_attention_reference(q[:, :, 0].double(), k.double(),
+                                                               v.double())
+    assert_close_to_reference(gemslib.decode_attention(q[:, :, 0], k, v), decode_expected,
+                              torch.bfloat16, reduction_len=12, term_scale=v.abs().max().item())
+    with caplog.at_level(logging.DEBUG, logger="gemslib"), \
+            gemslib.enable(ops=["attention"], record=True) as active:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert_close_to_reference(out, expected, torch.bfloat16, reduction_len=12,
+                              term_scale=v.abs().max().item())
+    if ON_GPU:
+        assert sum(active.calls.values()) == 1 and not active.fallbacks
+    else:
+        assert sum(active.fallbacks.values()) == 1 and not active.calls
+        assert "bf16 under the Triton interpreter" in caplog.text
