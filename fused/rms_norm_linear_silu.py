@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -138,7 +138,7 @@ def _rms_norm_linear_silu_kernel(
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
     tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "SPLIT_K"),
-    shape_keys=("rows", "n", "k"))
+    shape_keys=("rows", "n", "k", "elem_bytes"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +174,8 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         hopper.forward(x_rows, norm_weight.contiguous(), weight,
                        bias.contiguous() if bias is not None else None, eps, out_rows)
         return out
-    shape = (n_rows, n_out, n_in)
+    # elem_bytes: fp32 tiles take twice the shared memory of 16-bit ones
+    shape = (n_rows, n_out, n_in, x.element_size())
     config = RMS_NORM_LINEAR_SILU.planned_config(shape)
     meta = config.meta_dict
     tma = bool(meta["USE_TMA"]) and _tma_ready(weight)
@@ -255,7 +256,7 @@ def _check(x, norm_weight, weight, bias) -> None:
 def _rms_norm_linear_silu_impl(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The kernel where it runs; torch (fp32 arithmetic, or float64's own) elsewhere."""
-    if not runtime.kernel_runs(x):
+    if not runtime.dot_kernel_runs(x):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         out = rms_norm_linear_silu_reference(
             x.to(work), norm_weight.to(work), weight.to(work),
@@ -272,7 +273,7 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     (..., N) in that dtype. Differentiable in every tensor argument (the backward uses torch).
     """
     _check(x, norm_weight, weight, bias)
-    eps = float(eps)
+    eps = checks.as_float("gemslib.rms_norm_linear_silu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, weight, bias):
         return runtime.differentiable_call(_rms_norm_linear_silu_op, _RmsNormLinearSiluFunction,
                                            x, norm_weight, weight, bias, eps)
@@ -361,16 +362,18 @@ SELF_CHECKS = (
 
 
 # --------------------------------------------------------------------------------------------
-# Tuning (python -m gemslib.tune): candidates, and a bf16 problem per bucket
+# Tuning (python -m gemslib.tune): candidates, and a problem per bucket (bf16, or fp32 for
+# the fp32 buckets: their tiles take twice the shared memory)
 # --------------------------------------------------------------------------------------------
 
-def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4096):
+def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4096,
+                  dtype: torch.dtype = torch.bfloat16):
     """Llama-3-8B's gate projection at each row count (summed), on the Triton kernel (the
     Hopper path, where it applies, is switched off while the problem runs)."""
     def make(device):
-        xs = [torch.randn(rows, n_in, device=device, dtype=torch.bfloat16) for rows in row_counts]
-        norm_weight = torch.randn(n_in, device=device, dtype=torch.bfloat16)
-        weight = torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) * n_in ** -0.5
+        xs = [torch.randn(rows, n_in, device=device, dtype=dtype) for rows in row_counts]
+        norm_weight = torch.randn(n_in, device=device, dtype=dtype)
+        weight = torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5
 
         def run():
             global use_hopper_path
@@ -401,7 +404,12 @@ TUNING = (
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 1, "USE_TMA": t,
                  "SPLIT_K": split, "num_warps": w, "num_stages": 3}
                 for n in (64, 128) for split in (2, 4, 8) for t in (0, 1) for w in (2, 4)),
-        (TuneBucket({"rows": 16}, "M1 + M16 N14336 K4096", _tune_problem((1, 16))),
-         TuneBucket({"rows": 64}, "M64 N14336 K4096", _tune_problem((64,))),
-         TuneBucket(None, "M4096 N14336 K4096", _tune_problem((4096,))))),
+        (TuneBucket({"rows": 16, "elem_bytes": 2}, "M1 + M16 N14336 K4096", _tune_problem((1, 16))),
+         TuneBucket({"rows": 64, "elem_bytes": 2}, "M64 N14336 K4096", _tune_problem((64,))),
+         TuneBucket({"elem_bytes": 2}, "M4096 N14336 K4096", _tune_problem((4096,))),
+         # fp32 (IEEE products, a few percent of the 16-bit rate): smaller problems
+         TuneBucket({"rows": 64}, "M16 N4096 K4096 fp32",
+                    _tune_problem((16,), n_out=4096, dtype=torch.float32)),
+         TuneBucket(None, "M1024 N4096 K4096 fp32",
+                    _tune_problem((1024,), n_out=4096, dtype=torch.float32)))),
 )

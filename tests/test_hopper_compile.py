@@ -55,6 +55,7 @@ def _record_launches(monkeypatch, calls):
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    monkeypatch.setattr(runtime, "interpret_bf16_dots", True)  # the launches, not the values
     for call in calls:
         call()
     return list(launches.values())
@@ -75,7 +76,8 @@ for record in json.load(sys.stdin):
     while not isinstance(kernel, JITFunction):  # unwrap triton.heuristics
         kernel = kernel.fn
     args = record["args"]
-    options = {k: args.pop(k)["value"] for k in ("num_warps", "num_stages") if k in args}
+    options = {k: args.pop(k)["value"] for k in ("num_warps", "num_stages", "debug",
+                                                 "sanitize_overflow") if k in args}
     signature, constexprs = {}, {}
     for param in kernel.params:
         arg = args.get(param.name, {"value": param.default})
@@ -238,35 +240,121 @@ def _run_compiler(script: str, stdin: str | None = None):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _tensors_of(dtype):
+    return lambda *shape: random_tensor(shape, dtype, scale=1.0)
+
+
+def _grads(fn, *inputs):
+    """Forward and backward of ``fn`` with every input needing grad."""
+    _backward(fn, *inputs)
+
+
+def _rotary_sample(tensors, heads, head_dim):
+    """Forward and backward with 4 query heads per KV head, ``heads`` in all."""
+    kv_heads = max(heads // 5, 1)
+    cos, sin = tensors(2, head_dim // 2), tensors(2, head_dim // 2)
+    _grads(lambda q, k: gemslib.apply_rotary(q, k, cos, sin),
+           tensors(1, 2, heads - kv_heads, head_dim), tensors(1, 2, kv_heads, head_dim))
+
+
+# One small call per tuned kernel that launches it for a dtype at given shape keys: the keys a
+# bucket bounds take their bound (its largest shapes, the most resources), the others
+# ``_UNBOUNDED``'s value. Only the launch is recorded (nothing runs), so sizes cost nothing.
+_UNBOUNDED = {"rows": 3, "cols": 40000, "numel": 70000, "tokens": 3, "heads": 40, "head_dim": 256,
+              "causal": 1, "seq_q": 300, "seq_kv": 300, "n": 300, "k": 512}
+_SAMPLES = {
+    "rms_norm.rms_norm_fwd": lambda t, s: gemslib.rms_norm(t(2, s["cols"]), t(s["cols"])),
+    "rms_norm.rms_norm_bwd": lambda t, s: _grads(gemslib.rms_norm, t(2, s["cols"]), t(s["cols"])),
+    "rotary.rotary": lambda t, s: _rotary_sample(t, s["heads"], s["head_dim"]),
+    "silu.silu_fwd": lambda t, s: gemslib.silu(t(s["numel"])),
+    "silu.silu_bwd": lambda t, s: _grads(gemslib.silu, t(s["numel"])),
+    "silu.silu_and_mul_fwd": lambda t, s: gemslib.silu_and_mul(t(2, 2 * s["cols"])),
+    "silu.silu_and_mul_bwd": lambda t, s: _grads(gemslib.silu_and_mul, t(2, 2 * s["cols"])),
+    "softmax.softmax_fwd": lambda t, s: gemslib.softmax(t(2, s["cols"])),
+    "softmax.softmax_bwd": lambda t, s: _grads(gemslib.softmax, t(2, s["cols"])),
+    "softmax.softmax_split_fwd": lambda t, s: gemslib.log_softmax(t(2, s["cols"])),
+    "attention.attention_fwd": lambda t, s: gemslib.attention(
+        t(1, 2, s["seq_q"], s["head_dim"]), t(1, 1, s["seq_kv"], s["head_dim"]),
+        t(1, 1, s["seq_kv"], s["head_dim"]), causal=bool(s["causal"])),
+    "attention.attention_bwd_dkdv": lambda t, s: _grads(
+        lambda q, k, v: gemslib.attention(q, k, v, causal=True),
+        t(1, 2, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"])),
+    "attention.attention_bwd_dq": lambda t, s: _grads(
+        lambda q, k, v: gemslib.attention(q, k, v, causal=True),
+        t(1, 2, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"])),
+    "attention.decode": lambda t, s: gemslib.decode_attention(
+        t(2, 4, s["head_dim"]), t(2, 1, s["seq_kv"], s["head_dim"]),
+        t(2, 1, s["seq_kv"], s["head_dim"]), torch.tensor([s["seq_kv"], 1])),
+    "rms_norm_linear_silu.rms_norm_linear_silu": lambda t, s: gemslib.rms_norm_linear_silu(
+        t(s["rows"], s["k"]), t(s["k"]), t(s["n"], s["k"]), t(s["n"])),
+}
+
+
+def _kernel_name(tuned: runtime.TunedKernel) -> str:
+    """The Python name of a TunedKernel's jit function (under its triton.heuristics)."""
+    fn = tuned.fn
+    while not isinstance(fn, InterpretedFunction):
+        fn = fn.fn
+    return fn.fn.__name__
+
+
+def _launches_of_every_bucket(monkeypatch, config_file: str):
+    """(the launches, the (kernel, bucket, dtype) triples they cover) of every bucket of every
+    tuned kernel in ``config_file``, for each kernel dtype the bucket admits, with the bucket's
+    config forced. Launches are recorded, not run."""
+    path = runtime.shipped_configs_dir() / config_file
+    shipped = runtime.load_tune_config(path)
+    default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
+    monkeypatch.setattr(runtime, "interpret_bf16_dots", True)
+    launches, covered = {}, []
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        record = {"module": self.fn.__module__, "kernel": self.fn.__name__,
+                  "args": {name: _describe(v) for name, v in named.items()}}
+        if record["kernel"] == wanted:
+            launches[json.dumps(record, sort_keys=True)] = record
+            found.append(record)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    assert set(_SAMPLES) == set(runtime.KERNELS), "every tuned kernel needs a sample call"
+    for key, tuned in sorted(runtime.KERNELS.items()):
+        buckets = (shipped.ops.get(tuned.op, {}).get(tuned.name)
+                   or default.ops[tuned.op][tuned.name])
+        wanted = _kernel_name(tuned)
+        for index, bucket in enumerate(buckets):
+            bound = dict(bucket.max or {})
+            for dtype in runtime.KERNEL_DTYPES:
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                if bound.get("elem_bytes", itemsize) < itemsize:
+                    continue  # this bucket never serves the dtype
+                shape = {**_UNBOUNDED, **bound, "elem_bytes": itemsize}
+                found = []
+                with tuned.forced(bucket.configs[0]):
+                    _SAMPLES[key](_tensors_of(dtype), shape)
+                if "CHUNK" in bucket.configs[0].meta_dict and not bucket.configs[0].meta_dict["CHUNK"]:
+                    continue  # CHUNK 0: rows of this bucket are not split, the kernel never runs
+                assert found, f"{key} bucket {index} ({dtype}): the sample launched nothing"
+                covered.append((key, index, dtype))
+    return list(launches.values()), covered
+
+
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the whole suite compiles the kernels for real")
 @pytest.mark.parametrize("config_file", ["nvidia_h200.yaml", "default.yaml"])
-def test_attention_configs_compile_and_fit_in_shared_memory(monkeypatch, config_file):
-    """A shipped file's attention (forward and backward) and decode configs, as launched for
-    bf16 and fp32 inputs at head dims 64, 128 and 256, compile for sm_90 within its shared
-    memory (an fp32 call once picked a bf16-sized config on the H200)."""
-    monkeypatch.setenv(runtime.CONFIG_ENV, str(runtime.shipped_configs_dir() / config_file))
-    runtime.reload_configs()
+def test_every_bucket_compiles_for_every_dtype_it_serves(monkeypatch, config_file):
+    """Each (kernel, bucket, dtype) of a shipped file, launched with the bucket's config at the
+    bucket's largest shapes, compiles for sm_90 within its shared memory: a config that does
+    not fit a dtype it can be chosen for (an fp32 call once got a bf16-sized matmul tile on the
+    H200) fails here."""
     try:
-        calls = []
-        for dtype in (torch.bfloat16, torch.float32):
-            for dim in (64, 128, 256):
-                def tensors(*shape, dtype=dtype):
-                    return random_tensor(shape, dtype, scale=1.0)
-                calls += [
-                    lambda t=tensors, d=dim: _backward(
-                        lambda q, k, v: gemslib.attention(q, k, v, causal=True),
-                        t(1, 2, 40, d), t(1, 2, 40, d), t(1, 2, 40, d)),
-                    lambda t=tensors, d=dim: gemslib.decode_attention(
-                        t(1, 4, d), t(1, 1, 300, d), t(1, 1, 300, d)),
-                ]
-        launches = _record_launches(monkeypatch, calls)
+        launches, covered = _launches_of_every_bucket(monkeypatch, config_file)
     finally:
         monkeypatch.undo()
         runtime.reload_configs()
-    assert {launch["kernel"] for launch in launches} == {
-        "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
-        "_attention_bwd_dq_kernel", "_decode_kernel"}
-    assert len(launches) >= 12
+    # default.yaml never splits softmax rows (CHUNK 0), so its split kernel never launches
+    assert {key for key, _, _ in covered} >= set(_SAMPLES) - {"softmax.softmax_split_fwd"}
+    assert {dtype for _, _, dtype in covered} == set(runtime.KERNEL_DTYPES)
     failures = _compile_failures(launches)
     assert not failures, "\n\n".join(failures)
 

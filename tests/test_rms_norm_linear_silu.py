@@ -234,3 +234,22 @@ def test_bad_inputs_name_the_argument(args, error, match):
     inputs = _inputs((3, 8), 4, torch.float32)
     with pytest.raises(error, match=match):
         gemslib.rms_norm_linear_silu(*args(*inputs))
+
+
+def test_bf16_is_right_everywhere():
+    """bf16 runs the kernel on a GPU; under the interpreter (whose bf16 tl.dot is wrong) torch
+    computes it, never a silently wrong kernel result."""
+    inputs = _inputs((5, 48), 24, torch.bfloat16)
+    _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("eps", ["1e-6", None, torch.ones(2)])
+def test_eps_must_be_a_float_as_torch_requires(eps):
+    with pytest.raises(TypeError, match="argument 'eps' must be float"):
+        gemslib.rms_norm_linear_silu(*_inputs((3, 8), 4, torch.float32), eps=eps)
+
+
+def test_eps_as_an_int_or_0d_tensor_is_accepted():
+    inputs = _inputs((3, 8), 4, torch.float32)
+    for eps in (1, torch.tensor(1.0)):
+        _assert_close(gemslib.rms_norm_linear_silu(*inputs, eps=eps), *inputs, eps=1.0)
