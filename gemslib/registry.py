@@ -15,6 +15,22 @@ is its file name. :func:`enable` registers a wrapper per aten overload through
 under the Triton interpreter). The wrapper asks the declaration whether it supports the call
 and otherwise calls the kernel that was registered before, fetched with
 ``torch.library.get_kernel`` at enable time, never the aten op itself (that would recurse).
+Leaving the block (or :func:`disable`) removes exactly what the block registered.
+
+One exception to that exact restore: where torch has no kernel of its own for an overridden
+aten overload on gemslib's backend (today ``aten::_fused_rms_norm_backward`` on torch's CPU
+build, the backend of the Triton interpreter), the first ``enable()`` that overrides it installs
+the declaration's ``fallback`` (plain torch arithmetic) as that backend's kernel, for the rest
+of the process. An autograd graph recorded inside a ``with gemslib.enable():`` block runs its
+backward when ``loss.backward()`` is called, often after the block has closed, and the backward
+operator must then still have a kernel. The fallback is installed before enable()'s own
+wrapper, so inside the block the wrapper serves the operator (gemslib's kernel, or the fallback
+for what the kernel does not take), and leaving the block removes the wrapper and leaves the
+fallback. Nothing else outlives the block; :func:`permanent_fallbacks` lists what was installed.
+
+``enable()`` refuses to start (a ``RuntimeError``, before registering anything) when torch has
+no kernel on the backend for an overload it would override and has no fallback for, e.g. on
+torch's CPU build without ``TRITON_INTERPRET=1``, where the backend is CUDA.
 """
 
 from __future__ import annotations
@@ -40,9 +56,11 @@ class AtenOverride:
     """``impl`` serves aten overload ``aten`` (e.g. ``"aten::silu.out"``) when ``unsupported``,
     called with the same arguments, returns ``None``; otherwise it returns the reason and the
     original kernel runs. ``fallback`` computes unsupported calls where the backend has no
-    kernel of its own for the op (e.g. ``_fused_rms_norm_backward`` on torch's CPU build).
-    ``dispatch_keys`` names the backends the override exists on: SDPA, for instance, reaches
-    different aten operators on CPU and on CUDA."""
+    kernel of its own for the op (e.g. ``_fused_rms_norm_backward`` on torch's CPU build): it
+    takes the op's arguments, must serve every call, and stays installed as the backend's
+    kernel once an ``enable()`` needed it (module docstring). ``dispatch_keys`` names the
+    backends the override exists on: SDPA, for instance, reaches different aten operators on
+    CPU and on CUDA."""
 
     aten: str
     impl: Callable
@@ -165,13 +183,9 @@ def _record(aten: str, served: bool) -> None:
             (activation.calls if served else activation.fallbacks)[aten] += 1
 
 
-def _make_wrapper(override: AtenOverride, original, use_fallback: bool) -> Callable:
+def _make_wrapper(override: AtenOverride, original) -> Callable:
     aten = override.aten
-    if use_fallback:
-        def original_call(keyset, *args, **kwargs):
-            return override.fallback(*args, **kwargs)
-    else:
-        original_call = original.call_boxed
+    original_call = original.call_boxed
 
     def wrapper(keyset, *args, **kwargs):
         reason = override.unsupported(*args, **kwargs)
@@ -187,6 +201,54 @@ def _make_wrapper(override: AtenOverride, original, use_fallback: bool) -> Calla
 
     wrapper.__name__ = f"gemslib_{aten.replace('::', '_').replace('.', '_')}"
     return wrapper
+
+
+def _has_kernel(aten: str, key: str) -> bool:
+    """Whether the dispatcher has a kernel for ``aten`` under ``key`` (its own, or one computed
+    from a composite registration): what ``torch.library.get_kernel`` needs."""
+    return torch._C._dispatch_has_computed_kernel_for_dispatch_key(aten, key)
+
+
+def _check_kernels_exist(overrides: list[AtenOverride], key: str) -> None:
+    """A clear error, before anything is registered, where the backend has no kernels: torch's
+    CPU build asked for CUDA (no TRITON_INTERPRET=1), or an override without a ``fallback``
+    whose op has no ``key`` kernel to hand unsupported calls to (get_kernel would fail)."""
+    where = ("gemslib's kernels run on CUDA GPUs, or on CPU tensors in the Triton interpreter: "
+             "set TRITON_INTERPRET=1 before importing gemslib to run them on the CPU")
+    missing = [o.aten for o in overrides if o.fallback is None and not _has_kernel(o.aten, key)]
+    if overrides and key == "CUDA" and not torch.backends.cuda.is_built():
+        example = f" (e.g. {missing[0]} has no CUDA kernel)" if missing else ""
+        raise RuntimeError(
+            f"gemslib.enable: this torch build ({torch.__version__}) has no CUDA kernels, so there "
+            f"is nothing on CUDA to override{example}. {where}.")
+    if missing:
+        raise RuntimeError(f"gemslib.enable: torch has no {key} kernel for {', '.join(missing)}, "
+                           f"which gemslib would override and hand unsupported calls to. {where}.")
+
+
+_permanent_library = None  # torch.library.Library, kept for the whole process
+_permanent_fallbacks: dict[str, str] = {}  # aten overload -> the dispatch-table line it added
+
+
+def _install_permanent_fallback(override: AtenOverride, key: str) -> None:
+    """Register ``override.fallback`` as the ``key`` kernel of ``override.aten`` for the rest of
+    the process (see the module docstring: the one exception to exact restore)."""
+    global _permanent_library
+    if _permanent_library is None:
+        _permanent_library = torch.library.Library("aten", "IMPL")
+    _permanent_library.impl(override.aten.split("::", 1)[1], override.fallback, key)
+    _permanent_fallbacks[override.aten] = next(
+        line for line in torch._C._dispatch_dump_table(override.aten).splitlines()
+        if line.startswith(f"{key}:"))
+    log.debug("%s: installed gemslib's fallback as the %s kernel (no kernel of torch's own)",
+              override.aten, key)
+
+
+def permanent_fallbacks() -> dict[str, str]:
+    """The aten overloads whose backend kernel gemslib installed for good (torch had none), each
+    with the line it added to ``torch._C._dispatch_dump_table``; see the module docstring."""
+    with _lock:
+        return dict(_permanent_fallbacks)
 
 
 class Activation:
@@ -205,25 +267,26 @@ class Activation:
         self._library = None
         key = runtime.dispatch_key()
         with _lock:
+            todo = [override for name in self.ops for override in operators()[name].overrides
+                    if override.aten not in _served_by]  # else an enclosing enable() serves it
+            _check_kernels_exist(todo, key)
+            for override in todo:
+                if override.fallback is not None and not _has_kernel(override.aten, key):
+                    _install_permanent_fallback(override, key)
             library = torch.library.Library("aten", "IMPL")
             mine = []
             try:
-                for name in self.ops:
-                    for override in operators()[name].overrides:
-                        if override.aten in _served_by:
-                            continue  # an enclosing enable() already serves it
-                        use_fallback = override.fallback is not None and not \
-                            torch._C._dispatch_has_kernel_for_dispatch_key(override.aten, key)
-                        original = None if use_fallback else torch.library.get_kernel(
-                            override.aten, key)
-                        with warnings.catch_warnings():
-                            # torch warns on every override of an existing kernel: that is the point
-                            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
-                            library.impl(override.aten.split("::", 1)[1],
-                                         _make_wrapper(override, original, use_fallback), key,
-                                         with_keyset=True)
-                        mine.append(override.aten)
-                        _served_by[override.aten] = self
+                for override in todo:
+                    if override.aten in _served_by:
+                        continue  # declared twice: the first declaration serves it
+                    original = torch.library.get_kernel(override.aten, key)
+                    with warnings.catch_warnings():
+                        # torch warns on every override of an existing kernel: that is the point
+                        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
+                        library.impl(override.aten.split("::", 1)[1],
+                                     _make_wrapper(override, original), key, with_keyset=True)
+                    mine.append(override.aten)
+                    _served_by[override.aten] = self
             except BaseException:
                 library._destroy()
                 for aten in mine:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
@@ -325,6 +325,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     Differentiable (dx and dweight).
     """
     _check_inputs("gemslib.rms_norm", x, weight)
+    eps = checks.as_float("gemslib.rms_norm", "eps", eps)
     if runtime.wants_custom_op(x, weight):
         return runtime.differentiable_call(_rms_norm_forward_op, _RmsNormFunction, x, weight, eps)[0]
     if not _kernel_takes(x, weight):
@@ -353,19 +354,45 @@ def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
     return out.copy_(normed), residual_out
 
 
+def _check_in_place_aliasing(function: str, x, residual, weight):
+    """``add_rms_norm(..., inplace=True)`` writes the normalised rows into x and the sum into
+    residual: refuse tensors the kernel would read after another element's write (x and
+    residual sharing memory, or either sharing memory with itself). A weight that shares memory
+    with them is copied first (it is one row), so the call sees the weight it was given.
+    Returns the weight to use."""
+    for name, t in (("x", x), ("residual", residual)):
+        if layout.may_overlap_itself(t):
+            raise ValueError(f"{function}: {name} has elements that share memory (e.g. an "
+                             f"expanded tensor, a stride-0 dim), so inplace=True cannot write "
+                             f"into it; pass {name}.clone()")
+    if layout.may_share_elements(x, residual):
+        raise ValueError(f"{function}: x and residual must not share memory when inplace=True "
+                         f"(the sum is written into residual and the normalised result into x); "
+                         f"pass a clone of one of them, or call it with inplace=False")
+    if weight is not None and (layout.memory_overlaps(weight, x) or
+                               layout.memory_overlaps(weight, residual)):
+        weight = weight.clone()
+    return weight
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
                  eps: float = 1e-6, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual, weight), x + residual)`` in one pass over the data.
 
     x, residual: (..., N) of one dtype; weight (N,) or None. With ``inplace=True`` (as LLM
     servers use it) the sum is written into ``residual`` and the normalised result into ``x``,
-    and those two tensors are returned. Differentiable when not in place.
+    and those two tensors are returned; x and residual must then not share memory, with each
+    other or within themselves (an expanded tensor): a ValueError says which. Out of place,
+    they may (``add_rms_norm(a, a)`` normalises ``2 * a``). Differentiable when not in place.
     """
     _check_inputs("gemslib.add_rms_norm", x, weight, residual)
+    eps = checks.as_float("gemslib.add_rms_norm", "eps", eps)
+    inplace = checks.as_bool("gemslib.add_rms_norm", "inplace", inplace)
     if inplace:
         if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
             raise RuntimeError("gemslib.add_rms_norm: inplace=True cannot be used on tensors "
                                "that require grad")
+        weight = _check_in_place_aliasing("gemslib.add_rms_norm", x, residual, weight)
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
     if runtime.wants_custom_op(x, residual, weight):
         normed, total = runtime.differentiable_call(_add_rms_norm_op, _AddRmsNormFunction,
@@ -535,20 +562,27 @@ def _aten_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weigh
 
 
 def _fused_rms_norm_backward_in_torch(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    """For calls the kernel does not take where the backend has no kernel of its own: torch
-    arithmetic in fp32 (fp64 for fp64 inputs) over the normalised dims."""
+    """For calls the kernel does not take where the backend has no kernel of its own (and, on
+    such a backend, torch's kernel for the op outside enable(): see gemslib.registry): torch
+    arithmetic in fp32 (fp64 for fp64 inputs) over the normalised dims, which may be all of
+    input's dims (then there are no outer dims to sum dweight over)."""
+    n_outer = input.dim() - len(normalized_shape)
+    if not normalized_shape or n_outer < 0 or list(input.shape[n_outer:]) != list(normalized_shape):
+        raise RuntimeError(f"_fused_rms_norm_backward: normalized_shape {list(normalized_shape)} "
+                           f"must be the trailing dims of input {list(input.shape)}")
     work = torch.float64 if input.dtype == torch.float64 else torch.float32
-    reduce_dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    reduce_dims = tuple(range(n_outer, input.dim()))
     x, grad = input.to(work), grad_out.to(work)
-    rstd = rstd.to(work).reshape(*input.shape[: input.dim() - len(normalized_shape)],
-                                 *([1] * len(normalized_shape)))
+    rstd = rstd.to(work).reshape(*input.shape[:n_outer], *([1] * len(normalized_shape)))
     x_hat = x * rstd
     g = grad * weight.to(work) if weight is not None else grad
     dx = rstd * (g - x_hat * (g * x_hat).mean(dim=reduce_dims, keepdim=True))
     dweight = None
     if weight is not None and output_mask[1]:
-        outer_dims = tuple(range(input.dim() - len(normalized_shape)))
-        dweight = (grad * x_hat).sum(dim=outer_dims).to(weight.dtype)
+        dweight = grad * x_hat
+        if n_outer:  # sum(dim=()) would reduce every dim to a 0-d tensor
+            dweight = dweight.sum(dim=tuple(range(n_outer)))
+        dweight = dweight.to(weight.dtype)
     return (dx.to(input.dtype) if output_mask[0] else None), dweight
 
 

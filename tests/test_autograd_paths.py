@@ -3,6 +3,7 @@ both paths share the forward and backward code and must give the same gradients.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gemslib
 from conftest import random_tensor
@@ -84,3 +85,89 @@ def test_rotary_is_twice_differentiable():
     q = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda a, b: _rotary(a, b), (q, k))
+
+
+# ---------------------------------------------------------------------------------------------
+# Graphs that cross an enable() block: recorded inside, differentiated outside, and the reverse
+# ---------------------------------------------------------------------------------------------
+
+RMS_NORM_CALLS = {  # name: (x shape, normalized_shape, dtype)
+    "kernel": ((3, 5, 24), (24,), torch.float32),
+    "fallback, float64": ((3, 24), (24,), torch.float64),
+    "fallback, 2-d normalized_shape": ((3, 4, 6), (4, 6), torch.float32),
+    "fallback, every dim": ((4, 6), (4, 6), torch.float32),
+}
+
+
+def _torch_rms_norm_gradients(x, normalized_shape, weight, grad):
+    """torch's own F.rms_norm gradients, outside any enable()."""
+    leaves = (x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_())
+    out = F.rms_norm(leaves[0], normalized_shape, leaves[1], 1e-6)
+    return out, torch.autograd.grad(out, leaves, grad)
+
+
+@pytest.mark.parametrize("call", RMS_NORM_CALLS)
+def test_rms_norm_recorded_under_enable_differentiates_after_the_block(call):
+    """``with gemslib.enable(): loss = model(x)`` then ``loss.backward()`` outside: the graph
+    calls _fused_rms_norm_backward after the block, which torch's CPU build has no kernel for."""
+    shape, normalized_shape, dtype = RMS_NORM_CALLS[call]
+    x = random_tensor(shape, dtype).requires_grad_()
+    weight = random_tensor(normalized_shape, dtype, scale=1.0).requires_grad_()
+    grad = random_tensor(shape, dtype)
+    with gemslib.enable():
+        out = F.rms_norm(x, normalized_shape, weight, 1e-6)
+    assert "FusedRmsNormBackward0" in _node_names(out.grad_fn)  # the node that needs the kernel
+    assert not gemslib.is_enabled()
+    (out * grad).sum().backward()
+    expected_out, (expected_dx, expected_dweight) = _torch_rms_norm_gradients(
+        x, normalized_shape, weight, grad)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(x.grad, expected_dx)
+    torch.testing.assert_close(weight.grad, expected_dweight)
+
+
+def test_rms_norm_recorded_in_one_block_differentiates_in_another():
+    x = random_tensor((3, 5, 24), torch.float32).requires_grad_()
+    weight = random_tensor((24,), torch.float32, scale=1.0).requires_grad_()
+    grad = random_tensor((3, 5, 24), torch.float32)
+    with gemslib.enable(ops=["rms_norm"]):
+        out = F.rms_norm(x, (24,), weight, 1e-6)
+    with gemslib.enable(ops=["rms_norm"], record=True) as activation:
+        out.backward(grad)
+    assert activation.calls == {"aten::_fused_rms_norm_backward": 1}  # gemslib's kernel ran
+    _, (expected_dx, expected_dweight) = _torch_rms_norm_gradients(x, (24,), weight, grad)
+    torch.testing.assert_close(x.grad, expected_dx)
+    torch.testing.assert_close(weight.grad, expected_dweight)
+
+
+@pytest.mark.parametrize("call", RMS_NORM_CALLS)
+def test_forward_outside_enable_backward_inside(call):
+    shape, normalized_shape, dtype = RMS_NORM_CALLS[call]
+    x = random_tensor(shape, dtype).requires_grad_()
+    weight = random_tensor(normalized_shape, dtype, scale=1.0).requires_grad_()
+    grad = random_tensor(shape, dtype)
+    out = F.rms_norm(x, normalized_shape, weight, 1e-6)
+    with gemslib.enable():
+        out.backward(grad)
+    expected_out, (expected_dx, expected_dweight) = _torch_rms_norm_gradients(
+        x, normalized_shape, weight, grad)
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)  # torch's forward
+    torch.testing.assert_close(x.grad, expected_dx)
+    torch.testing.assert_close(weight.grad, expected_dweight)
+
+
+def test_silu_across_the_block_both_ways():
+    x = random_tensor((7, 33), torch.float32)
+    grad = random_tensor((7, 33), torch.float32)
+    leaf = x.clone().requires_grad_()
+    expected = torch.autograd.grad(F.silu(leaf), leaf, grad)[0]
+    with gemslib.enable(record=True) as activation:  # recorded inside, differentiated outside
+        out = F.silu(leaf)
+    (after,) = torch.autograd.grad(out, leaf, grad)
+    assert activation.calls == {"aten::silu": 1}
+    out = F.silu(leaf)  # recorded outside, differentiated inside: gemslib's silu_backward
+    with gemslib.enable(record=True) as activation:
+        (inside,) = torch.autograd.grad(out, leaf, grad)
+    assert activation.calls == {"aten::silu_backward": 1}
+    for ours in (after, inside):
+        torch.testing.assert_close(ours, expected)

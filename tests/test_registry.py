@@ -22,6 +22,20 @@ def dispatch_tables(ops=SILU_ATEN):
     return {op: torch._C._dispatch_dump_table(op) for op in ops}
 
 
+def assert_restored(before, after):
+    """``after`` is the dispatcher ``before`` but for the one documented exception to exact
+    restore (gemslib.registry's docstring): a backend kernel that torch lacked, installed for
+    good by the first enable() that needed it. Nothing else may differ."""
+    permanent = registry.permanent_fallbacks()
+    assert set(after) == set(before)
+    for op, table in before.items():
+        then, now = table.splitlines(), after[op].splitlines()
+        if op in permanent:
+            assert permanent[op] in now, op
+            then, now = ([line for line in lines if line != permanent[op]] for lines in (then, now))
+        assert now == then, op
+
+
 def backend_entry(op):
     """The line of the dispatcher's table for gemslib's dispatch key."""
     return next(line for line in torch._C._dispatch_dump_table(op).splitlines()
@@ -78,7 +92,7 @@ def test_nested_enable_restores_each_level():
             assert set(inner.aten_overloads) == set(others)  # only what was not on yet
             assert dispatch_tables() == inside_outer
         assert dispatch_tables() == inside_outer and outer.active
-        assert dispatch_tables(others) == others_before
+        assert_restored(others_before, dispatch_tables(others))
     assert dispatch_tables() == before
 
 
@@ -205,3 +219,115 @@ def test_import_initialises_no_cuda_and_compiles_nothing(tmp_path):
     assert result.stdout.strip() == "False"
     cache = tmp_path / "cache"
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def _all_overridden():
+    return tuple(a for atens in gemslib.registered_ops().values() for a in atens)
+
+
+def test_enable_checks_every_kernel_before_registering_anything(monkeypatch):
+    """An op without a fallback and without a backend kernel (get_kernel would fail): a clear
+    error, and nothing registered, not even the overloads before it in the list."""
+    before = dispatch_tables(_all_overridden())
+    has_kernel = registry._has_kernel
+    monkeypatch.setattr(registry, "_has_kernel",
+                        lambda aten, key: aten != "aten::silu.out" and has_kernel(aten, key))
+    with pytest.raises(RuntimeError, match=rf"torch has no {KEY} kernel for aten::silu.out.*"
+                                           r"set TRITON_INTERPRET=1 before importing gemslib"):
+        gemslib.enable()
+    assert not gemslib.is_enabled() and registry.overridden_aten_ops() == ()
+    assert dispatch_tables(_all_overridden()) == before
+
+
+_WITHOUT_INTERPRETER = """
+import torch, torch.nn.functional as F, gemslib
+from gemslib import registry
+ops = [a for atens in gemslib.registered_ops().values() for a in atens]
+tables = lambda: {op: torch._C._dispatch_dump_table(op) for op in ops}
+before = tables()
+try:
+    with gemslib.enable():
+        print("ENABLED", "gemslib" in torch._C._dispatch_dump_table("aten::silu"))
+except RuntimeError as error:
+    print("ERROR", error)
+print("STATE", gemslib.is_enabled(), registry.overridden_aten_ops(), registry.permanent_fallbacks(),
+      tables() == before)
+x = torch.randn(3)
+print("SILU", torch.equal(gemslib.silu(x), F.silu(x)), gemslib.silu(x).shape)
+"""
+
+
+def test_enable_without_the_interpreter_on_a_cpu_build_says_what_to_do(tmp_path):
+    """Without TRITON_INTERPRET gemslib's backend is CUDA; torch's CPU build has no CUDA kernels
+    to override or hand calls to. enable() then says what to do, and registers nothing; the
+    direct functions still compute CPU tensors (with torch: no kernel runs on them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_INTERPRETER], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    if torch.backends.cuda.is_built():  # a CUDA build: there are CUDA kernels to override
+        assert lines["ENABLED"] == "True"
+    else:
+        assert "ENABLED" not in lines
+        assert lines["ERROR"].startswith(
+            f"gemslib.enable: this torch build ({torch.__version__}) has no CUDA kernels, so "
+            "there is nothing on CUDA to override")
+        assert ("gemslib's kernels run on CUDA GPUs, or on CPU tensors in the Triton "
+                "interpreter: set TRITON_INTERPRET=1 before importing gemslib") in lines["ERROR"]
+    assert lines["STATE"] == "False () {} True"  # nothing registered, nothing left behind
+    assert lines["SILU"] == "True torch.Size([3])"
+
+
+_FIRST_ENABLE = """
+import torch, torch.nn.functional as F, gemslib
+from gemslib import registry
+op = "aten::_fused_rms_norm_backward"
+torch_has_one = torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
+ops = [a for atens in gemslib.registered_ops().values() for a in atens]
+tables = lambda: {name: torch._C._dispatch_dump_table(name).splitlines() for name in ops}
+cpu_line = lambda: [line for line in torch._C._dispatch_dump_table(op).splitlines()
+                    if line.startswith("CPU:")]
+before = tables()
+with gemslib.enable(ops=["silu"]):
+    pass
+print("AFTER_SILU", registry.permanent_fallbacks() == {}, tables() == before)
+x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+expected = torch.autograd.grad(F.rms_norm(x, (8,), w).sum(), (x, w))
+with gemslib.enable():
+    inside = cpu_line()
+    loss = F.rms_norm(x, (8,), w).sum()
+grads = torch.autograd.grad(loss, (x, w))  # after the block
+permanent = registry.permanent_fallbacks()
+print("TORCH_HAS_ONE", torch_has_one)
+print("PERMANENT", sorted(permanent))
+print("INSIDE_IS_WRAPPER", inside != cpu_line())
+after = tables()
+added = {name: [l for l in after[name] if l not in before[name]] for name in ops}
+removed = {name: [l for l in before[name] if l not in after[name]] for name in ops}
+print("ADDED", {k: v for k, v in added.items() if v} == {k: [v] for k, v in permanent.items()})
+print("REMOVED", not any(removed.values()))
+print("GRADS", all(torch.allclose(a, b) for a, b in zip(grads, expected)))
+with gemslib.enable(ops=["rms_norm"]) as second:
+    print("SECOND_OVERRIDES", op in second.aten_overloads)
+print("SECOND_RESTORES", tables() == after)
+"""
+
+
+def test_first_enable_installs_the_missing_backward_kernel_for_good(tmp_path):
+    """In a fresh process: where torch has no CPU kernel for _fused_rms_norm_backward, the first
+    enable() that overrides it installs gemslib's fallback (and only then: enable(ops=["silu"])
+    does not); the block's own wrapper still serves it while enabled; after the block the one
+    added line is the only difference, and the graph recorded inside differentiates."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _FIRST_ENABLE], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["AFTER_SILU"] == "True True"
+    installed = "[]" if lines["TORCH_HAS_ONE"] == "True" else "['aten::_fused_rms_norm_backward']"
+    assert lines["PERMANENT"] == installed
+    for key in ("INSIDE_IS_WRAPPER", "ADDED", "REMOVED", "GRADS", "SECOND_OVERRIDES",
+                "SECOND_RESTORES"):
+        assert lines[key] == "True", key
