@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 KERNEL_DTYPES = runtime.KERNEL_DTYPES
@@ -432,9 +432,8 @@ def _check(function: str, x, dim) -> int:
         raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{function}: dim must be an int, got {type(dim).__name__}")
-    return _normalize_dim(function, x, dim)
+    # torch's rule and words: an int that is not a bool, or a 0-d integer tensor
+    return _normalize_dim(function, x, checks.as_int(function, "dim", dim))
 
 
 def _softmax_any(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:

@@ -172,10 +172,75 @@ def test_bad_input_names_the_argument():
     x = random_tensor((3, 4), torch.float32)
     with pytest.raises(IndexError, match="dim 2 is out of range for a tensor of 2 dims"):
         gemslib.softmax(x, 2)
-    with pytest.raises(TypeError, match="dim must be an int"):
+    with pytest.raises(TypeError, match="argument 'dim' must be int, not float"):
         gemslib.log_softmax(x, 1.0)
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         gemslib.softmax(torch.ones(3, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dim,type_name", [(1.0, "float"), (True, "bool"), ("1", "str"),
+                                           (None, "NoneType"),
+                                           (torch.tensor(1.0), "Tensor"),
+                                           (torch.tensor([1]), "Tensor")])
+def test_dim_must_be_an_int_as_in_torch(name, dim, type_name):
+    ours, theirs = FUNCTIONS[name]
+    x = random_tensor((3, 4), torch.float32)
+    with pytest.raises(TypeError, match=f"^gemslib.{name}\\(\\): argument 'dim' must be int, "
+                                        f"not {type_name}$"):
+        ours(x, dim)
+    with pytest.raises((TypeError, RuntimeError)):  # torch refuses it too (in its own words,
+        theirs(x, dim)                               # which differ between versions)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_dim_may_be_a_0d_integer_tensor_as_in_torch(name):
+    ours, theirs = FUNCTIONS[name]
+    x = random_tensor((3, 4), torch.float32)
+    for dim in (torch.tensor(0), torch.tensor(-1, dtype=torch.int32)):
+        assert_close_to_reference(ours(x, dim), theirs(x.double(), int(dim)), torch.float32,
+                                  reduction_len=x.shape[int(dim)])
+
+
+def _extreme_rows(width: int, dtype=torch.float32) -> torch.Tensor:
+    """Rows that make the interpreter's numpy warn: -inf entries, a row of only -inf, values
+    whose shifted exp underflows or overflows, NaN and +inf."""
+    x = random_tensor((6, width), torch.float32)
+    x[0, : width // 2] = -float("inf")
+    x[1] = -float("inf")
+    x[2, 3], x[2, 4] = 3e38, -3e38
+    x[3, 1] = float("nan")
+    x[4, 2] = float("inf")
+    x[5] = x[5] * 1e6
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("width,chunk", [(50, 0), (9000, 0), (1000, 128)])
+def test_no_floating_point_warnings_reach_the_caller(name, width, chunk):
+    """The interpreter computes in numpy, which warns at -inf - -inf, exp overflow and log2(0);
+    none of that may reach user code (pytest's filterwarnings hides it in the suite only:
+    simplefilter('always') overrides those filters inside the block)."""
+    import warnings
+
+    ours, reference = FUNCTIONS[name]
+    x = _extreme_rows(width)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _split_rows(chunk):
+            leaf = x.clone().requires_grad_()
+            y = ours(leaf, -1)
+            y.backward(random_tensor(x.shape, torch.float32))
+            with gemslib.enable(ops=["softmax"]):
+                functional = (F.log_softmax if name == "log_softmax" else F.softmax)(x, -1)
+        bf16 = ours(_extreme_rows(width, torch.bfloat16), -1)
+    leaked = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
+              if issubclass(w.category, RuntimeWarning)]
+    assert not leaked, leaked
+    expected = reference(x.double(), -1)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))  # the values are still right
+    assert torch.equal(torch.isnan(functional), torch.isnan(expected))
+    assert bf16.shape == x.shape
 
 
 def test_float64_falls_back_to_torch():
