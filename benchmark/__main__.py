@@ -4,7 +4,10 @@ Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemsl
 importable peer on the same inputs, forward and backward kernels, prints one table, writes
 ``<out>/results.json``, ``<out>/results.md`` (the README's tables, see ``benchmark.readme``)
 and ``<out>/<op>.png``, one plot per operator (when matplotlib is installed). Needs a CUDA GPU;
-without one it says so and exits 0.
+without one it says so in one line and exits 1, as ``python -m gemslib.tune`` does.
+
+Exit codes: 0 every case ran, 1 not done: no CUDA GPU here (nothing run) or gemslib failed on
+a case (reported), 2 bad arguments (argparse's usage error, e.g. an unknown operator).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
+NO_GPU_EXIT = 1  # exit code without a CUDA GPU, as python -m gemslib.tune's
 
 
 def bench_modules() -> list[str]:
@@ -34,14 +38,18 @@ def module_ops() -> dict[str, tuple[str, ...]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmark", description=__doc__.splitlines()[0])
+    from gemslib.__main__ import doc_summary
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmark", description=doc_summary(__doc__),
+        epilog="exit codes: 0 every case ran; 1 not done: no CUDA GPU here (nothing run), or "
+               "gemslib failed on a case (reported); 2 bad arguments")
     parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
     direction = parser.add_mutually_exclusive_group()
     direction.add_argument("--forward-only", action="store_true",
                            help="skip the backward kernels (timed by default)")
-    direction.add_argument("--backward", action="store_true",
-                           help="accepted for old command lines: the backward kernels are timed "
-                                "by default")
+    # accepted for old command lines, not shown: the backward kernels are timed by default
+    direction.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
                         help="folder for results.json, results.md and the plots "
@@ -57,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown operator(s) {', '.join(unknown)}; known: {', '.join(known)}")
 
     if not torch.cuda.is_available():
-        print("benchmark: no CUDA GPU on this machine; the benchmarks time GPU kernels, "
-              "so there is nothing to run here.")
-        return 0
+        print("python -m benchmark: needs a CUDA GPU and there is no CUDA GPU here (the "
+              "benchmarks time GPU kernels); nothing was run.", file=sys.stderr)
+        return NO_GPU_EXIT
 
     from benchmark import harness, readme
 

@@ -1,19 +1,63 @@
 """``python -m gemslib``: print the environment, check every operator, time it on a GPU.
 
-``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways (gemslib/demo.py).
+``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways (gemslib/demo.py;
+``python -m gemslib demo --help`` lists its options).
 
 Checks each operator's self-checks (declared in its file as ``SELF_CHECKS``) against a float64
 reference on fresh random inputs, in every dtype the check lists, and exits 1 on any mismatch.
 On a GPU it also times gemslib against what a user would call without it (torch). On a machine
 without a GPU it re-runs itself under the Triton interpreter.
+
+Exit codes: 0 every check passed, 1 a check failed, 2 bad arguments (argparse's usage error).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
+
+
+# ---- command-line helpers, shared by the package's command lines (stdlib only: they run
+# ---- before torch is imported)
+
+def plain_help(text: str) -> str:
+    """A docstring's text as --help prints it: reST literals (``x``, `x`) as plain x."""
+    return re.sub(r"`{1,2}([^`]+)`{1,2}", r"\1", text)
+
+
+def doc_summary(doc: str) -> str:
+    """The first line of a module docstring, for an ArgumentParser's description."""
+    return plain_help(doc.strip().splitlines()[0])
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def size_pair(form: str):
+    """argparse ``type=`` for ``form`` (e.g. "BxS"): two positive integers joined by x."""
+    def parse(text: str) -> tuple[int, int]:
+        parts = text.lower().split("x")
+        try:
+            values = tuple(int(part) for part in parts)
+        except ValueError:
+            values = ()
+        if len(values) != 2 or min(values) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected {form} with positive integers (e.g. 1x4096), got {text!r}")
+        return values
+    parse.__name__ = form
+    return parse
 
 
 def _reexec_under_interpreter(argv: list[str]) -> None:
@@ -86,6 +130,23 @@ def check_operators(rows: int, time_rows: int | None, out=print) -> int:
     return failures
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gemslib", description=doc_summary(__doc__),
+        usage="python -m gemslib [-h] [--rows N] [--time-rows N] [--no-time]\n"
+              "       python -m gemslib demo [-h] [demo options]",
+        epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run four ways, checked "
+               "against each other\n        (python -m gemslib demo --help lists its options)\n\n"
+               "exit codes: 0 every check passed, 1 a check failed, 2 bad arguments",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=positive_int, default=61, metavar="N",
+                        help="leading size of the check problems (default: 61)")
+    parser.add_argument("--time-rows", type=positive_int, default=8192, metavar="N",
+                        help="leading size of the timed problems (GPU only; default: 8192)")
+    parser.add_argument("--no-time", action="store_true", help="skip the timings on a GPU")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
@@ -93,15 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from gemslib import demo, runtime
 
+        demo.parse_args(argv[1:])  # bad arguments (and --help) end here, before any re-exec
         if not runtime.INTERPRETER and not torch.cuda.is_available():
             _reexec_under_interpreter(argv)
         return demo.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m gemslib", description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=61, help="leading size of the check problems")
-    parser.add_argument("--time-rows", type=int, default=8192,
-                        help="leading size of the timed problems (GPU only)")
-    parser.add_argument("--no-time", action="store_true", help="skip the timings on a GPU")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     import torch
 

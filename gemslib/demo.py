@@ -353,29 +353,40 @@ def _graphed_decode(x, layers, shape, cos, sin, positions, caches, seqlens) -> C
     return replay
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from gemslib.__main__ import doc_summary, positive_int, size_pair
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gemslib demo", description=doc_summary(__doc__),
+        epilog="exit codes: 0 every way agrees, 1 a mismatch, 2 bad arguments")
+    parser.add_argument("--shape", choices=["llama3-8b", "tiny"], default=None,
+                        help="layer sizes (default: llama3-8b on a GPU, tiny on the CPU)")
+    parser.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                        help="decoder layers (default: 4 on a GPU, 2 on the CPU)")
+    parser.add_argument("--prefill", type=size_pair("BxS"), default=None, metavar="BxS",
+                        help="B sequences of S tokens (default 1x4096 GPU, 1x24 CPU)")
+    parser.add_argument("--decode", type=size_pair("BxKV"), default=None, metavar="BxKV",
+                        help="B sequences with KV tokens cached (default 16x4096 GPU, 2x20 CPU)")
+    parser.add_argument("--no-time", action="store_true", help="check only")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's arguments; bad ones exit 2 with argparse's message naming the argument."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     from gemslib import runtime
 
-    parser = argparse.ArgumentParser(prog="python -m gemslib demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["llama3-8b", "tiny"], default=None,
-                        help="layer sizes (default: llama3-8b on a GPU, tiny on the CPU)")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: 4 on a GPU, 2 on the CPU)")
-    parser.add_argument("--prefill", default=None, help="BxS (default 1x4096 GPU, 1x24 CPU)")
-    parser.add_argument("--decode", default=None, help="BxKV (default 16x4096 GPU, 2x20 CPU)")
-    parser.add_argument("--no-time", action="store_true", help="check only")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     gpu = not runtime.INTERPRETER
     shape = {"llama3-8b": LLAMA3_8B, "tiny": TINY}[args.shape or ("llama3-8b" if gpu else "tiny")]
 
-    def pair(text: str) -> tuple[int, int]:
-        first, second = text.lower().split("x")
-        return int(first), int(second)
-
     started = time.perf_counter()
     failures = run(shape, args.layers or (4 if gpu else 2),
-                   pair(args.prefill or ("1x4096" if gpu else "1x24")),
-                   pair(args.decode or ("16x4096" if gpu else "2x20")),
+                   args.prefill or ((1, 4096) if gpu else (1, 24)),
+                   args.decode or ((16, 4096) if gpu else (2, 20)),
                    torch.device(runtime.device_type()), torch.bfloat16 if gpu else torch.float32,
                    time_it=gpu and not args.no_time,
                    compile_backend="inductor" if gpu else "aot_eager")

@@ -17,6 +17,10 @@ what it finished. ``--quick`` tries, per bucket, the config in use, default.yaml
 few candidates, with shorter timings. Compiling dominates a run, so before each operator is
 timed, ``--jobs`` worker processes run each of its candidates once on every bucket's problem
 to fill Triton's on-disk cache.
+
+Exit codes: 0 every operator tuned, 1 the job was not done here (no CUDA GPU: nothing is
+written) or an operator could not be tuned (the file is written, that operator keeps its
+entries), 2 bad arguments (argparse's usage error, e.g. an unknown operator).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from gemslib import registry, runtime
 
 QUICK_CANDIDATES = 4  # leading candidates a --quick run tries, beside the configs in use
 KEEP_MARGIN = 0.01  # a candidate replaces default.yaml's config if it is faster by more
+NO_GPU_EXIT = 1  # exit code without a CUDA GPU, as python -m benchmark's
 
 
 class TuneError(RuntimeError):
@@ -389,7 +394,12 @@ def summary(results: list[BucketResult]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gemslib.tune", description=__doc__.splitlines()[0])
+    from gemslib.__main__ import doc_summary
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gemslib.tune", description=doc_summary(__doc__),
+        epilog="exit codes: 0 every operator tuned; 1 not done: no CUDA GPU here (nothing "
+               "written), or an operator could not be tuned (reported); 2 bad arguments")
     parser.add_argument("--ops", nargs="+", help="operators to tune (default: all)")
     parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
     parser.add_argument("--quick", action="store_true",
@@ -405,9 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     if not gpu_available():
-        print("gemslib.tune: no CUDA GPU here; the tuner times kernels on the GPU it writes the "
-              "configs for.", file=sys.stderr)
-        return 2
+        print("python -m gemslib.tune: needs a CUDA GPU and there is no CUDA GPU here (it times "
+              "kernels on the GPU it writes the configs for); nothing was written.",
+              file=sys.stderr)
+        return NO_GPU_EXIT
     started = time.perf_counter()
     device_name = runtime.device_name()
     out = args.out or Path(f"{device_name}.yaml")

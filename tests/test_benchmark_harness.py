@@ -52,10 +52,10 @@ def test_table_and_json(tmp_path):
     assert results == _results() and loaded_ceilings == ceilings and env == {"gpu": "test"}
 
 
-def test_without_a_gpu_the_runner_says_so_and_exits_cleanly(monkeypatch, capsys):
+def test_without_a_gpu_the_runner_says_so_and_exits_1_as_the_tuner_does(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_main.main(["--quick"]) == 0
-    assert "no CUDA GPU" in capsys.readouterr().out
+    assert bench_main.main(["--quick"]) == 1 == bench_main.NO_GPU_EXIT
+    assert "no CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.fixture
