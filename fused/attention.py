@@ -839,7 +839,8 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
     _check(q[:, :, None], k_cache, v_cache, scale, name)
     batch = q.shape[0]
     if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
-                                or seqlens.is_floating_point() or seqlens.device != q.device):
+                                or seqlens.is_floating_point() or seqlens.is_complex()
+                                or seqlens.dtype == torch.bool or seqlens.device != q.device):
         raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
                          f"{q.device}, got {seqlens!r:.80}")
 

@@ -46,7 +46,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from gemslib import runtime
+from gemslib import checks, runtime
 
 log = logging.getLogger("gemslib")
 
@@ -331,7 +331,8 @@ def enable(ops: Iterable[str] | None = None, exclude: Iterable[str] | None = Non
     manager (``with gemslib.enable(): ...``), which restores the dispatcher on exit, also when
     the block raises. Nested calls add only what is not already overridden.
     """
-    return Activation(ops=ops, exclude=exclude, record=record)
+    return Activation(ops=ops, exclude=exclude,
+                      record=checks.as_bool("gemslib.enable", "record", record))
 
 
 def disable() -> None:

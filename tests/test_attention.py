@@ -431,8 +431,10 @@ def test_decode_bad_inputs_name_the_argument():
     cache = random_tensor((2, 2, 10, 16), torch.float32)
     with pytest.raises(ValueError, match="gemslib.decode_attention: q must be"):
         gemslib.decode_attention(q[0], cache, cache)
-    with pytest.raises(ValueError, match="seqlens must be an integer tensor of shape"):
-        gemslib.decode_attention(q, cache, cache, torch.tensor([1.0, 2.0], device=q.device))
+    for lengths in (torch.tensor([1.0, 2.0]), torch.tensor([True, False]), [1, 2]):
+        with pytest.raises(ValueError, match="seqlens must be an integer tensor of shape"):
+            gemslib.decode_attention(q, cache, cache,
+                                     lengths.to(q.device) if torch.is_tensor(lengths) else lengths)
     with pytest.raises(ValueError, match="gemslib.decode_attention: q's 4 heads must be"):
         gemslib.decode_attention(q, cache[:, :1].expand(2, 3, 10, 16), cache[:, :1].expand(2, 3, 10, 16))
 

@@ -331,3 +331,10 @@ def test_first_enable_installs_the_missing_backward_kernel_for_good(tmp_path):
     for key in ("INSIDE_IS_WRAPPER", "ADDED", "REMOVED", "GRADS", "SECOND_OVERRIDES",
                 "SECOND_RESTORES"):
         assert lines[key] == "True", key
+
+
+@pytest.mark.parametrize("record", ["yes", 1, None])
+def test_record_must_be_a_bool(record):
+    with pytest.raises(TypeError, match="gemslib.enable\\(\\): argument 'record' must be bool"):
+        gemslib.enable(record=record)
+    assert not gemslib.is_enabled()
