@@ -23,10 +23,10 @@ build, the backend of the Triton interpreter), the first ``enable()`` that overr
 the declaration's ``fallback`` (plain torch arithmetic) as that backend's kernel, for the rest
 of the process. An autograd graph recorded inside a ``with gemslib.enable():`` block runs its
 backward when ``loss.backward()`` is called, often after the block has closed, and the backward
-operator must then still have a kernel. The fallback is installed before enable()'s own
-wrapper, so inside the block the wrapper serves the operator (gemslib's kernel, or the fallback
-for what the kernel does not take), and leaving the block removes the wrapper and leaves the
-fallback. Nothing else outlives the block; :func:`permanent_fallbacks` lists what was installed.
+operator must then still have a kernel. That kernel serves the operator as enable()'s wrapper
+would while a block claims it (gemslib's kernel, or the fallback for what the kernel does not
+take), and runs the fallback otherwise; enable() registers nothing more for it. Nothing else
+outlives the block; :func:`permanent_fallbacks` lists what was installed.
 
 ``enable()`` refuses to start (a ``RuntimeError``, before registering anything) when torch has
 no kernel on the backend for an overload it would override and has no fallback for, e.g. on
@@ -184,8 +184,14 @@ def _record(aten: str, served: bool) -> None:
 
 
 def _make_wrapper(override: AtenOverride, original) -> Callable:
+    """The kernel enable() registers: gemslib's implementation, or for calls it does not take
+    ``original`` (the kernel registered before; None: the declaration's ``fallback``)."""
     aten = override.aten
-    original_call = original.call_boxed
+    if original is not None:
+        original_call = original.call_boxed
+    else:
+        def original_call(keyset, *args, **kwargs):
+            return override.fallback(*args, **kwargs)
 
     def wrapper(keyset, *args, **kwargs):
         reason = override.unsupported(*args, **kwargs)
@@ -231,12 +237,24 @@ _permanent_fallbacks: dict[str, str] = {}  # aten overload -> the dispatch-table
 
 
 def _install_permanent_fallback(override: AtenOverride, key: str) -> None:
-    """Register ``override.fallback`` as the ``key`` kernel of ``override.aten`` for the rest of
-    the process (see the module docstring: the one exception to exact restore)."""
+    """Register a ``key`` kernel for ``override.aten`` for the rest of the process (see the
+    module docstring: the one exception to exact restore): ``override.fallback``, or gemslib's
+    wrapper while an activation serves the op. One kernel does both because torch (2.11) allows
+    one Python kernel per operator and key: enable() then registers nothing for this op and
+    only claims it (``_served_by``)."""
     global _permanent_library
     if _permanent_library is None:
         _permanent_library = torch.library.Library("aten", "IMPL")
-    _permanent_library.impl(override.aten.split("::", 1)[1], override.fallback, key)
+    aten = override.aten
+    served = _make_wrapper(override, None)
+
+    def permanent(keyset, *args, **kwargs):
+        if aten in _served_by:
+            return served(keyset, *args, **kwargs)
+        return override.fallback(*args, **kwargs)
+
+    permanent.__name__ = f"gemslib_fallback_{aten.replace('::', '_').replace('.', '_')}"
+    _permanent_library.impl(aten.split("::", 1)[1], permanent, key, with_keyset=True)
     _permanent_fallbacks[override.aten] = next(
         line for line in torch._C._dispatch_dump_table(override.aten).splitlines()
         if line.startswith(f"{key}:"))
@@ -279,6 +297,10 @@ class Activation:
                 for override in todo:
                     if override.aten in _served_by:
                         continue  # declared twice: the first declaration serves it
+                    if override.aten in _permanent_fallbacks:  # it serves whoever claims it
+                        mine.append(override.aten)
+                        _served_by[override.aten] = self
+                        continue
                     original = torch.library.get_kernel(override.aten, key)
                     with warnings.catch_warnings():
                         # torch warns on every override of an existing kernel: that is the point
