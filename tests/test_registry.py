@@ -296,13 +296,14 @@ expected = torch.autograd.grad(F.rms_norm(x, (8,), w).sum(), (x, w))
 with gemslib.enable():
     loss = F.rms_norm(x, (8,), w).sum()
 grads = torch.autograd.grad(loss, (x, w))  # after the block
-x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-with gemslib.enable(record=True) as served:  # the installed kernel serves gemslib's inside
-    torch.autograd.grad(F.rms_norm(x32, (8,), w32).sum(), (x32, w32))
+# inside a block the installed kernel runs gemslib's wrapper, which records the call (float64:
+# handed to the fallback, so no interpreted kernel runs, whatever numpy this machine has)
+with gemslib.enable(record=True) as served:
+    torch.autograd.grad(F.rms_norm(x, (8,), w).sum(), (x, w))
 permanent = registry.permanent_fallbacks()
 print("TORCH_HAS_ONE", torch_has_one)
 print("PERMANENT", sorted(permanent))
-print("SERVED_INSIDE", served.calls[op] == 1 and not served.fallbacks[op])
+print("SERVED_INSIDE", served.fallbacks[op] == 1 and not served.calls[op])
 after = tables()
 added = {name: [l for l in after[name] if l not in before[name]] for name in ops}
 removed = {name: [l for l in before[name] if l not in after[name]] for name in ops}
