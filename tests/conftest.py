@@ -46,3 +46,17 @@ def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
 def poisoned(shape, dtype, device=DEVICE):
     """An output buffer full of NaN, so an element the kernel does not write shows up."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_device_side_assert(script: str, message: str) -> None:
+    """Run ``script`` (which makes a kernel meet a bad value on the GPU) in a fresh process,
+    since a device-side assert leaves the CUDA context unusable, and check that it failed with
+    one, printing ``message``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]
+    assert message in done.stdout + done.stderr, done.stderr[-2000:]
