@@ -531,8 +531,8 @@ def _why_not_forward(self, dim, half_to_float, out=None):
         return f"dtype {self.dtype}"
     if _not_last_dim(self, dim):
         return "reduction over a non-last dim"
-    if half_to_float and self.dtype == torch.float32:
-        return "half_to_float on a float32 input (torch raises)"
+    if half_to_float and (self.dtype == torch.float32 or self.device.type == "cpu"):
+        return "half_to_float on a float32 input or a CPU tensor (torch raises)"
     if out is not None:
         expected = torch.float32 if half_to_float else self.dtype
         if out.shape != self.shape or out.dtype != expected or layout.has_internal_overlap(out):
@@ -549,6 +549,8 @@ def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
         return "reduction over a non-last dim"
     if input_dtype not in KERNEL_DTYPES or grad_output.shape != output.shape:
         return f"input dtype {input_dtype} or shapes differ"
+    if input_dtype != grad_output.dtype and grad_output.device.type == "cpu":
+        return "a half_to_float backward on a CPU tensor (torch raises)"
     if out is not None and (out.shape != output.shape or out.dtype != input_dtype
                             or layout.has_internal_overlap(out)):
         return "grad_input needs resizing, another dtype, or has overlapping elements"

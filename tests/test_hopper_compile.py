@@ -154,11 +154,6 @@ def _looped_softmax(x):
         _backward(gemslib.softmax, x)
 
 
-def _under_enable(fn, *args):
-    with gemslib.enable():
-        return fn(*args)
-
-
 # Forward and backward of every operator, on the one-block and looped paths of row kernels,
 # contiguous and strided, in bf16 (and fp32 where the kernel converts).
 CALLS = [
@@ -174,7 +169,7 @@ CALLS = [
     lambda: gemslib.add_rms_norm(_bf16(3, 100), _bf16(3, 100), _bf16(100), inplace=True),
     lambda: _backward(gemslib.softmax, _bf16(3, 100)),
     lambda: _backward(gemslib.log_softmax, _bf16(2, 9000)),
-    lambda: _under_enable(torch.ops.aten._softmax, _bf16(3, 100), -1, True),  # fp32 output
+    lambda: softmax_ops._forward(_bf16(3, 100), -1, False, torch.float32),  # fp32 output
     lambda: _looped_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8)),
     lambda: _looped_softmax(_bf16(3, 1011)[:, :1003]),  # rows off 16-byte alignment (ALIGN 8)
     lambda: _split_softmax(_bf16(3, 1000), chunk=256),  # both launches of the two-launch form

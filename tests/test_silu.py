@@ -258,3 +258,19 @@ def strided_views(draw):
 @given(strided_views())
 def test_silu_on_any_view(x):
     assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), x.dtype)
+
+
+def test_out_that_partly_overlaps_the_input_keeps_torchs_error_under_enable():
+    """aten::silu.out with out a shifted view of the input: torch refuses (an element would be
+    read after it was written); under enable() the call goes to torch, which still refuses."""
+    buffer = random_tensor((9,), torch.float32)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        torch.ops.aten.silu.out(buffer[:-1], out=buffer[1:])
+    with gemslib.enable(ops=["silu"], record=True) as activation:
+        with pytest.raises(RuntimeError, match="refer to a single memory location"):
+            torch.ops.aten.silu.out(buffer[:-1], out=buffer[1:])
+        same = buffer.clone()
+        torch.ops.aten.silu.out(same, out=same)  # the same elements: in place, served
+    assert activation.fallbacks == {"aten::silu.out": 1}
+    assert activation.calls == {"aten::silu.out": 1}
+    assert_close_to_reference(same, F.silu(buffer.double()), torch.float32)

@@ -279,15 +279,35 @@ def test_functional_calls_run_gemslib_both_ways(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_to_float(dtype):
+    """16-bit input, fp32 output: the kernel writes fp32 directly. Under enable() on a GPU the
+    half_to_float forms run it; on the CPU torch's kernel refuses them, and so does gemslib's
+    override (torch's error, not a result torch would not give)."""
     x = random_tensor((5, 33), dtype, scale=3.0)
+    for log, reference in ((False, torch.softmax), (True, torch.log_softmax)):
+        direct = softmax_ops._forward(x, 1, log, torch.float32)
+        assert direct.dtype == torch.float32
+        assert_close_to_reference(direct, reference(x.double(), 1), torch.float32,
+                                  reduction_len=33)
     with gemslib.enable(record=True) as activation:
-        y = F.softmax(x, dim=-1, dtype=torch.float32)  # torch folds the cast into half_to_float?
-        z = torch.ops.aten._softmax(x, 1, True)
-        w = torch.ops.aten._log_softmax(x, 1, True)
-    assert z.dtype == torch.float32 and w.dtype == torch.float32 and y.dtype == torch.float32
-    assert activation.calls["aten::_softmax"] >= 1 and activation.calls["aten::_log_softmax"] == 1
-    assert_close_to_reference(z, torch.softmax(x.double(), 1), torch.float32, reduction_len=33)
-    assert_close_to_reference(w, torch.log_softmax(x.double(), 1), torch.float32, reduction_len=33)
+        y = F.softmax(x, dim=-1, dtype=torch.float32)
+        if ON_GPU:
+            z = torch.ops.aten._softmax(x, 1, True)
+            w = torch.ops.aten._log_softmax(x, 1, True)
+        else:
+            for op in (torch.ops.aten._softmax, torch.ops.aten._log_softmax):
+                with pytest.raises(RuntimeError, match="not supported on CPU"):
+                    op(x, 1, True)
+    assert y.dtype == torch.float32
+    assert_close_to_reference(y, torch.softmax(x.double(), 1), torch.float32, reduction_len=33)
+    if ON_GPU:
+        assert z.dtype == torch.float32 and w.dtype == torch.float32
+        assert activation.calls["aten::_softmax"] >= 1 and activation.calls["aten::_log_softmax"] == 1
+        assert_close_to_reference(z, torch.softmax(x.double(), 1), torch.float32, reduction_len=33)
+        assert_close_to_reference(w, torch.log_softmax(x.double(), 1), torch.float32,
+                                  reduction_len=33)
+    else:
+        assert activation.fallbacks["aten::_softmax"] == 1
+        assert activation.fallbacks["aten::_log_softmax"] == 1
 
 
 def test_out_variants_and_fallbacks():
@@ -328,3 +348,24 @@ def test_traces_under_torch_compile_fullgraph():
     result.sum().backward()
     expected.sum().backward()
     assert_close_to_reference(x.grad, x64.grad, torch.float32, reduction_len=32)
+
+
+def test_half_to_float_backward_follows_the_backend():
+    """_softmax_backward_data with an fp16 input dtype and fp32 gradients (the backward of a
+    half_to_float forward): torch's CUDA kernel computes it, its CPU kernel refuses; gemslib's
+    override does the same on each."""
+    y = torch.softmax(random_tensor((4, 9), torch.float32), -1)
+    grad = random_tensor((4, 9), torch.float32)
+    with gemslib.enable(ops=["softmax"], record=True) as activation:
+        if ON_GPU:
+            result = torch.ops.aten._softmax_backward_data(grad, y, -1, torch.float16)
+        else:
+            with pytest.raises(RuntimeError):
+                torch.ops.aten._softmax_backward_data(grad, y, -1, torch.float16)
+    if ON_GPU:
+        assert activation.calls == {"aten::_softmax_backward_data": 1}
+        assert result.dtype == torch.float16
+        assert_close_to_reference(result, softmax_ops.softmax_backward_reference(
+            grad.double(), y.double(), -1), torch.float16, reduction_len=9)
+    else:
+        assert activation.fallbacks == {"aten::_softmax_backward_data": 1}
