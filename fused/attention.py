@@ -1,5 +1,4 @@
-"""Fused attention: the prefill forward (flash-attention style), split-KV decode and the SDPA
-override.
+"""Fused attention: the forward (flash-attention style), its backward, and the SDPA override.
 
     attention(q, k, v)[b, h, i] = sum_j p_ij v[b, g(h), j],
     p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  over the keys j row i may see
@@ -11,15 +10,16 @@ k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv), any strides with a unit last stride.
 One program per BLOCK_M query rows of one head walks the keys BLOCK_N at a time with an online
 softmax in the exp2 domain (scale * log2(e) folded into the scores) and fp32 accumulators;
 blocks every row sees in full run without masks, the causal diagonal and the ragged end
-separately with them. The row log-sum-exp (natural log) comes out too, for the backward.
+separately with them. The row log-sum-exp (natural log) comes out too, for the backward,
+which recomputes the probabilities from it. One query row (a decode step through SDPA) runs
+``decode_attention.py``'s kernel instead.
 On Hopper (sm_90), 16-bit inputs with head dim 128 take the warp-specialised Gluon kernel of
 ``_attention_hopper.py`` instead: same math, FlashAttention-3's schedule.
 """
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import checks, layout, runtime
+from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take, _unit_last,
+                                             attention_reference, default_scale)
+from gemslib.fused.decode_attention import _launch_decode
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -360,137 +363,6 @@ def _attention_bwd_dq_kernel(
              mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim))
 
 
-@triton.jit
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
-    cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
-    scale_log2, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
-    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr,
-):
-    """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
-    first ``seqlens[b]`` (in [0, L], asserted; all L without seqlens) cache positions, whose
-    K/V are read once for all of them.
-
-    Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
-    normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
-    itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
-    log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
-    launch per decode step instead of a partial and a merge launch. With HAS_LSE the program
-    that writes a head's output also writes its log-sum-exp (natural log; -inf without keys)
-    to ``lse[b * Hq + head]``. PROGRAMS_PER_SM is the launcher's (it sets the number of
-    splits); the kernel does not use it.
-    """
-    split = tl.program_id(0)
-    batch_kv = tl.program_id(1)
-    batch = (batch_kv // n_kv_heads).to(tl.int64)
-    kv_head = (batch_kv % n_kv_heads).to(tl.int64)
-    if HAS_SEQLENS:
-        # a length outside [0, L]: a device-side assert (compiled in, see DECODE); clamped so
-        # that no input reads outside the cache where asserts are off
-        seq_len = tl.load(seqlens_ptr + batch).to(tl.int64)
-        tl.device_assert((seq_len >= 0) & (seq_len <= cache_len),
-                         "gemslib.decode_attention: seqlens must be in [0, L] (the cache length)")
-        seq_len = tl.minimum(tl.maximum(seq_len, 0), cache_len).to(tl.int32)
-    else:
-        seq_len = cache_len
-    key_start = split * split_len
-    key_end = tl.minimum(key_start + split_len, seq_len)
-    group = tl.arange(0, BLOCK_G)
-    heads = kv_head * group_size + group  # the query heads of this KV head
-    head_mask = group < group_size
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + batch * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
-                mask=head_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
-    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
-    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(key_start, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = keys < key_end
-        k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
-                    mask=key_mask[None, :] & (dims[:, None] < head_dim), other=0.0)
-        if IEEE:
-            scores = tl.dot(q, k, input_precision="ieee") * scale_log2
-        else:
-            scores = tl.dot(q, k) * scale_log2
-        scores = tl.where(key_mask[None, :], scores, -float("inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
-                    mask=key_mask[:, None] & (dims_v[None, :] < head_dim_v), other=0.0)
-        if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        row_max = new_max
-    empty = row_sum == 0.0
-    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, row_sum)[:, None])
-    out_mask = head_mask[:, None] & (dims_v[None, :] < head_dim_v)
-    out_at = o_ptr + batch * o_stride_b + heads[:, None] * o_stride_h + dims_v[None, :]
-    if not SPLIT:
-        tl.store(out_at, out.to(o_ptr.dtype.element_ty), mask=out_mask)
-        if HAS_LSE:
-            tl.store(lse_ptr + batch * n_q_heads + heads,
-                     tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2),
-                     mask=head_mask)
-    else:
-        lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
-        head_slots = (batch * n_q_heads + heads) * n_splits  # (B, Hq, splits) buffers
-        tl.store(o_part_ptr + (head_slots + split)[:, None] * head_dim_v + dims_v[None, :], out,
-                 mask=out_mask)
-        tl.store(lse_part_ptr + head_slots + split, lse, mask=head_mask)
-        tl.debug_barrier()  # every thread's stores issued before this program counts itself
-        arrived = tl.atomic_add(arrivals_ptr + batch_kv, 1, sem="acq_rel")
-        if arrived == n_splits - 1:  # the last split of this KV head: merge
-            # the whole group at once, [members, splits(, features)] tiles in chunks of splits
-            # with masks instead of branches, so every load can be in flight together (a loop
-            # over splits waited one L2 round trip each; one over members, a store between)
-            members = tl.arange(0, GROUP)
-            member_ok = members < group_size
-            slots = (batch * n_q_heads + kv_head * group_size + members) * n_splits
-            splits = tl.arange(0, BLOCK_S)
-            # .cg: the other programs' results from L2, never from a stale L1 line
-            lses = tl.load(lse_part_ptr + slots[:, None] + splits[None, :],
-                           mask=member_ok[:, None] & (splits[None, :] < n_splits),
-                           other=-float("inf"), cache_modifier=".cg")
-            top = tl.max(lses, axis=1)
-            total = tl.sum(tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top[:, None])),
-                           axis=1)
-            merged = tl.zeros([GROUP, BLOCK_DV], dtype=tl.float32)
-            for chunk_start in tl.static_range(0, BLOCK_S, MERGE_S):
-                chunk = chunk_start + tl.arange(0, MERGE_S)
-                in_chunk = member_ok[:, None] & (chunk[None, :] < n_splits)
-                chunk_lses = tl.load(lse_part_ptr + slots[:, None] + chunk[None, :],
-                                     mask=in_chunk, other=-float("inf"), cache_modifier=".cg")
-                weights = tl.where(chunk_lses == -float("inf"), 0.0,
-                                   tl.exp(chunk_lses - top[:, None]))
-                rows = (slots[:, None] + chunk[None, :]) * head_dim_v
-                pieces = tl.load(o_part_ptr + rows[:, :, None] + dims_v[None, None, :],
-                                 mask=in_chunk[:, :, None]
-                                 & (dims_v[None, None, :] < head_dim_v),
-                                 other=0.0, cache_modifier=".cg")
-                merged += tl.sum(pieces * weights[:, :, None], axis=1)
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]  # no keys at all: 0
-            tl.store(o_ptr + batch * o_stride_b
-                     + (kv_head * group_size + members)[:, None] * o_stride_h + dims_v[None, :],
-                     merged.to(o_ptr.dtype.element_ty),
-                     mask=member_ok[:, None] & (dims_v[None, :] < head_dim_v))
-            if HAS_LSE:
-                tl.store(lse_ptr + batch * n_q_heads + kv_head * group_size + members,
-                         tl.where(total == 0.0, -float("inf"), top + tl.log(total)),
-                         mask=member_ok)
-            tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
-
-
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
                                     tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
                                     shape_keys=("head_dim", "causal", "elem_bytes", "seq_q",
@@ -502,18 +374,9 @@ ATTENTION_BWD_DKDV = runtime.TunedKernel("attention", "attention_bwd_dkdv",
 ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attention_bwd_dq_kernel,
                                        tunables=("BLOCK_M", "BLOCK_N"),
                                        shape_keys=("head_dim", "elem_bytes"))
-DECODE = runtime.TunedKernel("attention", "decode", _decode_kernel,
-                             tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
-                             shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True)
-
-
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 # On sm_90, 16-bit inputs with D = Dv = 128 go to the warp-specialised Gluon kernel
@@ -631,218 +494,9 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
         max(t.shape[-1] for t in tensors) <= 256
 
 
-def _decode_splits(batch_kv: int, cache_len: int, block_n: int, device_index: int,
-                   programs_per_sm: int) -> int:
-    """Splits of the KV length: as many programs as fit ``programs_per_sm`` per SM (a config
-    choice: streaming the cache wants several resident per SM to keep loads in flight), rounded
-    down (a last wave that is partly full takes as long as a full one), but no split shorter
-    than one block of keys and at most 256."""
-    wanted = programs_per_sm * runtime.multiprocessor_count(device_index) // max(batch_kv, 1)
-    return max(1, min(wanted, runtime.cdiv(cache_len, block_n), 256))
-
-
-def _decode_scratch(device: torch.device, n_counters: int, n_lse: int,
-                    head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(arrivals, lse_part, o_part) of a decode launch with splits (runtime.split_scratch):
-    counters for the last-arrival merge, and fp32 room for the splits' log-sum-exps (n_lse)
-    and partial outputs (n_lse x head_dim_v)."""
-    arrivals, parts = runtime.split_scratch(device, n_counters, n_lse * (head_dim_v + 1))
-    return arrivals, parts[:n_lse], parts[n_lse:]
-
-
-class _DecodePlan(NamedTuple):
-    """Everything about a decode launch that follows from the layout (shapes, strides, dtypes,
-    scale, config), worked out once: decode calls the same layout every step, and at B1 the
-    host's time is most of a step."""
-    config: runtime.LaunchConfig
-    grid: tuple[int, int]
-    out_shape: tuple[int, int, int]
-    scratch: tuple[int, int, int] | None  # _decode_scratch's sizes; None: one split
-    arguments: tuple  # the scalars and constexprs after the tensors
-    replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
-
-
-def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
-                 with_lse: bool = False) -> _DecodePlan:
-    batch, n_q_heads, head_dim = q.shape
-    n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    meta = config.meta_dict
-    block_n = meta["BLOCK_N"]
-    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
-                              meta["PROGRAMS_PER_SM"])
-    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
-    n_splits = runtime.cdiv(cache_len, split_len)
-    group_size = n_q_heads // n_kv_heads
-    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
-    block_s = max(2, runtime.next_power_of_2(n_splits))
-    group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
-    out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
-    arguments = (
-        cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
-        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1, with_lse,
-        q.dtype == torch.float32, max(16, group_pow2), group_pow2,
-        max(16, runtime.next_power_of_2(head_dim)),
-        block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
-    grid = (n_splits, batch * n_kv_heads)
-    scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
-               if n_splits > 1 else None)
-    return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
-                       (config, grid, arguments))
-
-
-def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
-                            on_device_too: bool = False) -> None:
-    """Lengths on the CPU (or anywhere, with ``on_device_too``: the caller reads them on the
-    host anyway) are checked here; on a GPU the kernel asserts them itself, since reading them
-    here would wait for the device."""
-    if seqlens is None or seqlens.numel() == 0 or (seqlens.device.type != "cpu"
-                                                   and not on_device_too):
-        return
-    low, high = int(seqlens.min()), int(seqlens.max())
-    if low < 0 or high > cache_len:
-        raise ValueError(f"gemslib.decode_attention: seqlens must be in [0, {cache_len}] (the "
-                         f"caches' length), got {low if low < 0 else high}")
-
-
-def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
-                lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps when
-    the plan was made with_lse."""
-    _check_seqlens_in_cache(seqlens, k_cache.shape[2])
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    if plan.scratch is not None:
-        arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
-    else:
-        arrivals = lse_part = o_part = out  # not touched
-    DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
-                   lse if lse is not None else out, o_part, lse_part, arrivals, *plan.arguments))
-    return out
-
-
-# layout key (``_decode_layout``) of arguments that passed the checks -> the plan of their
-# kernel launch, or None where the call copies or falls back to torch (the checks were a fifth
-# of a B1 step's host time, the plan arithmetic as much again)
-_decode_layouts: dict[tuple, _DecodePlan | None] = {}
-_UNCHECKED = object()
-
-
-def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
-    """What a decode plan depends on, from decode_attention's raw arguments (None for
-    arguments that are not tensors)."""
-    try:
-        return (q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape,
-                v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device,
-                k_cache.device, v_cache.device,
-                None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
-                scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
-def _launch_decode(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None,
-                   lse: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
-    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (the checked
-    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls. ``lse``
-    (B, Hq) fp32 contiguous, if given, gets each head's log-sum-exp."""
-    unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
-    copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
-    q, k_cache, v_cache = unit_last
-    batch, n_q_heads, head_dim = q.shape
-    cache_len, head_dim_v = k_cache.shape[2], v_cache.shape[3]
-    if batch * n_q_heads * head_dim_v == 0 or cache_len == 0:
-        if lse is not None:
-            lse.fill_(-float("inf"))
-        return q.new_zeros((batch, n_q_heads, head_dim_v))
-    plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
-                        # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
-                        DECODE.planned_config((head_dim, q.element_size(), cache_len)),
-                        with_lse=lse is not None)
-    if layout is not None and not copied and layout in _decode_layouts and lse is None:
-        _decode_layouts[layout] = plan
-    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse)
-
-
-# --------------------------------------------------------------------------------------------
-# Plain PyTorch reference (tests run it in float64)
-# --------------------------------------------------------------------------------------------
-
-
-def attention_reference(q, k, v, causal=False, scale=None):
-    """(o, lse) by the definition, K/V repeated over each group of query heads."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~visible, -float("inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v, lse
-
-
-def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
-    """One query per sequence against the first seqlens[b] cache positions (clamped to
-    [0, L]; decode_attention rejects lengths outside), by definition."""
-    outs = []
-    for b in range(q.shape[0]):
-        length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
-                                                               k_cache.shape[2])
-        out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, :length],
-                                     v_cache[b:b + 1, :, :length], False, scale)
-        outs.append(out[:, :, 0] if length else torch.zeros_like(out[:, :, 0]))
-    return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v_cache.shape[-1]))
-
-
 # --------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------
-
-
-def default_scale(head_dim: int) -> float:
-    """SDPA's default scale 1 / sqrt(D). With D = 0 every score is an empty sum, 0, whatever
-    the scale (torch gives uniform weights), so any finite scale serves."""
-    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-
-
-def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: {arg} must be (B, H, S, D), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
-        raise ValueError(f"{name}: k and v must be {q.dtype} on {q.device} like q, got "
-                         f"{k.dtype} on {k.device} and {v.dtype} on {v.device}")
-    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
-                         f"{tuple(v.shape)} must share the batch, and k and v their heads and "
-                         "sequence length")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"{name}: k's head dim {k.shape[3]} must equal q's {q.shape[3]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of k and v's "
-                         f"{k.shape[1]} (grouped-query attention)")
-    checks.as_float(name, "scale", scale, optional=True)
-
-
-def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
-    """Validate decode_attention's arguments (once per layout: see ``_decode_layouts``)."""
-    name = "gemslib.decode_attention"
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"{name}: q must be (B, Hq, D), got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-    _check(q[:, :, None], k_cache, v_cache, scale, name)
-    batch = q.shape[0]
-    if seqlens is not None and (not isinstance(seqlens, torch.Tensor) or seqlens.shape != (batch,)
-                                or seqlens.is_floating_point() or seqlens.is_complex()
-                                or seqlens.dtype == torch.bool or seqlens.device != q.device):
-        raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
-                         f"{q.device}, got {seqlens!r:.80}")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -859,13 +513,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         return runtime.differentiable_call(_attention_op, _AttentionFunction, q, k, v,
                                            bool(causal), scale)[0]
     return _attention_impl(q, k, v, causal, scale)[0]
-
-
-def _kernels_take(q, k, v, *others) -> bool:
-    """The attention kernels take these (else torch): head dims 1 to 256, kernel dtypes on the
-    kernel device (and not bf16 under the interpreter)."""
-    return runtime.dot_kernel_runs(q, k, v, *others) and 0 < min(q.shape[-1], v.shape[-1]) \
-        and max(q.shape[-1], v.shape[-1]) <= 256
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -939,58 +586,6 @@ _attention_op.register_autograd(_attention_grad_via(_attention_backward_op),
 _AttentionFunction = runtime.eager_autograd("AttentionFunction", _attention_impl,
                                             _save_for_attention_backward,
                                             _attention_grad_via(_attention_backward_impl))
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
-    k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
-    split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
-    of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
-    compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
-    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
-    plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
-    if plan is _UNCHECKED:
-        _check_decode(q, k_cache, v_cache, seqlens, scale)
-        scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
-        if layout is not None and len(_decode_layouts) < 4096:
-            _decode_layouts[layout] = None  # checked; the launch adds its plan
-    elif plan is not None and not (torch.is_grad_enabled() and (
-            q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
-        return _run_decode(plan, q, k_cache, v_cache, seqlens)
-    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
-                                    v_cache.requires_grad):
-        # no backward kernel: the reference, in torch ops, keeps gradients right
-        _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
-        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
-    if compiling:
-        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, layout)
-
-
-def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None):
-    if not _kernels_take(q, k_cache, v_cache):
-        _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
-        work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
-                                          seqlens, scale).to(q.dtype)
-    # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale, layout)
-
-
-def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
-
-
-_decode_attention_op = torch.library.custom_op("gemslib::decode_attention",
-                                               _decode_attention_impl, mutates_args=())
-
-
-@_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, seqlens, scale):
-    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1249,14 +844,6 @@ def _attention_inputs(device, dtype, seq):
             *(torch.randn(1, kv_heads, seq, dim, device=device, dtype=dtype) for _ in range(2)))
 
 
-def _decode_inputs(device, dtype, cache_len):
-    """One query per sequence against full caches of cache_len positions."""
-    batch, heads, kv_heads, dim = (16, 32, 8, 128) if cache_len >= 1024 else (3, 4, 2, 64)
-    return (torch.randn(batch, heads, dim, device=device, dtype=dtype),
-            *(torch.randn(batch, kv_heads, cache_len, dim, device=device, dtype=dtype)
-              for _ in range(2)))
-
-
 def _gradients(attend, q, k, v, grad_out):
     """(dq, dk, dv) of ``attend(q, k, v, causal=True)`` for ``grad_out``, flattened into one."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -1269,10 +856,6 @@ def _attention_backward_inputs(device, dtype, seq):
     q, k, v = _attention_inputs(device, dtype, seq)
     return q, k, v, torch.randn_like(q[..., :v.shape[-1]])
 
-
-# bf16 tl.dot is wrong in Triton 3.6's interpreter, so the CPU run checks fp16 and fp32
-_CHECK_DTYPES = (torch.float16, torch.float32) if runtime.INTERPRETER else \
-    (torch.float16, torch.bfloat16, torch.float32)
 
 SELF_CHECKS = (
     SelfCheck("attention", _attention_inputs,
@@ -1294,11 +877,6 @@ SELF_CHECKS = (
               term_scale=lambda q, k, v, grad: _gradients(
                   lambda q, k, v: attention_reference(q, k, v, True)[0],
                   *(t.double() for t in (q, k, v, grad))).abs().max().item()),
-    SelfCheck("decode_attention", _decode_inputs,
-              run=decode_attention, reference=decode_attention_reference,
-              torch_peer=lambda q, k, v: F.scaled_dot_product_attention(
-                  q[:, :, None], k, v, enable_gqa=True)[:, :, 0],
-              dtypes=_CHECK_DTYPES, term_scale=lambda q, k, v: v.abs().max().item()),
 )
 
 
@@ -1333,17 +911,6 @@ def _prefill_problem(batch: int, heads: int, seq: int, dim: int, dtype: torch.dt
     return make
 
 
-def _decode_problem(shapes: tuple[tuple[int, int], ...], dim: int, dtype: torch.dtype):
-    """decode_attention at each (batch, cache length), Hq 32, Hkv 8, summed."""
-    def make(device):
-        problems = [(torch.randn(batch, 32, dim, device=device, dtype=dtype),
-                     torch.randn(batch, 8, length, dim, device=device, dtype=dtype),
-                     torch.randn(batch, 8, length, dim, device=device, dtype=dtype))
-                    for batch, length in shapes]
-        return lambda: [decode_attention(q, k_cache, v_cache) for q, k_cache, v_cache in problems]
-    return make
-
-
 def _prefill_buckets(backward: bool):
     return (TuneBucket({"head_dim": 64, "elem_bytes": 2} if not backward else {"head_dim": 64},
                        "B2 H16 S4096 D64 bf16",
@@ -1355,10 +922,10 @@ def _prefill_buckets(backward: bool):
                        _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
 
 
-# Compiling the candidates is most of a full tuner run (attention's took 361 s of ~500 on
-# the H200, 2026-11-30), so the lists leave out what never won a sweep or a tuner run there:
-# LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row dQ tiles on 4
-# warps (they spill), 4 decode programs per SM.
+# Compiling the candidates is most of a full tuner run (attention's, decode included, took
+# 361 s of ~500 on the H200, 2026-11-30), so the lists leave out what never won a sweep or a
+# tuner run there: LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row
+# dQ tiles on 4 warps (they spill).
 TUNING = (
     # 128-row blocks spill with 4 warps (ptxas, D128 bf16), 128-key blocks at 4 stages exceed
     # the shared memory; the small tiles are for fp32 inputs
@@ -1384,18 +951,4 @@ TUNING = (
               + tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": 4, "num_stages": st}
                       for m, n in ((32, 16), (32, 32)) for st in (1, 2)),
               _prefill_buckets(backward=True)),
-    # 32-key blocks and 2 warps were latency-bound at B1 on the H200; 3 per SM: the 64-key
-    # configs fit three programs on an SM; the 32-key ones are for fp32 caches and wide heads
-    TuneSpace(DECODE,
-              tuple({"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
-                    for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
-                    for per_sm in (1, 2, 3))
-              + tuple({"BLOCK_N": 32, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": 2}
-                      for per_sm in (1, 2)),
-              (TuneBucket({"elem_bytes": 2}, "B16 L8192 + B1 L32768 D128 bf16",
-                          _decode_problem(((16, 8192), (1, 32768)), 128, torch.bfloat16)),
-               TuneBucket({"head_dim": 128}, "B4 L4096 D128 fp32",
-                          _decode_problem(((4, 4096),), 128, torch.float32)),
-               TuneBucket(None, "B2 L2048 D256 fp32",
-                          _decode_problem(((2, 2048),), 256, torch.float32)))),
 )

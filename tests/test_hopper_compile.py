@@ -277,7 +277,7 @@ _SAMPLES = {
     "attention.attention_bwd_dq": lambda t, s: _grads(
         lambda q, k, v: gemslib.attention(q, k, v, causal=True),
         t(1, 2, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"])),
-    "attention.decode": lambda t, s: gemslib.decode_attention(
+    "decode_attention.decode_attention": lambda t, s: gemslib.decode_attention(
         t(2, 4, s["head_dim"]), t(2, 1, s["seq_kv"], s["head_dim"]),
         t(2, 1, s["seq_kv"], s["head_dim"]), torch.tensor([s["seq_kv"], 1])),
     "rms_norm_linear_silu.rms_norm_linear_silu": lambda t, s: gemslib.rms_norm_linear_silu(
