@@ -266,8 +266,9 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
 
 
 # layout key (``_decode_layout``) of arguments that passed the checks -> the plan of their
-# kernel launch, or None where the call copies or falls back to torch (the checks were a fifth
-# of a B1 step's host time, the plan arithmetic as much again)
+# kernel launch, or None where the call copies, falls back to torch or has nothing to compute
+# (the checks were a fifth of a B1 step's host time, the plan arithmetic as much again); kept
+# by ``_checked_plan``
 _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
@@ -285,27 +286,31 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
         return None
 
 
-def _launch_decode(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None,
-                   lse: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
-    of them when seqlens is None). One launch; see ``_decode_kernel``. ``layout`` (the checked
-    arguments' ``_decode_layout``) keeps the plan for decode_attention's next calls. ``lse``
-    (B, Hq) fp32 contiguous, if given, gets each head's log-sum-exp."""
-    unit_last = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
-    copied = any(a is not b for a, b in zip(unit_last, (q, k_cache, v_cache)))
-    q, k_cache, v_cache = unit_last
+def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
+                 with_lse: bool = False) -> _DecodePlan | None:
+    """The plan of the launch for arguments with a unit last stride; None when there is
+    nothing to compute (no rows, no features or no keys)."""
     batch, n_q_heads, head_dim = q.shape
     cache_len, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if batch * n_q_heads * head_dim_v == 0 or cache_len == 0:
-        if lse is not None:
-            lse.fill_(-float("inf"))
-        return q.new_zeros((batch, n_q_heads, head_dim_v))
-    plan = _plan_decode(q, k_cache, v_cache, seqlens is not None, scale,
+        return None
+    return _plan_decode(q, k_cache, v_cache, has_seqlens, scale,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)),
-                        with_lse=lse is not None)
-    if layout is not None and not copied and layout in _decode_layouts and lse is None:
-        _decode_layouts[layout] = plan
+                        with_lse=with_lse)
+
+
+def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
+                   lse: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
+    of them when seqlens is None). One launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32
+    contiguous, if given, gets each head's log-sum-exp."""
+    q, k_cache, v_cache = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None)
+    if plan is None:
+        if lse is not None:
+            lse.fill_(-float("inf"))
+        return q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[3]))
     return _run_decode(plan, q, k_cache, v_cache, seqlens, lse)
 
 
@@ -333,7 +338,7 @@ def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
 
 
 def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
-    """Validate decode_attention's arguments (once per layout: see ``_decode_layouts``)."""
+    """Validate decode_attention's arguments (once per layout: see ``_checked_plan``)."""
     name = "gemslib.decode_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"{name}: q must be (B, Hq, D), got "
@@ -347,6 +352,26 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
                          f"{q.device}, got {seqlens!r:.80}")
 
 
+def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None):
+    """decode_attention's arguments checked, and the plan of their kernel launch, both once per
+    ``layout`` (their ``_decode_layout``; None: nothing is kept). Returns the plan, None where
+    the call does not launch the kernel on its arguments as given (it copies them, hands them
+    to torch or has nothing to compute), or ``_UNCHECKED`` where this call checked them (its
+    scale still to be converted)."""
+    plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
+    if plan is not _UNCHECKED:
+        return plan
+    _check_decode(q, k_cache, v_cache, seqlens, scale)
+    if layout is not None and len(_decode_layouts) < 4096:
+        plan = None
+        if all(_unit_last(t) is t for t in (q, k_cache, v_cache)) and \
+                _kernels_take(q, k_cache, v_cache):
+            scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
+            plan = _launch_plan(q, k_cache, v_cache, seqlens is not None,
+                                default_scale(q.shape[-1]) if scale is None else scale)
+        _decode_layouts[layout] = plan
+    return _UNCHECKED
+
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
@@ -356,12 +381,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
     layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
-    plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
+    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout)
     if plan is _UNCHECKED:
-        _check_decode(q, k_cache, v_cache, seqlens, scale)
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
-        if layout is not None and len(_decode_layouts) < 4096:
-            _decode_layouts[layout] = None  # checked; the launch adds its plan
     elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
         return _run_decode(plan, q, k_cache, v_cache, seqlens)
@@ -373,17 +395,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
     if compiling:
         return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, layout)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
 
 
-def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, layout: tuple | None = None):
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float):
     if not _kernels_take(q, k_cache, v_cache):
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale).to(q.dtype)
     # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale, layout)
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale)
 
 
 def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

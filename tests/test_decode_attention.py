@@ -240,3 +240,23 @@ def test_shipped_configs_are_the_ones_attention_held(file_name, tmp_path):
     buckets = shipped.ops["decode_attention"][decode_ops.DECODE.name]
     assert [(b.max, b.configs, b.autotune) for b in buckets] == \
         [(b.max, b.configs, b.autotune) for b in old_buckets]
+
+
+def test_a_layout_is_checked_and_planned_once(monkeypatch):
+    """The first call of a layout checks its arguments and keeps the plan of its launch; the
+    next calls of that layout launch it directly. A layout the kernel does not take as given
+    (here caches without a unit last stride, which are copied) keeps no plan."""
+    q = random_tensor((2, 4, 32), torch.float32)
+    k = random_tensor((2, 2, 50, 32), torch.float32)
+    strided = random_tensor((2, 2, 32, 50), torch.float32).transpose(-1, -2)
+    monkeypatch.setattr(decode_ops, "_decode_layouts", {})
+    first = gemslib.decode_attention(q, k, k)
+    gemslib.decode_attention(q, strided, strided)
+    plans = list(decode_ops._decode_layouts.values())
+    assert len(plans) == 2 and plans[0] is not None and plans[1] is None
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("checked or planned again")
+    monkeypatch.setattr(decode_ops, "_check_decode", not_again)
+    monkeypatch.setattr(decode_ops, "_launch_plan", not_again)
+    assert torch.equal(gemslib.decode_attention(q, k, k), first)
