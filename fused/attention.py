@@ -594,31 +594,30 @@ _AttentionFunction = runtime.eager_autograd("AttentionFunction", _attention_impl
 # --------------------------------------------------------------------------------------------
 
 
+def _sdpa_override(aten: str, adapter, unsupported, backend: str) -> AtenOverride:
+    """SDPA backend operator ``aten`` served by ``adapter`` of _attention_sdpa.py, bound to the
+    kernels' entry point: _launch_backward for a backward operator, else _launch_forward."""
+    entry = _launch_backward if aten.endswith("_backward") else _launch_forward
+    return AtenOverride(aten, partial(adapter, entry), unsupported, dispatch_keys=(backend,))
+
+
 ATEN_OVERRIDES = (
-    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu",
-                 partial(sdpa._aten_flash_for_cpu, _launch_forward), sdpa._why_not_flash_for_cpu,
-                 dispatch_keys=("CPU",)),
-    AtenOverride("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-                 partial(sdpa._aten_flash_for_cpu_backward, _launch_backward),
-                 sdpa._why_not_flash_for_cpu_backward, dispatch_keys=("CPU",)),
-    AtenOverride("aten::_scaled_dot_product_flash_attention",
-                 partial(sdpa._aten_flash, _launch_forward), sdpa._why_not_flash,
-                 dispatch_keys=("CUDA",)),
-    AtenOverride("aten::_scaled_dot_product_flash_attention_backward",
-                 partial(sdpa._aten_flash_backward, _launch_backward),
-                 sdpa._why_not_flash_backward, dispatch_keys=("CUDA",)),
-    AtenOverride("aten::_scaled_dot_product_cudnn_attention",
-                 partial(sdpa._aten_cudnn, _launch_forward), sdpa._why_not_cudnn,
-                 dispatch_keys=("CUDA",)),
-    AtenOverride("aten::_scaled_dot_product_cudnn_attention_backward",
-                 partial(sdpa._aten_cudnn_backward, _launch_backward),
-                 sdpa._why_not_cudnn_backward, dispatch_keys=("CUDA",)),
-    AtenOverride("aten::_scaled_dot_product_efficient_attention",
-                 partial(sdpa._aten_efficient, _launch_forward), sdpa._why_not_efficient,
-                 dispatch_keys=("CUDA",)),
-    AtenOverride("aten::_scaled_dot_product_efficient_attention_backward",
-                 partial(sdpa._aten_efficient_backward, _launch_backward),
-                 sdpa._why_not_efficient_backward, dispatch_keys=("CUDA",)),
+    _sdpa_override("aten::_scaled_dot_product_flash_attention_for_cpu",
+                   sdpa._aten_flash_for_cpu, sdpa._why_not_flash_for_cpu, "CPU"),
+    _sdpa_override("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                   sdpa._aten_flash_for_cpu_backward, sdpa._why_not_flash_for_cpu_backward, "CPU"),
+    _sdpa_override("aten::_scaled_dot_product_flash_attention", sdpa._aten_flash,
+                   sdpa._why_not_flash, "CUDA"),
+    _sdpa_override("aten::_scaled_dot_product_flash_attention_backward",
+                   sdpa._aten_flash_backward, sdpa._why_not_flash_backward, "CUDA"),
+    _sdpa_override("aten::_scaled_dot_product_cudnn_attention", sdpa._aten_cudnn,
+                   sdpa._why_not_cudnn, "CUDA"),
+    _sdpa_override("aten::_scaled_dot_product_cudnn_attention_backward",
+                   sdpa._aten_cudnn_backward, sdpa._why_not_cudnn_backward, "CUDA"),
+    _sdpa_override("aten::_scaled_dot_product_efficient_attention", sdpa._aten_efficient,
+                   sdpa._why_not_efficient, "CUDA"),
+    _sdpa_override("aten::_scaled_dot_product_efficient_attention_backward",
+                   sdpa._aten_efficient_backward, sdpa._why_not_efficient_backward, "CUDA"),
 )
 
 
