@@ -1,6 +1,6 @@
 """silu(rms_norm(x) @ W.T + b) in one kernel: the normalisation and the activation ride on the
-matmul. (Work in progress, issue 5. On sm_90, 16-bit inputs with 128 or more rows take the
-two-launch path of _rms_norm_linear_silu_hopper.py instead.)
+matmul. (On sm_90, 16-bit inputs with 128 or more rows take the two-launch path of
+_rms_norm_linear_silu_hopper.py instead.)
 
     out[m, n] = silu(z[m, n]),   z[m, n] = r[m] * sum_k x[m, k] g[k] W[n, k] + b[n],
     r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
@@ -16,7 +16,8 @@ from HBM about once per group. Small M (decode) runs the same kernel with 16-row
 narrow column tiles: many programs, each streaming its slice of W once.
 
 The backward is torch arithmetic (recomputing z), correct rather than fast. The file reads
-top-down: kernel, launcher, reference, public function and custom op.
+top-down: kernel, launcher, reference, public function, custom op and autograd, self-check,
+tuning.
 """
 
 from __future__ import annotations

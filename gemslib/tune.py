@@ -152,8 +152,7 @@ def disagreement(actual, expected) -> str | None:
 def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
     import triton.testing
 
-    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one; the full run
-    # times ~1600 (bucket, candidate) pairs and has 8 minutes
+    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one
     warmup, rep = (5, 20) if quick else (10, 50)
     return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
@@ -329,8 +328,8 @@ def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int)
         del run
     if device.type == "cuda":
         torch.cuda.synchronize()
-        # an idle worker holds no tensors: a dozen of them, each keeping its largest problem's
-        # memory cached, filled the GPU and starved the timing process (H200, 2026-11-30)
+        # an idle worker holds no GPU memory: a dozen workers, each keeping its largest
+        # problem's memory cached, would fill the GPU and starve the timing process
         torch.cuda.empty_cache()
     return ran
 

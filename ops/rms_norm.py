@@ -10,7 +10,8 @@
 
 Rows that fit one block (N <= BLOCK_N) are read once; wider rows loop over column blocks
 (two passes: the sum of squares, then the normalisation). The file reads top-down: kernels,
-launchers, references, public functions and custom ops, self-checks.
+launchers, references, public functions and custom ops, autograd, aten overrides, self-checks,
+tuning.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ rotation (sin -> -sin) of the incoming gradients.
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks.
+kernel, launcher, reference, public function and custom ops, self-checks, tuning.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
                        x (..., 2d) -> out (..., d)
 
 All math in fp32; inputs and outputs fp16, bf16 or fp32. The file reads top-down: kernels,
-launchers, public functions and custom ops, aten overrides, self-checks.
+launchers, references, public functions and custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations

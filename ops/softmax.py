@@ -15,8 +15,8 @@ them, so that all blocks but the first and last move full vectors (``ALIGN``). e
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
-strided kernel). The file reads top-down: kernels, launchers, public functions and custom ops,
-aten overrides, self-checks.
+strided kernel). The file reads top-down: kernels, launchers, references, public functions and
+custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
