@@ -195,19 +195,3 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
             a_desc, b_desc, out_rows, rstd, bias if bias is not None else out_rows,
             int(bias is not None), n_rows, n_out, n_in, GROUP_M=GROUP_M, STAGES=STAGES,
             num_warps=4)
-
-
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16):
-    """Compile the Gluon matmul for sm_90 without a GPU (tests)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    a_layout, b_layout = _shared_layouts(dtype)
-    signature = {"a_desc": f"tensordesc<{name}[{TILE_ROWS}, {BLOCK_K}],{a_layout!r}>",
-                 "b_desc": f"tensordesc<{name}[{BLOCK_N}, {BLOCK_K}],{b_layout!r}>",
-                 "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
-                 "has_bias": "i32", "M": "i32", "N": "i32", "K": "i32",
-                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
-    source = GluonASTSource(_matmul_epilogue, signature, {"GROUP_M": GROUP_M, "STAGES": STAGES})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
