@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
+from gemslib.layout import LOG2E
 
 TILE_ROWS = 64     # rows of a tile per consumer warpgroup (the wgmma M); a tile has two
 BLOCK_N = 256      # columns of a tile
@@ -125,7 +126,7 @@ def _consumer(half, a_smem, b_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, h
         rstd = gl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         bias = gl.load(bias_ptr + cols, mask=(cols < N) & (has_bias != 0), other=0.0)
         z = z * rstd[:, None] + bias.to(gl.float32)[None, :]
-        out = z / (1.0 + gl.exp2(-1.4426950408889634 * z))
+        out = z / (1.0 + gl.exp2(-LOG2E * z))
         gl.store(out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 

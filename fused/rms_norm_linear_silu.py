@@ -35,8 +35,6 @@ try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Trito
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     _rms_norm_linear_silu_hopper = None
 
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -147,10 +145,6 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 # On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
 # and a warp-specialised Gluon matmul with the r/bias/silu epilogue
 # (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
@@ -167,8 +161,8 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         return out
     if n_in == 0:  # an empty sum: z = b
         return torch.nn.functional.silu(bias.expand_as(out) if bias is not None else out.zero_())
-    x_rows = layout.as_rows(_unit_last(x))
-    weight = _unit_last(weight)
+    x_rows = layout.as_rows(layout.unit_last(x))
+    weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
     hopper = _rms_norm_linear_silu_hopper
     if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
@@ -233,13 +227,8 @@ def _check(x, norm_weight, weight, bias) -> None:
     for arg, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
         if t is None and arg == "bias":
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"{name}: {arg} must be {x.dtype} on {x.device} like x, got "
-                             f"{t.dtype} on {t.device}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
+        checks.like(name, arg, t, x, "x")
     if x.dim() == 0:
         raise ValueError(f"{name}: x must be (..., K), got a 0-d tensor")
     n_in = x.shape[-1]
