@@ -1,6 +1,6 @@
 """silu(rms_norm(x) @ W.T + b) in one kernel: the normalisation and the activation ride on the
-matmul. (Work in progress, issue 5. On sm_90, 16-bit inputs with 128 or more rows take the
-two-launch path of _rms_norm_linear_silu_hopper.py instead.)
+matmul. (On sm_90, 16-bit inputs with 128 or more rows take the two-launch path of
+_rms_norm_linear_silu_hopper.py instead.)
 
     out[m, n] = silu(z[m, n]),   z[m, n] = r[m] * sum_k x[m, k] g[k] W[n, k] + b[n],
     r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
@@ -16,7 +16,8 @@ from HBM about once per group. Small M (decode) runs the same kernel with 16-row
 narrow column tiles: many programs, each streaming its slice of W once.
 
 The backward is torch arithmetic (recomputing z), correct rather than fast. The file reads
-top-down: kernel, launcher, reference, public function and custom op.
+top-down: kernel, launcher, reference, public function, custom op and autograd, self-check,
+tuning.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Trito
     from gemslib.fused import _rms_norm_linear_silu_hopper
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     _rms_norm_linear_silu_hopper = None
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,10 +145,6 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 # On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
 # and a warp-specialised Gluon matmul with the r/bias/silu epilogue
 # (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
@@ -166,8 +161,8 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         return out
     if n_in == 0:  # an empty sum: z = b
         return torch.nn.functional.silu(bias.expand_as(out) if bias is not None else out.zero_())
-    x_rows = layout.as_rows(_unit_last(x))
-    weight = _unit_last(weight)
+    x_rows = layout.as_rows(layout.unit_last(x))
+    weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
     hopper = _rms_norm_linear_silu_hopper
     if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
@@ -232,13 +227,8 @@ def _check(x, norm_weight, weight, bias) -> None:
     for arg, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
         if t is None and arg == "bias":
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"{name}: {arg} must be {x.dtype} on {x.device} like x, got "
-                             f"{t.dtype} on {t.device}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
+        checks.like(name, arg, t, x, "x")
     if x.dim() == 0:
         raise ValueError(f"{name}: x must be (..., K), got a 0-d tensor")
     n_in = x.shape[-1]

@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 MAX_RANK = 4
+# log2(e), for kernels that compute exp(x) as exp2(x * LOG2E); a tl.constexpr because the
+# compiler rejects a plain float global
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def has_internal_overlap(tensor: torch.Tensor) -> bool:
@@ -112,6 +115,12 @@ def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         return any(solvable(index + 1, rest - digit * stride) for digit in range(first, last + 1))
 
     return solvable(0, delta)
+
+
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit last stride: itself when it has one (or its last dim has one element),
+    else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -260,9 +260,6 @@ class LaunchConfig:
         """What the Triton launch takes: meta-parameters plus num_warps and num_stages."""
         return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    def as_dict(self) -> dict[str, int]:
-        return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
-
 
 @dataclass(frozen=True)
 class Bucket:
@@ -274,7 +271,13 @@ class Bucket:
     where: str  # "file: ops.silu.silu_fwd[0]", for error messages
 
     def matches(self, shape: Mapping[str, int]) -> bool:
-        return self.max is None or all(shape[k] <= v for k, v in self.max.items())
+        return within(self.max, shape)
+
+
+def within(bound: Mapping[str, int] | None, shape: Mapping[str, int]) -> bool:
+    """Whether a bucket's ``max`` admits the call: ``shape[key] <= bound[key]`` for every key
+    of ``bound`` (``None``: no bound, every call)."""
+    return bound is None or all(shape[k] <= v for k, v in bound.items())
 
 
 @dataclass(frozen=True)
@@ -295,7 +298,9 @@ def _positive_int(path: Path, where: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def _parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+def parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+    """One config (a mapping of meta-parameters, num_warps, num_stages), validated; errors
+    name ``path`` and ``where``."""
     if not isinstance(raw, dict) or not raw:
         raise _fail(path, where, f"expected a mapping of parameters, got {raw!r}")
     meta = []
@@ -328,12 +333,12 @@ def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
         bound = {k: _positive_int(path, f"{where}.max.{k}", v, minimum=0)  # 0: a flag off
                  for k, v in raw["max"].items()}
     if "config" in raw:
-        configs = (_parse_launch_config(path, f"{where}.config", raw["config"]),)
+        configs = (parse_launch_config(path, f"{where}.config", raw["config"]),)
     else:
         candidates = raw["autotune"]
         if not isinstance(candidates, list) or not candidates:
             raise _fail(path, f"{where}.autotune", "expected a non-empty list of configs")
-        configs = tuple(_parse_launch_config(path, f"{where}.autotune[{i}]", c)
+        configs = tuple(parse_launch_config(path, f"{where}.autotune[{i}]", c)
                         for i, c in enumerate(candidates))
     return Bucket(max=bound, configs=configs, autotune="autotune" in raw, where=f"{path}: {where}")
 
@@ -612,5 +617,5 @@ class TunedKernel:
         if not timings:
             raise RuntimeError(f"gemslib: no candidate config of {bucket.where} runs on this GPU")
         best = min(timings, key=lambda item: item[0])[1]
-        log.debug("gemslib autotune %s: picked %s", self.name, best.as_dict())
+        log.debug("gemslib autotune %s: picked %s", self.name, best.launch_kwargs)
         return best

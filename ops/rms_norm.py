@@ -10,7 +10,8 @@
 
 Rows that fit one block (N <= BLOCK_N) are read once; wider rows loop over column blocks
 (two passes: the sum of squares, then the normalisation). The file reads top-down: kernels,
-launchers, references, public functions and custom ops, self-checks.
+launchers, references, public functions and custom ops, autograd, aten overrides, self-checks,
+tuning.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,31 +272,23 @@ def add_rms_norm_reference(x, residual, weight=None, eps=1e-6):
 
 
 def _check_inputs(function: str, x, weight, residual=None):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    checks.float_tensor(function, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{function}: x must have at least one dim (normalised over the last)")
     if residual is not None:
-        if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"{function}: residual must be a torch.Tensor, got {type(residual).__name__}")
+        checks.tensor(function, "residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"{function}: residual must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(residual.shape)}")
-        if residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"{function}: residual must be {x.dtype} on {x.device}, "
-                             f"got {residual.dtype} on {residual.device}")
+        checks.like(function, "residual", residual, x)
     if weight is not None:
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{function}: weight must be a torch.Tensor or None, got {type(weight).__name__}")
+        checks.tensor(function, "weight", weight, or_none=True)
         if weight.shape != (x.shape[-1],):
             raise ValueError(f"{function}: weight must have shape ({x.shape[-1]},) to match x's "
                              f"last dim, got {tuple(weight.shape)}")
         if weight.device != x.device:
             raise ValueError(f"{function}: weight must be on {x.device}, got {weight.device}")
-        if not weight.is_floating_point():
-            raise TypeError(f"{function}: weight must be floating-point, got {weight.dtype}")
+        checks.float_tensor(function, "weight", weight, expected="floating-point")
 
 
 def _upcast_reference(fn, *tensors, eps):
@@ -527,7 +518,7 @@ _DEFAULT_EPS = torch.finfo(torch.float32).eps  # torch's choice for eps=None (fp
 
 
 def _why_not_fused(input, normalized_shape, weight):
-    if input.dtype not in KERNEL_DTYPES:
+    if input.dtype not in runtime.KERNEL_DTYPES:
         return f"dtype {input.dtype}"
     if len(normalized_shape) != 1 or input.dim() == 0 or list(input.shape[-1:]) != list(normalized_shape):
         return f"normalized_shape {list(normalized_shape)} is not x's last dim"

@@ -13,7 +13,7 @@ rotation (sin -> -sin) of the incoming gradients.
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks.
+kernel, launcher, reference, public function and custom ops, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,18 +252,14 @@ def rotary_reference(q, k, cos, sin, positions=None, interleaved=False):
 def _check(q, k, cos, sin, positions) -> None:
     name = "gemslib.apply_rotary"
     for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
     if q.dim() not in (3, 4) or k.dim() != q.dim():
         raise ValueError(f"{name}: q and k must both be (B, S, H, D) or (T, H, D), got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on the "
                          "token dims and the head dim")
-    if q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"{name}: k must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device}")
+    checks.like(name, "k", k, q, "q")
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2), got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -308,13 +302,9 @@ def _check_writes_alias_nothing(q, k, cos, sin, positions) -> None:
 
 
 def _kernel_runs(q, k, cos, sin) -> bool:
-    return (q.dtype in KERNEL_DTYPES and runtime.on_kernel_device(q)
-            and cos.dtype in KERNEL_DTYPES and sin.dtype in KERNEL_DTYPES
+    return (q.dtype in runtime.KERNEL_DTYPES and runtime.on_kernel_device(q)
+            and cos.dtype in runtime.KERNEL_DTYPES and sin.dtype in runtime.KERNEL_DTYPES
             and cos.stride(-1) == 1 and sin.stride(-1) == 1)
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _check_positions_in_table(positions, n_positions: int) -> None:
@@ -342,7 +332,8 @@ def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)
         return q_out, k_out
-    _launch(_unit_last(q), _unit_last(k), q_out, k_out, cos, sin, positions, interleaved, inverse)
+    _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_out, cos, sin, positions,
+            interleaved, inverse)
     return q_out, k_out
 
 

@@ -6,7 +6,7 @@
                        x (..., 2d) -> out (..., d)
 
 All math in fp32; inputs and outputs fp16, bf16 or fp32. The file reads top-down: kernels,
-launchers, public functions and custom ops, aten overrides, self-checks.
+launchers, references, public functions and custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
 
@@ -247,21 +245,11 @@ def silu_and_mul_backward_reference(grad: torch.Tensor, x: torch.Tensor) -> torc
 # --------------------------------------------------------------------------------------------
 
 
-def _check_float_tensor(function: str, argument: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{function}: {argument} must be a torch.Tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{function}: {argument} must be a floating-point tensor, got {value.dtype}")
-
-
 def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{function}: out must be a torch.Tensor, got {type(out).__name__}")
+    checks.tensor(function, "out", out)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{function}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"{function}: out must be {like.dtype} on {like.device}, "
-                         f"got {out.dtype} on {out.device}")
+    checks.like(function, "out", out, like)
     if layout.has_internal_overlap(out):
         raise ValueError(f"{function}: out has overlapping elements (a stride-0 dim)")
 
@@ -281,7 +269,7 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     The result has ``x``'s layout when ``x`` is dense (like ``torch.empty_like``). With ``out``
     (same shape, dtype and device) nothing is allocated. Differentiable.
     """
-    _check_float_tensor("gemslib.silu", "x", x)
+    checks.float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
             return runtime.differentiable_call(_silu_op, _SiluFunction, x)
@@ -305,7 +293,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     x: (..., 2d) with any strides -> (..., d), contiguous (or written into ``out``).
     Differentiable.
     """
-    _check_float_tensor("gemslib.silu_and_mul", "x", x)
+    checks.float_tensor("gemslib.silu_and_mul", "x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError("gemslib.silu_and_mul: x's last dim must be even (x = [gate | up]), "
                          f"got shape {tuple(x.shape)}")
@@ -399,7 +387,7 @@ _SiluAndMulFunction = runtime.eager_autograd("SiluAndMulFunction", _silu_and_mul
 
 def _unsupported_dtype(*tensors: torch.Tensor) -> str | None:
     dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in KERNEL_DTYPES:
+    if len(dtypes) != 1 or next(iter(dtypes)) not in runtime.KERNEL_DTYPES:
         return f"dtypes {sorted(map(str, dtypes))}"
     return None
 

@@ -15,8 +15,8 @@ them, so that all blocks but the first and last move full vectors (``ALIGN``). e
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
-strided kernel). The file reads top-down: kernels, launchers, public functions and custom ops,
-aten overrides, self-checks.
+strided kernel). The file reads top-down: kernels, launchers, references, public functions and
+custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
+from gemslib.layout import LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by the compiler
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +375,7 @@ def _from_last(t: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """Kernel path: x's dtype in KERNEL_DTYPES, on the kernel device; returns a new tensor."""
+    """Kernel path: x of a kernel dtype, on the kernel device; returns a new tensor."""
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
     out = torch.empty_like(moved, dtype=out_dtype, memory_format=torch.contiguous_format)
     n_cols = moved.shape[-1]
@@ -428,10 +426,7 @@ def log_softmax_backward_reference(grad, y, dim=-1):
 
 
 def _check(function: str, x, dim) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    checks.float_tensor(function, "x", x)
     # torch's rule and words: an int that is not a bool, or a 0-d integer tensor
     return _normalize_dim(function, x, checks.as_int(function, "dim", dim))
 
@@ -527,7 +522,7 @@ def _not_last_dim(t: torch.Tensor, dim: int) -> bool:
 
 
 def _why_not_forward(self, dim, half_to_float, out=None):
-    if self.dtype not in KERNEL_DTYPES:
+    if self.dtype not in runtime.KERNEL_DTYPES:
         return f"dtype {self.dtype}"
     if _not_last_dim(self, dim):
         return "reduction over a non-last dim"
@@ -543,11 +538,11 @@ def _why_not_forward(self, dim, half_to_float, out=None):
 
 
 def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
-    if grad_output.dtype not in KERNEL_DTYPES or grad_output.dtype != output.dtype:
+    if grad_output.dtype not in runtime.KERNEL_DTYPES or grad_output.dtype != output.dtype:
         return f"dtypes {grad_output.dtype}, {output.dtype}"
     if _not_last_dim(output, dim):
         return "reduction over a non-last dim"
-    if input_dtype not in KERNEL_DTYPES or grad_output.shape != output.shape:
+    if input_dtype not in runtime.KERNEL_DTYPES or grad_output.shape != output.shape:
         return f"input dtype {input_dtype} or shapes differ"
     if input_dtype != grad_output.dtype and grad_output.device.type == "cpu":
         return "a half_to_float backward on a CPU tensor (torch raises)"

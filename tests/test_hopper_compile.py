@@ -435,10 +435,19 @@ _FUSED_COMPILER = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-    compiled = hopper.compile_for_sm90(dtype)
+    a_layout, b_layout = hopper._shared_layouts(dtype)
+    signature = {"a_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],{a_layout!r}>",
+                 "b_desc": f"tensordesc<{name}[{hopper.BLOCK_N}, {hopper.BLOCK_K}],{b_layout!r}>",
+                 "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
+                 "has_bias": "i32", "M": "i32", "N": "i32", "K": "i32",
+                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
+    source = GluonASTSource(hopper._matmul_epilogue, signature,
+                            {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
     report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}

@@ -80,7 +80,7 @@ def test_environment_variable_selects_the_file_and_buckets_apply(config_file):
     index, bucket = silu_ops.SILU_FWD.select((100,))
     assert index == 0 and bucket.configs[0].meta_dict == {"BLOCK": 32}
     index, bucket = silu_ops.SILU_FWD.select((101,))
-    assert index == 1 and bucket.configs[0].as_dict() == {"BLOCK": 128, "num_warps": 2,
+    assert index == 1 and bucket.configs[0].launch_kwargs == {"BLOCK": 128, "num_warps": 2,
                                                          "num_stages": 2}
     # kernels the file leaves out come from default.yaml
     default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
