@@ -16,10 +16,6 @@ import torch
 from gemslib import checks, runtime
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 def default_scale(head_dim: int) -> float:
     """SDPA's default scale 1 / sqrt(D). With D = 0 every score is an empty sum, 0, whatever
     the scale (torch gives uniform weights), so any finite scale serves."""
@@ -28,12 +24,10 @@ def default_scale(head_dim: int) -> float:
 
 def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
     for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
+        checks.tensor(name, arg, t)
         if t.dim() != 4:
             raise ValueError(f"{name}: {arg} must be (B, H, S, D), got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError(f"{name}: k and v must be {q.dtype} on {q.device} like q, got "
                          f"{k.dtype} on {k.device} and {v.dtype} on {v.device}")

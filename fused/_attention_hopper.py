@@ -16,14 +16,14 @@ The descriptors are 4-d (B, H, S, D) with blocks (1, 1, rows, D): any strides th
 and rows past a head's end read as zeros, so ragged lengths need only the key mask on the last
 block (keys >= Skv) and the causal diagonal (keys > row, top-left aligned). Used by
 ``attention._launch_forward`` for 16-bit inputs with D = Dv = 128 on sm_90; see ``eligible``.
-Measured in benchmark/NOTES.md (the session of 2026-11-30 05:14).
+Measured in benchmark/NOTES.md (issue 4's H200 runs).
 
 The backward's dK/dV (``backward_dkdv``) follows the same plan with the roles of queries and
 keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup) in shared
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
 dk += ds^T q with p^T and ds^T as register operands. Used when ``attention.use_hopper_backward``
-is on (the default; measured in benchmark/NOTES.md, the session of 2026-11-30 09:00).
+is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs).
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import checks, layout, runtime
 from gemslib.fused import _attention_sdpa as sdpa
-from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take, _unit_last,
-                                             attention_reference, default_scale)
+from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
+                                              attention_reference, default_scale)
 from gemslib.fused.decode_attention import _launch_decode
+from gemslib.layout import LN2, LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -40,8 +41,6 @@ try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Trit
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     _attention_hopper = None
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,7 +395,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
     """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated. ``out``: the
     (B, Hq, Sq, Dv) tensor to write o into, any strides (the SDPA overrides pass torch's
     layout for the backend); by default a contiguous one."""
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = layout.unit_last(q), layout.unit_last(k), layout.unit_last(v)
     if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
         q, scale = -q, -scale
     batch, n_q_heads, seq_q, head_dim = q.shape
@@ -442,7 +441,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
     ATTENTION_FWD.launch(
         lambda meta: (batch * n_q_heads * runtime.cdiv(seq_q, meta["BLOCK_M"]),),
         q, k, v, out, lse, *descriptors, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
-        head_dim, head_dim_v, scale * 1.4426950408889634,
+        head_dim, head_dim_v, scale * LOG2E.value,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         causal, q.dtype == torch.float32, tma, block_d, block_dv, shape=shape, config=config)
     return out, lse
@@ -452,7 +451,7 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, for the forward (out, lse) of validated q, k, v; grad_lse
     (B, Hq, Sq) or None is a gradient flowing into lse."""
-    q, k, v, grad_out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(grad_out)
+    q, k, v, grad_out = (layout.unit_last(t) for t in (q, k, v, grad_out))
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
@@ -471,7 +470,7 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
             BLOCK_M=64, BLOCK_DV=block_dv)
     shape = (head_dim, q.element_size())
     # after the sequence lengths and the head count each kernel's grid runs over
-    rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * 1.4426950408889634,
+    rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * LOG2E.value,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
             q.dtype == torch.float32, block_d, block_dv)
     if use_hopper_backward and _attention_hopper is not None and \
@@ -712,9 +711,8 @@ def _prefill_buckets(backward: bool):
                        _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
 
 
-# Compiling the candidates is most of a full tuner run (attention's, decode included, took
-# 361 s of ~500 on the H200, 2026-11-30), so the lists leave out what never won a sweep or a
-# tuner run there: LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row
+# Compiling the candidates is most of a full tuner run, so the lists leave out what never won
+# a sweep or a tuner run on the H200 (benchmark/NOTES.md): LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row
 # dQ tiles on 4 warps (they spill).
 TUNING = (
     # 128-row blocks spill with 4 warps (ptxas, D128 bf16), 128-key blocks at 4 stages exceed

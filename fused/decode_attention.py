@@ -22,11 +22,10 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, runtime
-from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take, _unit_last,
-                                             attention_reference, default_scale)
+from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
+                                              attention_reference, default_scale)
+from gemslib.layout import LN2, LOG2E, unit_last
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +222,7 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
     arguments = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
-        n_splits, scale * 1.4426950408889634, *q.stride()[:2], *k_cache.stride()[:3],
+        n_splits, scale * LOG2E.value, *q.stride()[:2], *k_cache.stride()[:3],
         *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1, with_lse,
         q.dtype == torch.float32, max(16, group_pow2), group_pow2,
         max(16, runtime.next_power_of_2(head_dim)),
@@ -305,7 +304,7 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None). One launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32
     contiguous, if given, gets each head's log-sum-exp."""
-    q, k_cache, v_cache = _unit_last(q), _unit_last(k_cache), _unit_last(v_cache)
+    q, k_cache, v_cache = unit_last(q), unit_last(k_cache), unit_last(v_cache)
     plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None)
     if plan is None:
         if lse is not None:
@@ -364,7 +363,7 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None):
     _check_decode(q, k_cache, v_cache, seqlens, scale)
     if layout is not None and len(_decode_layouts) < 4096:
         plan = None
-        if all(_unit_last(t) is t for t in (q, k_cache, v_cache)) and \
+        if all(unit_last(t) is t for t in (q, k_cache, v_cache)) and \
                 _kernels_take(q, k_cache, v_cache):
             scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
             plan = _launch_plan(q, k_cache, v_cache, seqlens is not None,

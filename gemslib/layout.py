@@ -17,6 +17,7 @@ MAX_RANK = 4
 # log2(e), for kernels that compute exp(x) as exp2(x * LOG2E); a tl.constexpr because the
 # compiler rejects a plain float global
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def has_internal_overlap(tensor: torch.Tensor) -> bool:
