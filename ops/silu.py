@@ -406,8 +406,8 @@ def _why_not_silu_out(self, *, out):
         return "out needs resizing"
     if layout.has_internal_overlap(out):
         return "out has overlapping elements"
-    if layout.may_share_elements(self, out) and not (
-            self.data_ptr() == out.data_ptr() and self.stride() == out.stride()):
+    if not (self.data_ptr() == out.data_ptr() and self.stride() == out.stride()) and \
+            layout.may_share_elements(self, out):
         return "out partly overlaps the input (torch raises)"
     return _unsupported_dtype(self, out)
 
