@@ -57,13 +57,11 @@ def _backward_only(fn, q, k, v):
 
 
 def _with_hopper_backward(run, on: bool):
-    """``run`` with attention_ops.use_hopper_backward set to ``on`` (read at backward time)."""
+    """``run`` with the Gluon dK/dV kernel where it applies (``on``) or without (the choice is
+    read at backward time)."""
     def timed():
-        previous, attention_ops.use_hopper_backward = attention_ops.use_hopper_backward, on
-        try:
+        with contextlib.nullcontext() if on else attention_ops.HOPPER_BACKWARD.switched_off():
             return run()
-        finally:
-            attention_ops.use_hopper_backward = previous
     return timed
 
 

@@ -22,7 +22,7 @@ The backward's dK/dV (``backward_dkdv``) follows the same plan with the roles of
 keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup) in shared
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
-dk += ds^T q with p^T and ds^T as register operands. Used when ``attention.use_hopper_backward``
+dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
 is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs).
 """
 

@@ -380,14 +380,12 @@ ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attenti
 
 
 # On sm_90, 16-bit inputs with D = Dv = 128 go to the warp-specialised Gluon kernel
-# (_attention_hopper.py, 1.2x the Triton kernel's speed there); False keeps every call on the
-# Triton kernel (benchmarks compare the two this way).
-use_hopper_kernel = True
-# The backward's dK/dV in Gluon for the same inputs (_attention_hopper.backward_dkdv: K and V
-# kept in shared memory, warp-specialised): on the H200 the whole backward is up to 1.42x
-# faster than with the Triton dK/dV kernel (B1 S3001 causal) and at worst 1% slower (B4 S2048
-# causal; benchmark/NOTES.md); False keeps the Triton kernel.
-use_hopper_backward = True
+# (_attention_hopper.py, 1.2x the Triton kernel's speed there), and the backward computes their
+# dK/dV in Gluon too (_attention_hopper.backward_dkdv: K and V kept in shared memory; on the H200
+# the whole backward up to 1.42x faster than with the Triton dK/dV kernel, at worst 1% slower;
+# benchmark/NOTES.md). Switched off, every call stays on the Triton kernels.
+HOPPER_FORWARD = runtime.KernelPath("attention", "the Gluon forward on sm_90")
+HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_90")
 
 
 def _launch_forward(q, k, v, causal: bool, scale: float,
@@ -412,7 +410,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         lse = torch.empty((batch, n_q_heads, 1), dtype=torch.float32, device=q.device)
         result = _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse)[:, :, None]
         return (result, lse) if out is None else (out.copy_(result), lse)
-    if use_hopper_kernel and _attention_hopper is not None and batch * n_q_heads * seq_q * \
+    if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and _attention_hopper.eligible(q, k, v):
         result, lse = _attention_hopper.forward(q, k, v, causal, scale)
         # the Gluon kernel writes contiguous rows; another layout costs one copy
@@ -473,7 +471,7 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * LOG2E.value,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
             q.dtype == torch.float32, block_d, block_dv)
-    if use_hopper_backward and _attention_hopper is not None and \
+    if HOPPER_BACKWARD.on and _attention_hopper is not None and \
             _attention_hopper.eligible(q, k, v) and layout.tma_addressable(grad_out):
         dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
     else:
@@ -684,18 +682,13 @@ def _prefill_problem(batch: int, heads: int, seq: int, dim: int, dtype: torch.dt
         saved = [_launch_forward(q, k, v, causal, dim ** -0.5) for causal in (False, True)]
 
         def run():
-            global use_hopper_kernel, use_hopper_backward
-            previous = use_hopper_kernel, use_hopper_backward
-            use_hopper_kernel = use_hopper_backward = False
-            try:
+            with HOPPER_FORWARD.switched_off(), HOPPER_BACKWARD.switched_off():
                 if backward:
                     return [_launch_backward(grad_out, q, k, v, out, lse, None, causal,
                                              dim ** -0.5)
                             for causal, (out, lse) in zip((False, True), saved)]
                 return [_launch_forward(q, k, v, causal, dim ** -0.5)[0]
                         for causal in (False, True)]
-            finally:
-                use_hopper_kernel, use_hopper_backward = previous
         return run
     return make
 

@@ -147,8 +147,8 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 
 # On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
 # and a warp-specialised Gluon matmul with the r/bias/silu epilogue
-# (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
-use_hopper_path = True
+# (_rms_norm_linear_silu_hopper.py); switched off, every call takes the one Triton kernel.
+HOPPER_PATH = runtime.KernelPath("rms_norm_linear_silu", "the pre-pass and Gluon matmul on sm_90")
 
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -165,7 +165,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
     hopper = _rms_norm_linear_silu_hopper
-    if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
+    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight):
         hopper.forward(x_rows, norm_weight.contiguous(), weight,
                        bias.contiguous() if bias is not None else None, eps, out_rows)
         return out
@@ -366,12 +366,8 @@ def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4
         weight = torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5
 
         def run():
-            global use_hopper_path
-            previous, use_hopper_path = use_hopper_path, False
-            try:
+            with HOPPER_PATH.switched_off():
                 return [rms_norm_linear_silu(x, norm_weight, weight) for x in xs]
-            finally:
-                use_hopper_path = previous
         return run
     return make
 

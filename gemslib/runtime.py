@@ -77,6 +77,32 @@ def quiet_interpreter():
     return _quietly() if INTERPRETER else contextlib.nullcontext()
 
 
+class KernelPath:
+    """An alternative kernel an operator takes where it applies (a Gluon kernel on sm_90, say),
+    on by default. ``with path.switched_off():`` keeps the calls inside the block, whichever
+    thread runs them (autograd's backward runs in its own), on the operator's Triton kernel: how
+    tuning problems and benchmarks pick a path, instead of flipping a module flag."""
+
+    def __init__(self, op: str, description: str):
+        self.op, self.description = op, description
+        self._switched_off = 0  # nesting depth of switched_off() blocks
+
+    @property
+    def on(self) -> bool:
+        return not self._switched_off
+
+    @contextlib.contextmanager
+    def switched_off(self):
+        self._switched_off += 1
+        try:
+            yield
+        finally:
+            self._switched_off -= 1
+
+    def __repr__(self) -> str:
+        return f"<gemslib kernel path {self.op}: {self.description}, {'on' if self.on else 'off'}>"
+
+
 def on_kernel_device(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` lives where the kernels can run (CUDA, or CPU when interpreted)."""
     return tensor.is_cpu if INTERPRETER else tensor.is_cuda  # attributes: cheap on the hot path

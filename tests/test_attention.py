@@ -206,7 +206,7 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
 @pytest.mark.parametrize("case", HOPPER_CASES)
 def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
                                                                          monkeypatch):
-    """With use_hopper_backward on, every such call on sm_90 computes dK/dV in the Gluon kernel
+    """With the Gluon dK/dV path on (the default), every such call on sm_90 computes dK/dV in the Gluon kernel
     (counted), and the gradients match float64 (GQA/MQA, ragged lengths, Sq != Skv, views,
     a negative scale); elsewhere the Triton kernels give the same answers."""
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
@@ -217,7 +217,6 @@ def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, d
     else:
         q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
     scale = 128 ** -0.5 if scale is None else scale
-    monkeypatch.setattr(attention_ops, "use_hopper_backward", True)
     calls = []
     hopper_backward = attention_ops._attention_hopper.backward_dkdv
     monkeypatch.setattr(attention_ops._attention_hopper, "backward_dkdv",
@@ -587,15 +586,15 @@ def test_gradients_match_float64_reference(case, dtype, causal, monkeypatch):
     q = random_tensor((batch, n_q, seq_q, dim), dtype, scale=1.0).requires_grad_()
     k = random_tensor((batch, n_kv, seq_kv, dim), dtype, scale=1.0).requires_grad_()
     v = random_tensor((batch, n_kv, seq_kv, dim_v), dtype, scale=1.0).requires_grad_()
-    # the Triton kernels everywhere; the Gluon dK/dV kernel has its own test above
-    monkeypatch.setattr(attention_ops, "use_hopper_backward", False)
     launches = []
     launch_backward = attention_ops._launch_backward
     monkeypatch.setattr(attention_ops, "_launch_backward",
                         lambda *args: launches.append(1) or launch_backward(*args))
-    out = gemslib.attention(q, k, v, causal=causal)
-    grad_out = random_tensor(out.shape, dtype, scale=1.0)
-    ours = torch.autograd.grad(out, (q, k, v), grad_out)
+    # the Triton kernels everywhere; the Gluon dK/dV kernel has its own test above
+    with attention_ops.HOPPER_BACKWARD.switched_off():
+        out = gemslib.attention(q, k, v, causal=causal)
+        grad_out = random_tensor(out.shape, dtype, scale=1.0)
+        ours = torch.autograd.grad(out, (q, k, v), grad_out)
     assert len(launches) == 1
     _assert_grads_close(ours, _reference_grads(q, k, v, causal, dim ** -0.5, grad_out), dtype)
 

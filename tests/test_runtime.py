@@ -260,3 +260,18 @@ def test_interpreted_launches_leak_no_numpy_warnings():
     leaked = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
               if issubclass(w.category, (RuntimeWarning, DeprecationWarning))]
     assert not leaked, leaked
+
+
+def test_a_kernel_path_is_switched_off_only_inside_its_block():
+    """KernelPath: on by default, off inside (nested) switched_off() blocks, on again after,
+    also when a block raises."""
+    path = runtime.KernelPath("op", "a path")
+    assert path.on
+    with path.switched_off():
+        with path.switched_off():
+            assert not path.on
+        assert not path.on
+    assert path.on
+    with pytest.raises(ZeroDivisionError), path.switched_off():
+        1 / 0
+    assert path.on
