@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
+from gemslib.layout import LOG2E
 
 ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program has two
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
@@ -48,7 +49,6 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
-LOG2E = 1.4426950408889634
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -308,7 +308,7 @@ def _bwd_consumer(half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qd
         # the rows' lse and delta load under the two matmuls
         row_offsets = (step // row_blocks).to(gl.int64) * seq_q + rows
         in_rows = rows < seq_q
-        lse_log2 = gl.load(lse_ptr + row_offsets, mask=in_rows, other=0.0) * 1.4426950408889634
+        lse_log2 = gl.load(lse_ptr + row_offsets, mask=in_rows, other=0.0) * LOG2E
         delta = gl.load(delta_ptr + row_offsets, mask=in_rows, other=0.0)
         s_t, dp_t, _, _, _, _ = warpgroup_mma_wait(
             0, deps=[s_token, dp_token, k_tile, v_tile, q_tile, do_tile])
@@ -415,7 +415,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     with torch.cuda.device(q.device):
         _attention_fwd_hopper[(batch * n_q_heads * runtime.cdiv(seq_q, 2 * ROWS),)](
             q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
-            scale * LOG2E, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+            scale * LOG2E.value, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
             PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
 
@@ -439,36 +439,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     with torch.cuda.device(q.device):
         _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
             q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads,
-            n_q_heads // n_kv_heads, scale, scale * LOG2E, CAUSAL=causal, STAGES=BWD_STAGES,
-            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+            n_q_heads // n_kv_heads, scale, scale * LOG2E.value, CAUSAL=causal,
+            STAGES=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+            num_warps=4)
     return dk, dv
-
-
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     backward: bool = False):
-    """Compile the forward kernel (or the backward's dK/dV kernel) for sm_90 without a GPU
-    (tests): returns triton's CompiledKernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    q_layout, kv_layout = shared_layouts(dtype)
-    constexprs = {"CAUSAL": causal, "STAGES": BWD_STAGES if backward else STAGES,
-                  "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
-    block = f"tensordesc<{name}[1, 1, {ROWS}, {HEAD_DIM}],{q_layout!r}>"  # also KEYS, BWD_ROWS
-    if backward:
-        kernel = _attention_bwd_dkdv_hopper
-        signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
-                     "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
-                     "dv_ptr": f"*{name}", "seq_q": "i32", "seq_kv": "i32", "n_kv_heads": "i32",
-                     "group_size": "i32", "scale": "fp32", "scale_log2": "fp32"}
-    else:
-        kernel = _attention_fwd_hopper
-        kv_block = f"tensordesc<{name}[1, 1, {BLOCK_N}, {HEAD_DIM}],{kv_layout!r}>"
-        signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
-                     "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
-                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32"}
-    signature.update({key: "constexpr" for key in constexprs})
-    source = GluonASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
