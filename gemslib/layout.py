@@ -7,6 +7,7 @@ for everything else, which walks a logical index through up to ``MAX_RANK`` coll
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -64,12 +65,15 @@ def may_overlap_itself(t: torch.Tensor) -> bool:
     strides that do not nest (as_strided views). Conservative: False proves no overlap."""
     if t.is_contiguous():  # the usual case, answered without a look at the strides
         return False
-    if has_internal_overlap(t):
-        return True
+    return _strides_overlap(tuple(t.shape), t.stride())
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides_overlap(shape, strides) -> bool:
     span = 0  # elements spanned by the dims of smaller stride, minus one
-    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] > 1),
+    for size, stride in sorted((d for d in zip(shape, strides) if d[0] > 1),
                                key=lambda d: abs(d[1])):
-        if abs(stride) <= span:
+        if abs(stride) <= span:  # a stride of 0 (expand) included
             return True
         span += (size - 1) * abs(stride)
     return False
@@ -78,20 +82,35 @@ def may_overlap_itself(t: torch.Tensor) -> bool:
 def may_share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether an element of ``a`` and one of ``b`` may be the same memory. Exact for views
     with one set of strides (slices of one buffer, such as q and k of a fused QKV projection)
-    unless the search below runs long; conservative (True when their bytes' spans intersect)
-    otherwise."""
+    unless the search runs long; conservative (True when their bytes' spans intersect)
+    otherwise. The verdict depends only on the layouts and the offset between them, so it is
+    worked out once per (layouts, offset): in-place calls ask it every step."""
     if not memory_overlaps(a, b):
         return False
     size = a.element_size()
     delta, remainder = divmod(b.data_ptr() - a.data_ptr(), size)
     if a.dim() != b.dim() or size != b.element_size() or remainder:
         return True
-    # a[i] and b[j] coincide iff sum_d (i_d - j_d) * stride_d == delta with each digit
-    # i_d - j_d in [-(b's size - 1), a's size - 1]: a search from the largest stride, keeping
-    # only digits whose remainder the smaller dims can still reach (a dim of size 1 has only
-    # index 0, so its stride is the other tensor's)
+    return _offset_reachable(tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), delta)
+
+
+def partly_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share elements without being the same view (same address,
+    same strides): writing one while reading the other elementwise would read a written
+    element."""
+    return not (a.data_ptr() == b.data_ptr() and a.stride() == b.stride()) and \
+        may_share_elements(a, b)
+
+
+@functools.lru_cache(maxsize=1024)
+def _offset_reachable(shape_a, strides_a, shape_b, strides_b, delta: int) -> bool:
+    """Whether a[i] and b[j] can coincide for views ``delta`` elements apart: iff
+    sum_d (i_d - j_d) * stride_d == delta with each digit i_d - j_d in [-(b's size - 1),
+    a's size - 1]. A search from the largest stride keeps only digits whose remainder the
+    smaller dims can still reach (a dim of size 1 has only index 0, so its stride is the
+    other tensor's); True (conservative) where the strides differ or the search runs long."""
     dims = []
-    for stride_a, stride_b, size_a, size_b in zip(a.stride(), b.stride(), a.shape, b.shape):
+    for stride_a, stride_b, size_a, size_b in zip(strides_a, strides_b, shape_a, shape_b):
         if max(size_a, size_b) == 1:
             continue
         stride = stride_b if size_a == 1 else stride_a

@@ -257,9 +257,8 @@ def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> N
 def _silu_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if not runtime.kernel_runs(x, out):
         return out.copy_(F.silu(x))
-    if layout.memory_overlaps(x, out) and not (
-            x.data_ptr() == out.data_ptr() and x.stride() == out.stride()):
-        x = x.clone()  # partial aliasing: read a private copy so no element is read after written
+    if layout.partly_overlaps(x, out):
+        x = x.clone()  # read a private copy so no element is read after it was written
     return _launch_elementwise(SILU_FWD, [x], out)
 
 
@@ -406,8 +405,7 @@ def _why_not_silu_out(self, *, out):
         return "out needs resizing"
     if layout.has_internal_overlap(out):
         return "out has overlapping elements"
-    if not (self.data_ptr() == out.data_ptr() and self.stride() == out.stride()) and \
-            layout.may_share_elements(self, out):
+    if layout.partly_overlaps(self, out):
         return "out partly overlaps the input (torch raises)"
     return _unsupported_dtype(self, out)
 
