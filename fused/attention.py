@@ -144,7 +144,7 @@ def _attention_fwd_kernel(
     v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, LAZY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Grid (B * Hq * query blocks,) in layout.head_and_block's order. o (B, Hq, Sq, Dv) in
     q's dtype, lse (B, Hq, Sq) fp32.
@@ -364,7 +364,8 @@ def _attention_bwd_dq_kernel(
 
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
-                                    tunables=("BLOCK_M", "BLOCK_N", "USE_TMA", "LAZY"),
+                                    tunables=("BLOCK_M", "BLOCK_N", "LAZY"),
+                                    launcher_knobs=("USE_TMA",),
                                     shape_keys=("head_dim", "causal", "elem_bytes", "seq_q",
                                                 "seq_kv"))
 ATTENTION_BWD_DKDV = runtime.TunedKernel("attention", "attention_bwd_dkdv",

@@ -42,7 +42,6 @@ def _decode_kernel(
     HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L without seqlens) cache positions, whose
@@ -54,8 +53,7 @@ def _decode_kernel(
     log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
     launch per decode step instead of a partial and a merge launch. With HAS_LSE the program
     that writes a head's output also writes its log-sum-exp (natural log; -inf without keys)
-    to ``lse[b * Hq + head]``. PROGRAMS_PER_SM is the launcher's (it sets the number of
-    splits); the kernel does not use it.
+    to ``lse[b * Hq + head]``.
     """
     split = tl.program_id(0)
     batch_kv = tl.program_id(1)
@@ -165,7 +163,7 @@ def _decode_kernel(
 
 
 DECODE = runtime.TunedKernel("decode_attention", "decode_attention", _decode_kernel,
-                             tunables=("BLOCK_N", "PROGRAMS_PER_SM"),
+                             tunables=("BLOCK_N",), launcher_knobs=("PROGRAMS_PER_SM",),
                              shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True)
 
 

@@ -48,7 +48,7 @@ def _rms_norm_linear_silu_kernel(
     x_row_stride, weight_row_stride, out_row_stride,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
     order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
@@ -136,7 +136,7 @@ def _rms_norm_linear_silu_kernel(
 
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "SPLIT_K"),
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"), launcher_knobs=("USE_TMA",),
     shape_keys=("rows", "n", "k", "elem_bytes"))
 
 

@@ -467,6 +467,10 @@ KERNELS: dict[str, "TunedKernel"] = {}
 class TunedKernel:
     """A Triton kernel whose constexpr ``tunables`` and launch options come from the config files.
 
+    ``launcher_knobs`` are config keys the launcher reads (in ``grid(meta)`` and its plan) that
+    are not kernel parameters: they are not passed to the kernel, so they do not specialise its
+    compilation. A config holds exactly ``tunables`` plus ``launcher_knobs``.
+
     ``shape_keys`` name the sizes a launcher passes to :meth:`launch`; buckets in the YAML are
     bounded by those names. The entry for kernel ``name`` of operator ``op`` lives under
     ``ops.<op>.<name>`` in the config file.
@@ -478,35 +482,43 @@ class TunedKernel:
     """
 
     def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str],
-                 device_asserts: bool = False):
+                 launcher_knobs: Sequence[str] = (), device_asserts: bool = False):
         self.op, self.name, self.fn = op, name, fn
-        self.tunables = frozenset(tunables)
+        self.launcher_knobs = frozenset(launcher_knobs)
+        self.tunables = frozenset(tunables) | self.launcher_knobs  # every key of a config
         self.shape_keys = tuple(shape_keys)
         self.options = {"debug": True, "sanitize_overflow": False} if device_asserts else {}
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
-        self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
+        self._recording: list[tuple[int, ...]] | None = None  # shapes seen inside forced()
+        self._kernel_kwargs: dict[LaunchConfig, dict[str, int]] = {}
         self._compiled: dict[tuple, tuple] = {}  # replay key -> (launcher, constexprs)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
         self._chosen.clear()
         self._checked.clear()
+        self._kernel_kwargs.clear()
         self._compiled.clear()
 
     @contextlib.contextmanager
     def forced(self, config: LaunchConfig):
-        """Launch every call with ``config`` inside the block (for sweeps and the tuner)."""
+        """Launch every call with ``config`` inside the block (for sweeps and the tuner).
+
+        Yields a list that collects the shapes (in ``shape_keys`` order) of the calls made in
+        the block, launched or planned, in order: how the tuner learns which bucket a problem
+        reaches, even when ``config`` cannot run there."""
         names = set(config.meta_dict)
         if names != self.tunables:
             raise ValueError(f"{self.name}: config parameters {sorted(names)} do not match the "
                              f"kernel's tunables {sorted(self.tunables)}")
         previous, self._forced = self._forced, config
+        outer, self._recording = self._recording, []
         try:
-            yield
+            yield self._recording
         finally:
-            self._forced = previous
+            self._forced, self._recording = previous, outer
 
     def buckets(self) -> tuple[Bucket, ...]:
         for config_file in active_configs():
@@ -549,9 +561,10 @@ class TunedKernel:
         ``restore`` lists tensors the kernel overwrites that are also inputs (in-place calls):
         they are saved and restored around autotuning runs. ``config`` forces a config (tuner).
         """
-        self.last_shape = shape
         if config is None:
             config = self._forced
+            if config is not None:
+                self._recording.append(tuple(shape))
         if config is None:
             key = tuple(shape)
             config = self._chosen.get(key)
@@ -564,8 +577,8 @@ class TunedKernel:
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
-        self.last_shape = shape
         if self._forced is not None:
+            self._recording.append(tuple(shape))
             return self._forced
         key = ("planned", *shape)
         config = self._chosen.get(key)
@@ -579,12 +592,24 @@ class TunedKernel:
         """The config a call of ``shape`` would use, if already decided (for reports)."""
         return self._forced or self._chosen.get(tuple(shape))
 
+    def kernel_kwargs(self, config: LaunchConfig) -> dict[str, int]:
+        """What the kernel's launch takes from ``config``: its constexprs (the launcher's knobs
+        left out), num_warps, num_stages and the kernel's compile options."""
+        kwargs = self._kernel_kwargs.get(config)
+        if kwargs is None:
+            kwargs = {key: value for key, value in config.launch_kwargs.items()
+                      if key not in self.launcher_knobs}
+            kwargs.update(self.options)
+            if len(self._kernel_kwargs) < 4096:
+                self._kernel_kwargs[config] = kwargs
+        return kwargs
+
     def run(self, config: LaunchConfig, grid, args) -> None:
         if INTERPRETER:
             with quiet_interpreter():
-                self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs, **self.options)
+                self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
             return
-        self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs, **self.options)
+        self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
 
     def replay(self, key, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
         """:meth:`run` for a launch that repeats every step with new tensors (decode).
@@ -604,7 +629,7 @@ class TunedKernel:
         full_key = (key, tensors, torch.cuda.current_device())
         compiled = self._compiled.get(full_key)
         if compiled is None:
-            kernel = self.fn[grid](*args, **config.launch_kwargs, **self.options)
+            kernel = self.fn[grid](*args, **self.kernel_kwargs(config))
             meta = config.meta_dict
             constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
             if len(self._compiled) < 1024:  # a compiled kernel launches on a 3-d grid

@@ -167,6 +167,18 @@ def candidates_for(space: registry.TuneSpace, in_use: runtime.LaunchConfig | Non
                               + every[:QUICK_CANDIDATES]))
 
 
+def problem_shape(space: registry.TuneSpace, run: Callable[[], object]) -> tuple[int, ...] | None:
+    """The shape (in the kernel's ``shape_keys`` order) of ``run``'s last call of the kernel;
+    None if it makes none. The kernel records a call's shape before it runs, so even a first
+    candidate that cannot run here tells it."""
+    with space.kernel.forced(launch_config(space.candidates[0])) as shapes:
+        try:
+            run()
+        except Exception:
+            pass
+    return tuple(int(s) for s in shapes[-1]) if shapes else None
+
+
 def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.device,
                 timer: Callable[[Callable], float], quick: bool = False,
                 progress: Callable[[str], None] = functools.partial(print, flush=True)
@@ -175,17 +187,9 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     kernel, bucket = space.kernel, space.buckets[index]
     run = bucket.make(device)
     selected, default = runtime.active_configs()
-    kernel.last_shape = None
-    # the shape first: launch and planned_config record it before the kernel runs, so even a
-    # first candidate that cannot run here tells it
-    with kernel.forced(launch_config(space.candidates[0])):
-        try:
-            run()
-        except Exception:
-            pass
-    if kernel.last_shape is None:
+    shape = problem_shape(space, run)
+    if shape is None:
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} does not launch it")
-    shape = tuple(int(s) for s in kernel.last_shape)
     landed = _bucket_index(space, shape)
     if landed != index:
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} (shape "

@@ -4,6 +4,8 @@ import textwrap
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import gemslib
 from conftest import random_tensor
@@ -220,6 +222,42 @@ def test_forced_config_checks_its_parameters():
         with silu_ops.SILU_FWD.forced(runtime.LaunchConfig((("BLOCK_N", 64),))):
             pass
 
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n_elements, factor, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * factor, mask=mask)
+
+
+def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
+    """A config key declared as a launcher knob is the launcher's alone: grid(meta) sees it, the
+    kernel (which has no such parameter) is launched without it, and forced() still checks
+    that a config holds it; the shapes launched inside forced() are collected in order."""
+    kernel = runtime.TunedKernel("test_runtime", "scale", _scale_kernel, tunables=("BLOCK",),
+                                 launcher_knobs=("WAVES",), shape_keys=("numel",))
+    try:
+        x = torch.ones(100)
+        seen = []
+
+        def grid(meta):
+            seen.append(meta["WAVES"])
+            return (meta["WAVES"] * runtime.cdiv(x.numel(), meta["BLOCK"] * meta["WAVES"]),)
+        for waves in (1, 2):
+            config = runtime.LaunchConfig((("BLOCK", 16), ("WAVES", waves)), 1, 1)
+            assert kernel.kernel_kwargs(config) == {"BLOCK": 16, "num_warps": 1, "num_stages": 1}
+            with kernel.forced(config) as shapes:
+                kernel.launch(grid, x, x.numel(), 2.0, shape=(x.numel(),))
+                kernel.planned_config((7,))
+            assert shapes == [(100,), (7,)]
+        assert seen == [1, 2]
+        assert torch.equal(x, torch.full((100,), 4.0))
+        with pytest.raises(ValueError, match="do not match"):
+            with kernel.forced(runtime.LaunchConfig((("BLOCK", 16),))):
+                pass
+    finally:
+        del runtime.KERNELS["test_runtime.scale"]
 
 
 def test_a_zero_bound_admits_only_zero(tmp_path):
