@@ -509,8 +509,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     scale = default_scale(q.shape[-1]) if scale is None else checks.as_float(
         "gemslib.attention", "scale", scale)
     if runtime.wants_custom_op(q, k, v):
-        return runtime.differentiable_call(_attention_op, _AttentionFunction, q, k, v,
-                                           bool(causal), scale)[0]
+        return _attention_op(q, k, v, bool(causal), scale)[0]
     return _attention_impl(q, k, v, causal, scale)[0]
 
 
@@ -545,17 +544,11 @@ def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     return _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal, scale)
 
 
-_attention_op = torch.library.custom_op("gemslib::attention", _attention_impl, mutates_args=())
-_attention_backward_op = torch.library.custom_op("gemslib::attention_backward",
-                                                 _attention_backward_impl, mutates_args=())
+def _attention_fake(q, k, v, causal, scale):
+    batch, n_q_heads, seq_q, _ = q.shape
+    return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
+            q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
 
-
-@_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
 
 def _save_for_attention_backward(ctx, inputs, output):
     q, k, v, causal, scale = inputs
@@ -563,28 +556,22 @@ def _save_for_attention_backward(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output)
 
 
-def _attention_grad_via(backward):
-    def grad(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
-    return grad
+def _attention_grad(ctx, grad_out, grad_lse, ops):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = ops.attention_backward(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
+                                        ctx.scale)
+    return dq, dk, dv, None, None
 
 
-@_attention_op.register_fake
-def _(q, k, v, causal, scale):
-    batch, n_q_heads, seq_q, _ = q.shape
-    return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
-            q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
-
-
-_attention_op.register_autograd(_attention_grad_via(_attention_backward_op),
-                                setup_context=_save_for_attention_backward)
-_AttentionFunction = runtime.eager_autograd("AttentionFunction", _attention_impl,
-                                            _save_for_attention_backward,
-                                            _attention_grad_via(_attention_backward_impl))
+_attention_backward_op = runtime.CustomOp(
+    "attention_backward", _attention_backward_impl,
+    fake=lambda grad_out, q, k, v, out, lse, grad_lse, causal, scale: (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+_attention_op = runtime.CustomOp("attention", _attention_impl, fake=_attention_fake,
+                                 setup_context=_save_for_attention_backward,
+                                 backward=_attention_grad, uses=(_attention_backward_op,))
 
 
 # --------------------------------------------------------------------------------------------

@@ -410,13 +410,10 @@ def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return _decode_eager(q, k_cache, v_cache, seqlens, scale)
 
 
-_decode_attention_op = torch.library.custom_op("gemslib::decode_attention",
-                                               _decode_attention_impl, mutates_args=())
-
-
-@_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, seqlens, scale):
-    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+_decode_attention_op = runtime.CustomOp(
+    "decode_attention", _decode_attention_impl,
+    fake=lambda q, k_cache, v_cache, seqlens, scale: q.new_empty((q.shape[0], q.shape[1],
+                                                                  v_cache.shape[-1])))
 
 
 # --------------------------------------------------------------------------------------------

@@ -265,18 +265,8 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     _check(x, norm_weight, weight, bias)
     eps = checks.as_float("gemslib.rms_norm_linear_silu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, weight, bias):
-        return runtime.differentiable_call(_rms_norm_linear_silu_op, _RmsNormLinearSiluFunction,
-                                           x, norm_weight, weight, bias, eps)
+        return _rms_norm_linear_silu_op(x, norm_weight, weight, bias, eps)
     return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
-
-
-_rms_norm_linear_silu_op = torch.library.custom_op(
-    "gemslib::rms_norm_linear_silu", _rms_norm_linear_silu_impl, mutates_args=())
-
-
-@_rms_norm_linear_silu_op.register_fake
-def _(x, norm_weight, weight, bias, eps):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _setup(ctx, inputs, output):
@@ -285,7 +275,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, norm_weight, weight, bias)
 
 
-def _grad(ctx, grad_out):
+def _grad(ctx, grad_out, ops):
     """Gradients by the chain rule in fp32 (float64 stays float64), z recomputed:
     dz = dy * silu'(z), dW = dz.T h, db = sum dz, dh = dz W, dg = sum dh * x_hat,
     dx = r * (dh g - x_hat * mean(dh g * x_hat))."""
@@ -309,11 +299,11 @@ def _grad(ctx, grad_out):
             d_bias.to(bias.dtype) if d_bias is not None else None, None)
 
 
-_rms_norm_linear_silu_op.register_autograd(_grad, setup_context=_setup)
 # torch arithmetic all the way: the backward is itself differentiable
-_RmsNormLinearSiluFunction = runtime.eager_autograd(
-    "RmsNormLinearSiluFunction", _rms_norm_linear_silu_impl, _setup, _grad,
-    differentiable_backward=True)
+_rms_norm_linear_silu_op = runtime.CustomOp(
+    "rms_norm_linear_silu", _rms_norm_linear_silu_impl,
+    fake=lambda x, norm_weight, weight, bias, eps: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    setup_context=_setup, backward=_grad, differentiable_backward=True)
 
 
 # --------------------------------------------------------------------------------------------

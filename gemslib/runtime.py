@@ -148,17 +148,77 @@ def wants_custom_op(*tensors: torch.Tensor | None) -> bool:
     return torch.compiler.is_compiling()
 
 
-def eager_autograd(name: str, forward: Callable, setup_context: Callable, backward: Callable,
-                   differentiable_backward: bool = False) -> type[torch.autograd.Function]:
-    """A ``torch.autograd.Function`` from the pieces a custom op registers with
-    ``register_autograd``, for eager calls: the custom op's Python dispatch costs 150-200 us of
-    host time per forward + backward even on a fast host, more than the kernels at most sizes.
-    torch.compile keeps seeing the custom op (see :func:`differentiable_call`).
+class CustomOp:
+    """One operator of ``torch.ops.gemslib``, defined once from its pieces.
 
-    Unless ``differentiable_backward`` (the backward is itself built from differentiable calls),
-    a backward with ``create_graph=True`` raises instead of giving second derivatives that
+    ``impl`` computes it (tensors in, tensors out) and ``fake`` gives its outputs' shapes and
+    dtypes for tracing; with ``backward`` it is differentiable, and :meth:`__call__` runs it
+    the way the caller's context needs:
+
+    * while torch.compile traces, the custom op (``register_fake`` + ``register_autograd``), so
+      the graph holds ``torch.ops.gemslib.<name>`` and its backward op;
+    * otherwise an eager ``torch.autograd.Function`` with the same ``impl``, ``setup_context``
+      and ``backward``: the custom op's Python dispatch costs 150-200 us of host time per
+      forward + backward even on a fast host, more than the kernels at most sizes.
+
+    ``setup_context(ctx, inputs, output)`` saves what the backward needs (register_autograd's
+    form). ``backward(ctx, *grads, ops)`` returns one gradient per input; ``ops`` holds the
+    operators named in ``uses`` (and this one), by name, each as the graph needs it: under
+    torch.compile their custom ops, in eager mode their ``impl`` (no dispatch), or their eager
+    Functions when ``differentiable_backward``.
+
+    Unless ``differentiable_backward`` (the backward is built from differentiable calls), an
+    eager backward with ``create_graph=True`` raises instead of giving second derivatives that
     silently miss this operation.
     """
+
+    def __init__(self, name: str, impl: Callable, fake: Callable, *,
+                 mutates_args: Sequence[str] = (), setup_context: Callable | None = None,
+                 backward: Callable | None = None, uses: Sequence[CustomOp] = (),
+                 differentiable_backward: bool = False):
+        self.name, self.impl = name, impl
+        self.op = torch.library.custom_op(f"gemslib::{name}", impl, mutates_args=mutates_args)
+        self.op.register_fake(fake)
+        self.eager_function: type[torch.autograd.Function] | None = None
+        if backward is None:
+            return
+        def eager_call(operator: CustomOp) -> Callable:
+            differentiable = operator is self or operator.eager_function is not None
+            return operator._apply if differentiable_backward and differentiable else operator.impl
+
+        operators = (self, *uses)
+        traced = _OpCalls({o.name: o.op for o in operators})
+        eager = _OpCalls({o.name: eager_call(o) for o in operators})
+        self.op.register_autograd(functools.partial(backward, ops=traced),
+                                  setup_context=setup_context)
+        self.eager_function = _eager_function(
+            self.function_name, impl, setup_context, functools.partial(backward, ops=eager),
+            differentiable_backward)
+
+    @property
+    def function_name(self) -> str:
+        """The eager Function's name (what ``grad_fn`` shows): ``silu_and_mul`` ->
+        ``SiluAndMulFunction``."""
+        return "".join(part.capitalize() for part in self.name.split("_")) + "Function"
+
+    def _apply(self, *args):
+        return self.eager_function.apply(*args)
+
+    def __call__(self, *args):
+        if self.eager_function is None or torch.compiler.is_compiling():
+            return self.op(*args)
+        return self.eager_function.apply(*args)
+
+
+class _OpCalls:
+    """The operators a backward calls, as attributes (``ops.silu_backward(grad, x)``)."""
+
+    def __init__(self, calls: Mapping[str, Callable]):
+        self.__dict__.update(calls)
+
+
+def _eager_function(name: str, forward: Callable, setup_context: Callable, backward: Callable,
+                    differentiable_backward: bool) -> type[torch.autograd.Function]:
     if not differentiable_backward:
         first_order = backward
 
@@ -177,14 +237,6 @@ def eager_autograd(name: str, forward: Callable, setup_context: Callable, backwa
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward_and_setup), "backward": staticmethod(backward)})
-
-
-def differentiable_call(custom_op, eager_function: type[torch.autograd.Function], *args):
-    """``custom_op(*args)`` while torch.compile traces, else ``eager_function.apply(*args)``;
-    both run the same forward and backward code."""
-    if torch.compiler.is_compiling():
-        return custom_op(*args)
-    return eager_function.apply(*args)
 
 
 @functools.lru_cache(maxsize=16)

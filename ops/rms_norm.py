@@ -318,7 +318,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _check_inputs("gemslib.rms_norm", x, weight)
     eps = checks.as_float("gemslib.rms_norm", "eps", eps)
     if runtime.wants_custom_op(x, weight):
-        return runtime.differentiable_call(_rms_norm_forward_op, _RmsNormFunction, x, weight, eps)[0]
+        return _rms_norm_forward_op(x, weight, eps)[0]
     if not _kernel_takes(x, weight):
         return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
     return _forward(x, weight, eps, want_rstd=False)[0]
@@ -386,9 +386,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         weight = _check_in_place_aliasing("gemslib.add_rms_norm", x, residual, weight)
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
     if runtime.wants_custom_op(x, residual, weight):
-        normed, total = runtime.differentiable_call(_add_rms_norm_op, _AddRmsNormFunction,
-                                                    x, residual, weight, eps)
-        return normed, total
+        return _add_rms_norm_op(x, residual, weight, eps)
     return _add_rms_norm(x, residual, weight, eps)
 
 
@@ -435,47 +433,31 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _add_rms_norm(x, residual, weight, eps)
 
 
-_rms_norm_forward_op = torch.library.custom_op("gemslib::rms_norm_forward", _rms_norm_forward_impl,
-                                               mutates_args=())
-_rms_norm_backward_op = torch.library.custom_op("gemslib::rms_norm_backward",
-                                                _rms_norm_backward_impl, mutates_args=())
-_add_rms_norm_op = torch.library.custom_op("gemslib::add_rms_norm", _add_rms_norm_impl,
-                                           mutates_args=())
-
-
-@_rms_norm_forward_op.register_fake
-def _(x, weight, eps):
+def _rms_norm_forward_fake(x, weight, eps):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
         (rows,), dtype=torch.float32)
 
 
-@_rms_norm_backward_op.register_fake
-def _(grad, x, weight, rstd, grad_extra=None):
+def _rms_norm_backward_fake(grad, x, weight, rstd, grad_extra=None):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(weight) if weight is not None else x.new_empty((0,)))
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
+def _add_rms_norm_fake(x, residual, weight, eps):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
-
-# Autograd: the same setup and backward serve the custom ops (what torch.compile traces, calling
-# the backward custom ops) and the eager autograd.Functions (calling the implementations).
 
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _rms_norm_grad_via(backward):
-    def rms_norm_grad(ctx, grad_out, grad_rstd):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dweight = backward(grad_out.contiguous(), x, weight, rstd)
-        return dx, (dweight if weight is not None else None), None
-    return rms_norm_grad
+def _rms_norm_grad(ctx, grad_out, grad_rstd, ops):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = ops.rms_norm_backward(grad_out.contiguous(), x, weight, rstd)
+    return dx, (dweight if weight is not None else None), None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
@@ -484,27 +466,25 @@ def _add_rms_norm_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], weight)
 
 
-def _add_rms_norm_grad_via(forward, backward):
-    def add_rms_norm_grad(ctx, grad_normed, grad_total):
-        total, weight = ctx.saved_tensors
-        # the forward kept no rstd (it serves inference); one cheap pass recomputes it
-        _, rstd = forward(total, weight, ctx.eps)
-        d_total, dweight = backward(grad_normed.contiguous(), total, weight, rstd,
-                                    grad_total.contiguous() if grad_total is not None else None)
-        return d_total, d_total, (dweight if weight is not None else None), None
-    return add_rms_norm_grad
+def _add_rms_norm_grad(ctx, grad_normed, grad_total, ops):
+    total, weight = ctx.saved_tensors
+    # the forward kept no rstd (it serves inference); one cheap pass recomputes it
+    _, rstd = ops.rms_norm_forward(total, weight, ctx.eps)
+    d_total, dweight = ops.rms_norm_backward(
+        grad_normed.contiguous(), total, weight, rstd,
+        grad_total.contiguous() if grad_total is not None else None)
+    return d_total, d_total, (dweight if weight is not None else None), None
 
 
-_rms_norm_forward_op.register_autograd(_rms_norm_grad_via(_rms_norm_backward_op),
-                                       setup_context=_rms_norm_setup)
-_add_rms_norm_op.register_autograd(_add_rms_norm_grad_via(_rms_norm_forward_op, _rms_norm_backward_op),
-                                   setup_context=_add_rms_norm_setup)
-_RmsNormFunction = runtime.eager_autograd(
-    "RmsNormFunction", _rms_norm_forward_impl, _rms_norm_setup,
-    _rms_norm_grad_via(_rms_norm_backward_impl))
-_AddRmsNormFunction = runtime.eager_autograd(
-    "AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup,
-    _add_rms_norm_grad_via(_rms_norm_forward_impl, _rms_norm_backward_impl))
+_rms_norm_backward_op = runtime.CustomOp("rms_norm_backward", _rms_norm_backward_impl,
+                                         fake=_rms_norm_backward_fake)
+_rms_norm_forward_op = runtime.CustomOp("rms_norm_forward", _rms_norm_forward_impl,
+                                        fake=_rms_norm_forward_fake, setup_context=_rms_norm_setup,
+                                        backward=_rms_norm_grad, uses=(_rms_norm_backward_op,))
+_add_rms_norm_op = runtime.CustomOp("add_rms_norm", _add_rms_norm_impl,
+                                    fake=_add_rms_norm_fake, setup_context=_add_rms_norm_setup,
+                                    backward=_add_rms_norm_grad,
+                                    uses=(_rms_norm_forward_op, _rms_norm_backward_op))
 
 
 # --------------------------------------------------------------------------------------------

@@ -364,8 +364,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             return q, k
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
-        return runtime.differentiable_call(_rotary_op, _RotaryFunction, q, k, cos, sin, positions,
-                                           interleaved, False)
+        return _rotary_op(q, k, cos, sin, positions, interleaved, False)
     return _rotary(q, k, cos, sin, positions, interleaved, False, torch.empty_like(q),
                    torch.empty_like(k))
 
@@ -378,12 +377,28 @@ def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                    torch.empty_like(k))
 
 
-_rotary_op = torch.library.custom_op("gemslib::rotary", _rotary_impl, mutates_args=())
+def _rotary_setup(ctx, inputs, output):
+    _, _, cos, sin, positions, interleaved, inverse = inputs
+    ctx.interleaved, ctx.inverse = interleaved, inverse
+    ctx.save_for_backward(cos, sin, positions)
 
 
-@_rotary_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, inverse):
-    return torch.empty_like(q), torch.empty_like(k)
+def _rotary_grad(ctx, grad_q, grad_k, ops):
+    """The inverse rotation, through this same operator: differentiable too."""
+    cos, sin, positions = ctx.saved_tensors
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
+                                  "implemented (they are usually fixed buffers)")
+    dq, dk = ops.rotary(grad_q.contiguous(), grad_k.contiguous(), cos, sin, positions,
+                        ctx.interleaved, not ctx.inverse)
+    return dq, dk, None, None, None, None, None
+
+
+_rotary_op = runtime.CustomOp(
+    "rotary", _rotary_impl,
+    fake=lambda q, k, cos, sin, positions, interleaved, inverse: (torch.empty_like(q),
+                                                                  torch.empty_like(k)),
+    setup_context=_rotary_setup, backward=_rotary_grad, differentiable_backward=True)
 
 
 def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -392,40 +407,8 @@ def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
 
 
-_rotary_inplace_op = torch.library.custom_op("gemslib::rotary_", _rotary_inplace_impl,
-                                             mutates_args=("q", "k"))
-
-
-@_rotary_inplace_op.register_fake
-def _(q, k, cos, sin, positions, interleaved):
-    return None
-
-
-# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
-
-def _rotary_setup(ctx, inputs, output):
-    _, _, cos, sin, positions, interleaved, inverse = inputs
-    ctx.interleaved, ctx.inverse = interleaved, inverse
-    ctx.save_for_backward(cos, sin, positions)
-
-
-def _rotary_grad_via(rotate):
-    def rotary_grad(ctx, grad_q, grad_k):
-        cos, sin, positions = ctx.saved_tensors
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
-                                      "implemented (they are usually fixed buffers)")
-        dq, dk = rotate(grad_q.contiguous(), grad_k.contiguous(), cos, sin, positions,
-                        ctx.interleaved, not ctx.inverse)
-        return dq, dk, None, None, None, None, None
-    return rotary_grad
-
-
-_rotary_op.register_autograd(_rotary_grad_via(_rotary_op), setup_context=_rotary_setup)
-# the backward is the inverse rotation through the same Function, so it is differentiable too
-_RotaryFunction = runtime.eager_autograd(
-    "RotaryFunction", _rotary_impl, _rotary_setup,
-    _rotary_grad_via(lambda *args: _RotaryFunction.apply(*args)), differentiable_backward=True)
+_rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_args=("q", "k"),
+                                     fake=lambda q, k, cos, sin, positions, interleaved: None)
 
 
 # --------------------------------------------------------------------------------------------

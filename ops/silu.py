@@ -271,7 +271,7 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     checks.float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
-            return runtime.differentiable_call(_silu_op, _SiluFunction, x)
+            return _silu_op(x)
         if not runtime.kernel_runs(x):
             return F.silu(x)
         return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
@@ -299,7 +299,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     out_shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
         if runtime.wants_custom_op(x):
-            return runtime.differentiable_call(_silu_and_mul_op, _SiluAndMulFunction, x)
+            return _silu_and_mul_op(x)
         if not runtime.kernel_runs(x):
             return silu_and_mul_reference(x)
         return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
@@ -327,56 +327,35 @@ def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
                                            device=x.device))
 
 
-_silu_op = torch.library.custom_op("gemslib::silu", _silu_impl, mutates_args=())
-_silu_backward_op = torch.library.custom_op("gemslib::silu_backward", _silu_backward,
-                                            mutates_args=())
-_silu_and_mul_op = torch.library.custom_op("gemslib::silu_and_mul", _silu_and_mul_impl,
-                                           mutates_args=())
-_silu_and_mul_backward_op = torch.library.custom_op("gemslib::silu_and_mul_backward",
-                                                    _silu_and_mul_backward, mutates_args=())
-
-
-@_silu_op.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@_silu_backward_op.register_fake
-def _(grad, x):
-    return torch.empty_like(x)
-
-
-@_silu_and_mul_op.register_fake
-def _(x):
+def _silu_and_mul_fake(x):
     torch._check(x.dim() > 0 and x.shape[-1] % 2 == 0,
                  lambda: f"gemslib.silu_and_mul: x's last dim must be even, got {tuple(x.shape)}")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@_silu_and_mul_backward_op.register_fake
-def _(grad, x):
-    return x.new_empty(x.shape)
-
-
-# One setup and backward for the custom ops (torch.compile) and the eager autograd.Functions.
-
 def _save_input(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
-def _grad_via(backward):
-    def grad_from_input(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return backward(grad, x)
-    return grad_from_input
+def _silu_grad(ctx, grad, ops):
+    (x,) = ctx.saved_tensors
+    return ops.silu_backward(grad, x)
 
 
-_silu_op.register_autograd(_grad_via(_silu_backward_op), setup_context=_save_input)
-_silu_and_mul_op.register_autograd(_grad_via(_silu_and_mul_backward_op), setup_context=_save_input)
-_SiluFunction = runtime.eager_autograd("SiluFunction", _silu_impl, _save_input,
-                                       _grad_via(_silu_backward))
-_SiluAndMulFunction = runtime.eager_autograd("SiluAndMulFunction", _silu_and_mul_impl, _save_input,
-                                             _grad_via(_silu_and_mul_backward))
+def _silu_and_mul_grad(ctx, grad, ops):
+    (x,) = ctx.saved_tensors
+    return ops.silu_and_mul_backward(grad, x)
+
+
+_silu_backward_op = runtime.CustomOp("silu_backward", _silu_backward,
+                                     fake=lambda grad, x: torch.empty_like(x))
+_silu_op = runtime.CustomOp("silu", _silu_impl, fake=torch.empty_like, setup_context=_save_input,
+                            backward=_silu_grad, uses=(_silu_backward_op,))
+_silu_and_mul_backward_op = runtime.CustomOp("silu_and_mul_backward", _silu_and_mul_backward,
+                                             fake=lambda grad, x: x.new_empty(x.shape))
+_silu_and_mul_op = runtime.CustomOp("silu_and_mul", _silu_and_mul_impl, fake=_silu_and_mul_fake,
+                                    setup_context=_save_input, backward=_silu_and_mul_grad,
+                                    uses=(_silu_and_mul_backward_op,))
 
 
 # --------------------------------------------------------------------------------------------

@@ -446,7 +446,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
     dim = _check("gemslib.softmax", x, dim)
     if runtime.wants_custom_op(x):
-        return runtime.differentiable_call(_softmax_op, _SoftmaxFunction, x, dim, False)
+        return _softmax_op(x, dim, False)
     return _softmax_any(x, dim, log=False)
 
 
@@ -454,7 +454,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
     dim = _check("gemslib.log_softmax", x, dim)
     if runtime.wants_custom_op(x):
-        return runtime.differentiable_call(_softmax_op, _SoftmaxFunction, x, dim, True)
+        return _softmax_op(x, dim, True)
     return _softmax_any(x, dim, log=True)
 
 
@@ -476,38 +476,23 @@ def _softmax_backward_impl(grad: torch.Tensor, y: torch.Tensor, dim: int,
     return _backward_any(grad, y, dim, log, y.dtype).contiguous()
 
 
-_softmax_op = torch.library.custom_op("gemslib::softmax", _softmax_impl, mutates_args=())
-_softmax_backward_op = torch.library.custom_op("gemslib::softmax_backward", _softmax_backward_impl,
-                                               mutates_args=())
-
-
-@_softmax_op.register_fake
-def _(x, dim, log):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_softmax_backward_op.register_fake
-def _(grad, y, dim, log):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
-
 def _softmax_setup(ctx, inputs, output):
     ctx.dim, ctx.log = inputs[1], inputs[2]
     ctx.save_for_backward(output)
 
 
-def _softmax_grad_via(backward):
-    def softmax_grad(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return backward(grad, y, ctx.dim, ctx.log), None, None
-    return softmax_grad
+def _softmax_grad(ctx, grad, ops):
+    (y,) = ctx.saved_tensors
+    return ops.softmax_backward(grad, y, ctx.dim, ctx.log), None, None
 
 
-_softmax_op.register_autograd(_softmax_grad_via(_softmax_backward_op), setup_context=_softmax_setup)
-_SoftmaxFunction = runtime.eager_autograd("SoftmaxFunction", _softmax_impl, _softmax_setup,
-                                          _softmax_grad_via(_softmax_backward_impl))
+_softmax_backward_op = runtime.CustomOp(
+    "softmax_backward", _softmax_backward_impl,
+    fake=lambda grad, y, dim, log: torch.empty_like(y, memory_format=torch.contiguous_format))
+_softmax_op = runtime.CustomOp(
+    "softmax", _softmax_impl,
+    fake=lambda x, dim, log: torch.empty_like(x, memory_format=torch.contiguous_format),
+    setup_context=_softmax_setup, backward=_softmax_grad, uses=(_softmax_backward_op,))
 
 
 # --------------------------------------------------------------------------------------------
