@@ -177,8 +177,9 @@ def _softmax_split_fwd_kernel(
     start (``counters[0]``) instead of using their program ids, so a program only ever waits
     for pieces that have started or will start in the next free slot: no deadlock while the GPU
     holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
-    launches: the statistics, then the outputs from a second read (for the interpreter, which
-    runs one program after another, and when a row has more pieces than the GPU has SMs).
+    launches without ``counters`` (None): the statistics, then the outputs from a second read
+    (for the interpreter, which runs one program after another, and when a row has more pieces
+    than the GPU has SMs).
     """
     if PHASE == 0:
         i_ticket = tl.atomic_add(counters_ptr, 1)
@@ -345,16 +346,20 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
     max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
 
     def launch(counters, phase):
+        # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
         SOFTMAX_SPLIT_FWD.launch(
-            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, stats, counters, n_cols,
-            n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
+            lambda meta: (n_rows * n_chunks,),
+            x_rows, out_rows, stats, counters,
+            n_cols, n_chunks,
+            x_rows.stride(0), out_rows.stride(0),
+            log, phase, max_chunks,
             shape=(n_rows, n_cols))
 
     # the one-launch form waits on the row's other pieces: all of them must be resident at
     # once, which one program per SM guarantees
     if runtime.INTERPRETER or n_chunks > runtime.multiprocessor_count(x_rows.device.index or 0):
-        launch(stats, phase=1)  # no counters in the two-launch form
-        launch(stats, phase=2)
+        launch(None, phase=1)  # no counters in the two-launch form
+        launch(None, phase=2)
     else:
         launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
 
