@@ -103,7 +103,7 @@ def _rotary_kernel(
     stride_q_out_b, stride_q_out_s, stride_q_out_h,
     stride_k_out_b, stride_k_out_s, stride_k_out_h,
     stride_cos_pos, stride_sin_pos, stride_positions_b, stride_positions_s, n_positions,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
@@ -116,7 +116,7 @@ def _rotary_kernel(
     i_b = (i_t // seq_len).to(tl.int64)
     i_s = (i_t % seq_len).to(tl.int64)
     o_r = tl.arange(0, BLOCK_R)[None, :]
-    if HAS_POSITIONS:
+    if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
         b_pos = tl.load(positions_ptr + i_b * stride_positions_b
                         + i_s * stride_positions_s).to(tl.int64)
         # a position outside the table: a device-side assert (compiled in, see ROTARY), and
@@ -202,12 +202,14 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
             return (n_tokens, 1)
         return (n_tokens, runtime.cdiv(n_q_heads, meta["BLOCK_H"]) + runtime.cdiv(n_k_heads, meta["BLOCK_H"]))
 
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     ROTARY.launch(
         grid,
-        q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
-        seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
+        q4, k4, q_out4, k_out4, cos, sin, positions,
+        seq_len, n_q_heads, n_k_heads, half, head_dim,
+        *strides,
         cos.stride(0), sin.stride(0), *position_strides, cos.shape[0],
-        positions is not None, interleaved, inverse, copy_rest, block_r, block_rest,
+        interleaved, inverse, copy_rest, block_r, block_rest,
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
 
