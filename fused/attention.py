@@ -202,12 +202,12 @@ def _attention_fwd_kernel(
 def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n_q_heads,
                                 head_dim_v, stride_o_b, stride_o_h, stride_o_s,
                                 stride_do_b, stride_do_h, stride_do_s,
-                                HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_DV: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """delta[b, h, i] = sum_d o[b, h, i, d] * do[b, h, i, d] - grad_lse[b, h, i] (fp32), the
     row term of the softmax backward (a gradient flowing into lse enters it there, since
     d lse_i / d s_ij = p_ij). Grid (B * Hq, query blocks): B * Hq may pass the 65535 that a
-    grid's second axis allows; delta and grad_lse (B, Hq, Sq)."""
+    grid's second axis allows; delta and grad_lse (B, Hq, Sq), grad_lse None where no gradient
+    flows into lse."""
     i_bh = tl.program_id(0)
     i_b = (i_bh // n_q_heads).to(tl.int64)
     i_h = (i_bh % n_q_heads).to(tl.int64)
@@ -220,7 +220,7 @@ def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n
                    + o_dv[None, :], mask=m_o, other=0.0).to(tl.float32)
     b_delta = tl.sum(b_o * b_do, axis=1)
     o_row = i_bh.to(tl.int64) * seq_q + o_m  # rows of (B, Hq, Sq)
-    if HAS_GRAD_LSE:
+    if grad_lse_ptr is not None:
         b_delta -= tl.load(grad_lse_ptr + o_row, mask=o_m < seq_q, other=0.0)
     tl.store(delta_ptr + o_row, b_delta, mask=o_m < seq_q)
 
@@ -468,12 +468,11 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     grad_lse = grad_lse.contiguous() if grad_lse is not None else None
     with runtime.quiet_interpreter():
         _attention_bwd_delta_kernel[(batch * n_q_heads, runtime.cdiv(seq_q, 64))](
-            o_ptr=out, do_ptr=grad_out, grad_lse_ptr=grad_lse if grad_lse is not None else delta,
-            delta_ptr=delta, seq_q=seq_q, n_q_heads=n_q_heads, head_dim_v=head_dim_v,
+            o_ptr=out, do_ptr=grad_out, grad_lse_ptr=grad_lse, delta_ptr=delta, seq_q=seq_q,
+            n_q_heads=n_q_heads, head_dim_v=head_dim_v,
             stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_s=out.stride(2),
             stride_do_b=grad_out.stride(0), stride_do_h=grad_out.stride(1),
-            stride_do_s=grad_out.stride(2), HAS_GRAD_LSE=grad_lse is not None,
-            BLOCK_M=64, BLOCK_DV=block_dv)
+            stride_do_s=grad_out.stride(2), BLOCK_M=64, BLOCK_DV=block_dv)
     shape = (head_dim, q.element_size())
     # both kernels' parameters after the sequence lengths and the head count each kernel's grid
     # runs over, positional (TunedKernel.launch forwards them so): sizes and scales; strides;
