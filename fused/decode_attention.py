@@ -38,28 +38,27 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
     cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
     scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
-    stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h,
-    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr,
+    stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
-    first ``seqlens[b]`` (in [0, L], asserted; all L without seqlens) cache positions, whose
-    K/V are read once for all of them.
+    first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
+    whose K/V are read once for all of them.
 
-    Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
-    normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
-    itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
-    log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
-    launch per decode step instead of a partial and a merge launch. With HAS_LSE the program
-    that writes a head's output also writes its log-sum-exp (natural log; -inf without keys)
-    to ``lse[b * Hq + head]``.
+    With one split the split scratch (o_part, lse_part, arrivals) is None and the program
+    writes the output. With several it writes each head's normalised partial output and
+    log-sum-exp (an empty split: lse -inf, output 0), counts itself in ``arrivals[b * Hkv + h]``,
+    and the last of the splits to arrive merges them by log-sum-exp (no keys at all gives 0)
+    and puts the counter back to 0 for the next call: one launch per decode step instead of a
+    partial and a merge launch. Unless lse is None, the program that writes a head's output
+    also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
     """
     i_split = tl.program_id(0)
     i_bhkv = tl.program_id(1)
     i_b = (i_bhkv // n_kv_heads).to(tl.int64)
     i_hkv = (i_bhkv % n_kv_heads).to(tl.int64)
-    if HAS_SEQLENS:
+    if seqlens_ptr is not None:
         # a length outside [0, L]: a device-side assert (compiled in, see DECODE); clamped so
         # that no input reads outside the cache where asserts are off
         seq_len = tl.load(seqlens_ptr + i_b).to(tl.int64)
@@ -107,9 +106,9 @@ def _decode_kernel(
     b_o = tl.where(m_empty[:, None], 0.0, b_acc / tl.where(m_empty, 1.0, b_row_sum)[:, None])
     m_o = m_h[:, None] & (o_dv[None, :] < head_dim_v)
     p_o = o_ptr + i_b * stride_o_b + o_h[:, None] * stride_o_h + o_dv[None, :]
-    if not SPLIT:
+    if o_part_ptr is None:  # one split: no scratch, no merge
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_o)
-        if HAS_LSE:
+        if lse_ptr is not None:
             tl.store(lse_ptr + i_b * n_q_heads + o_h,
                      tl.where(m_empty, -float("inf"), (b_row_max + tl.log2(b_row_sum)) * LN2),
                      mask=m_h)
@@ -155,7 +154,7 @@ def _decode_kernel(
                      + (i_hkv * group_size + o_member)[:, None] * stride_o_h + o_dv[None, :],
                      b_merged.to(o_ptr.dtype.element_ty),
                      mask=m_member[:, None] & (o_dv[None, :] < head_dim_v))
-            if HAS_LSE:
+            if lse_ptr is not None:
                 tl.store(lse_ptr + i_b * n_q_heads + i_hkv * group_size + o_member,
                          tl.where(b_total == 0.0, -float("inf"), b_top + tl.log(b_total)),
                          mask=m_member)
@@ -200,7 +199,7 @@ class _DecodePlan(NamedTuple):
     out_shape: tuple[int, int, int]
     scratch: tuple[int, int, int] | None  # _decode_scratch's sizes; None: one split
     arguments: tuple  # the scalars and constexprs after the tensors
-    replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
+    replay_key: tuple  # determines config, grid, arguments and the None tensors (replay)
 
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
@@ -219,19 +218,21 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
     out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
     # the kernel's parameters after the tensors, positional (TunedKernel.replay launches the
-    # compiled kernel with them so): sizes and scale; strides; flags; blocks
+    # compiled kernel with them so): sizes and scale; strides; flag and blocks
     arguments = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
         scale * LOG2E.value,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out_strides,
-        has_seqlens, n_splits > 1, with_lse, q.dtype == torch.float32,
-        max(16, group_pow2), group_pow2, max(16, runtime.next_power_of_2(head_dim)), block_dv,
-        block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
+        q.dtype == torch.float32, max(16, group_pow2), group_pow2,
+        max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
+        min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     grid = (n_splits, batch * n_kv_heads)
     scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
                if n_splits > 1 else None)
+    # the kernel is compiled for which tensors are None (seqlens, lse, the split scratch), so
+    # the key holds them: the scratch with the grid's split count, the others as flags
     return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
-                       (config, grid, arguments))
+                       (config, grid, arguments, has_seqlens, with_lse))
 
 
 def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
@@ -250,18 +251,18 @@ def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
 
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
                 lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps when
-    the plan was made with_lse."""
+    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens
+    and lse are None exactly where the plan was made without them (has_seqlens, with_lse)."""
     _check_seqlens_in_cache(seqlens, k_cache.shape[2])
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
-        arrivals = lse_part = o_part = out  # not touched
+        arrivals = lse_part = o_part = None  # one split: no merge
     # positional: TunedKernel.replay launches the compiled kernel with them so
     DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
-                   lse if lse is not None else out, o_part, lse_part, arrivals, *plan.arguments))
+                  (q, k_cache, v_cache, seqlens, out, lse, o_part, lse_part, arrivals,
+                   *plan.arguments))
     return out
 
 
