@@ -45,23 +45,22 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 def _rms_norm_linear_silu_kernel(
     x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr, part_ptr,
     part_sum_squares_ptr, arrivals_ptr, n_rows, n_out, n_in, eps, split_len, n_splits,
-    stride_x_row, stride_weight_row, stride_out_row,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    stride_x_row, stride_weight_row, stride_out_row, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
-    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
-    decision: the config asks with USE_TMA and W's layout allows): W tiles come through the
-    tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past W's end); x always
-    goes through registers, where it is scaled by the norm weight.
+    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides, bias (n_out,) or None.
+    TMA (the launcher's decision: the config asks with USE_TMA and W's layout allows): W tiles
+    come through the tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past
+    W's end); x always goes through registers, where it is scaled by the norm weight.
 
     SPLIT_K > 1 (decode: few rows, and a grid of column tiles alone is too short to keep every
     SM streaming W): axis 1 splits K into n_splits ranges of split_len. Each program stores its
     fp32 partial tile in part (n_splits, n_rows, n_out) and its rows' partial sums of squares in
     part_sum_squares (n_splits, n_rows); the last program of a tile to arrive (int32 counters in
     arrivals, one per tile, zero between launches) adds the splits in order, so the result does
-    not depend on arrival order, and finishes the tile."""
+    not depend on arrival order, and finishes the tile. With SPLIT_K 1 the three are None."""
     i_tile = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -127,7 +126,7 @@ def _rms_norm_linear_silu_kernel(
     if finish:
         b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
         b_z = b_acc * b_rstd[:, None]
-        if HAS_BIAS:
+        if bias_ptr is not None:
             b_z += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
         b_out = b_z / (1.0 + tl.exp(-b_z))
         tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
@@ -190,18 +189,18 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         part, part_sum_squares = parts[:part_len], parts[part_len:]
     else:
         split_len, n_splits = n_in, 1
-        arrivals = part = part_sum_squares = out_rows  # not read
+        arrivals = part = part_sum_squares = None
     # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors and
     # the descriptor; sizes and eps; strides; flags
     RMS_NORM_LINEAR_SILU.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),
                       n_splits if meta["SPLIT_K"] > 1 else 1),
         x_rows, norm_weight.contiguous(), weight, weight_desc,
-        bias.contiguous() if bias is not None else weight, out_rows, part, part_sum_squares,
+        bias.contiguous() if bias is not None else None, out_rows, part, part_sum_squares,
         arrivals,
         n_rows, n_out, n_in, eps, split_len, n_splits,
         x_rows.stride(0), weight.stride(0), out_rows.stride(0),
-        bias is not None, x.dtype == torch.float32, tma,
+        x.dtype == torch.float32, tma,
         shape=shape, config=config)
     return out
 
