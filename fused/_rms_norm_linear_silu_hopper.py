@@ -94,8 +94,8 @@ def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_
 
 
 @gluon.jit
-def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, has_bias,
-              n_rows, n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
+def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, n_rows,
+              n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr):
     """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits."""
     BLOCK_N: gl.constexpr = weight_smem.shape[1]
@@ -127,8 +127,11 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
         o_m = (i_m * 2 + i_half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
         b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
-        b_bias = gl.load(bias_ptr + o_n, mask=(o_n < n_out) & (has_bias != 0), other=0.0)
-        b_z = b_z * b_rstd[:, None] + b_bias.to(gl.float32)[None, :]
+        if bias_ptr is not None:
+            b_bias = gl.load(bias_ptr + o_n, mask=o_n < n_out, other=0.0)
+            b_z = b_z * b_rstd[:, None] + b_bias.to(gl.float32)[None, :]
+        else:
+            b_z = b_z * b_rstd[:, None]
         b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z))
         gl.store(out_ptr + o_m[:, None].to(gl.int64) * n_out + o_n[None, :],
                  b_out.to(out_ptr.dtype.element_ty),
@@ -136,12 +139,12 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
 
 
 @gluon.jit
-def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, has_bias, n_rows, n_out,
-                     n_in, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, n_out, n_in,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """Persistent grid (at most one program per SM): out (n_rows, n_out) = silu(rstd * (xg @
     W.T) + b), xg (n_rows, n_in) through xg_desc in [64, BLOCK_K] blocks, W (n_out, n_in)
     through weight_desc in [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (n_rows,) fp32, bias
-    (n_out,) read if has_bias."""
+    (n_out,) or None."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
     DTYPE: gl.constexpr = xg_desc.dtype
@@ -155,10 +158,14 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, has_bias
     for i_stage in gl.static_range(STAGES):
         mbarrier.init(ready.index(i_stage), count=1)
         mbarrier.init(empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
-    consumer_args = (xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, has_bias,
-                     n_rows, n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M, STAGES)
-    gl.warp_specialize([(_consumer, (gl.to_tensor(0),) + consumer_args),
-                        (_consumer, (gl.to_tensor(1),) + consumer_args),
+    # each consumer's arguments written out: Triton 3.6 cannot concatenate a tuple holding
+    # a None (bias_ptr without a bias) onto the warpgroup's index
+    gl.warp_specialize([(_consumer, (gl.to_tensor(0), xg_smem, weight_smem, ready, empty, out_ptr,
+                                     rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
+                                     n_k_steps, GROUP_M, STAGES)),
+                        (_consumer, (gl.to_tensor(1), xg_smem, weight_smem, ready, empty, out_ptr,
+                                     rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
+                                     n_k_steps, GROUP_M, STAGES)),
                         (_producer, (xg_desc, weight_desc, xg_smem, weight_smem, ready, empty,
                                      n_tiles_m, n_tiles_n, n_k_steps, GROUP_M, STAGES))],
                        [4, 1], [232, 40])
@@ -199,5 +206,5 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
                        tiles)
         _matmul_epilogue[(programs,)](
             xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
-            bias_ptr=bias if bias is not None else out_rows, has_bias=int(bias is not None),
-            n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=4)
+            bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
+            STAGES=STAGES, num_warps=4)

@@ -473,7 +473,7 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
                  "weight_desc": f"tensordesc<{name}[{hopper.BLOCK_N}, {hopper.BLOCK_K}],"
                                 f"{b_layout!r}>",
                  "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
-                 "has_bias": "i32", "n_rows": "i32", "n_out": "i32", "n_in": "i32",
+                 "n_rows": "i32", "n_out": "i32", "n_in": "i32",
                  "GROUP_M": "constexpr", "STAGES": "constexpr"}
     source = GluonASTSource(hopper._matmul_epilogue, signature,
                             {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES})

@@ -41,7 +41,7 @@ def gluon_matmul(a, b, row_scale, bias, block_n=256, block_k=64, stages=3, group
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     _matmul_epilogue[(min(sms, tiles),)](
         xg_desc=a_desc, weight_desc=b_desc, out_ptr=c, rstd_ptr=row_scale, bias_ptr=bias,
-        has_bias=1, n_rows=M, n_out=N, n_in=K, GROUP_M=group_m, STAGES=stages, num_warps=4)
+        n_rows=M, n_out=N, n_in=K, GROUP_M=group_m, STAGES=stages, num_warps=4)
     return c
 
 
@@ -53,7 +53,7 @@ def compile_for_sm90(block_n=256, block_k=64, stages=3):
     a_layout, b_layout = _layouts(block_n, block_k, torch.bfloat16)
     signature = {"xg_desc": f"tensordesc<bf16[{TILE_ROWS}, {block_k}],{a_layout!r}>",
                  "weight_desc": f"tensordesc<bf16[{block_n}, {block_k}],{b_layout!r}>",
-                 "out_ptr": "*bf16", "rstd_ptr": "*fp32", "bias_ptr": "*bf16", "has_bias": "i32",
+                 "out_ptr": "*bf16", "rstd_ptr": "*fp32", "bias_ptr": "*bf16",
                  "n_rows": "i32", "n_out": "i32", "n_in": "i32", "GROUP_M": "constexpr",
                  "STAGES": "constexpr"}
     source = GluonASTSource(_matmul_epilogue, signature, {"GROUP_M": 8, "STAGES": stages})
