@@ -49,99 +49,100 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 
 
 @triton.jit
-def _attend_blocks(acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s,
-                   k_desc, v_desc, batch, kv_head,
-                   rows, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
+def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s,
+                   k_desc, v_desc, i_b, i_hkv,
+                   o_m, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                    TMA: tl.constexpr, LAZY: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Fold keys [key_start, key_end) into the running (acc, row_max, row_sum); row_max is in
-    log2 units. MASKED blocks check key bounds (and causality); the others need no mask. With
-    LAZY, unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
-    With TMA, K and V blocks come through tensor descriptors (Hopper's bulk copies; rows and
-    features past the tensor's end read as zeros)."""
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    for start in range(key_start, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = (keys[None, :] < seq_kv) if MASKED else (keys[None, :] >= 0)
+    """Fold keys [key_start, key_end) into the running (b_acc, b_row_max, b_row_sum) of the
+    query rows o_m; b_row_max is in log2 units. p_k / p_v point at the KV head's K and V.
+    MASKED blocks check key bounds (and causality); the others need no mask. With LAZY,
+    unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
+    With TMA, K and V blocks come through tensor descriptors at batch i_b and KV head i_hkv
+    (Hopper's bulk copies; rows and features past the tensor's end read as zeros)."""
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    for i_n in range(key_start, key_end, BLOCK_N):
+        o_n = i_n + tl.arange(0, BLOCK_N)
+        m_n = (o_n[None, :] < seq_kv) if MASKED else (o_n[None, :] >= 0)
         if TMA:
-            k = tl.trans(k_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_D))
+            b_k = tl.trans(k_desc.load([i_b, i_hkv, i_n, 0]).reshape(BLOCK_N, BLOCK_D))
         else:
-            k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
-                        mask=key_mask & (dims[:, None] < head_dim), other=0.0)
+            b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
+                          mask=m_n & (o_d[:, None] < head_dim), other=0.0)
         if IEEE:
-            qk = tl.dot(q, k, input_precision="ieee")
+            b_qk = tl.dot(b_q, b_k, input_precision="ieee")
         else:
-            qk = tl.dot(q, k)
+            b_qk = tl.dot(b_q, b_k)
         if MASKED:
-            visible = key_mask
+            m_visible = m_n
             if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None])
-            scores = tl.where(visible, qk * scale_log2, -float("inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-            p = tl.exp2(scores - new_max[:, None])
+                m_visible = m_visible & (o_n[None, :] <= o_m[:, None])
+            b_s = tl.where(m_visible, b_qk * scale_log2, -float("inf"))
+            b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
+            b_p = tl.exp2(b_s - b_new_max[:, None])
         elif LAZY:
             # the running maximum moves only when some row's grows by more than 2^8: until
             # then p <= 256 against a stale maximum, which fp32 sums and the output's
             # normalisation absorb, and the block skips rescaling acc (one multiply per element)
-            block_max = tl.max(qk, axis=1) * scale_log2
-            if tl.max(block_max - row_max, axis=0) > 8.0:
-                new_max = tl.maximum(row_max, block_max)
-                rescale = tl.exp2(row_max - new_max)
-                acc = acc * rescale[:, None]
-                row_sum = row_sum * rescale
-                row_max = new_max
-            new_max = row_max
-            p = tl.exp2(qk * scale_log2 - row_max[:, None])
+            b_block_max = tl.max(b_qk, axis=1) * scale_log2
+            if tl.max(b_block_max - b_row_max, axis=0) > 8.0:
+                b_new_max = tl.maximum(b_row_max, b_block_max)
+                b_rescale = tl.exp2(b_row_max - b_new_max)
+                b_acc = b_acc * b_rescale[:, None]
+                b_row_sum = b_row_sum * b_rescale
+                b_row_max = b_new_max
+            b_new_max = b_row_max
+            b_p = tl.exp2(b_qk * scale_log2 - b_row_max[:, None])
         else:
             # scale_log2 >= 0 (the launcher flips q's sign otherwise), so the scaled maximum is
             # the maximum scaled, and the exponent is one fused multiply-add per score
-            new_max = tl.maximum(row_max, tl.max(qk, axis=1) * scale_log2)
-            p = tl.exp2(qk * scale_log2 - new_max[:, None])
+            b_new_max = tl.maximum(b_row_max, tl.max(b_qk, axis=1) * scale_log2)
+            b_p = tl.exp2(b_qk * scale_log2 - b_new_max[:, None])
         if TMA:
-            v = v_desc.load([batch, kv_head, start, 0]).reshape(BLOCK_N, BLOCK_DV)
+            b_v = v_desc.load([i_b, i_hkv, i_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
-            v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
-                        mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v), other=0.0)
+            b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
+                          mask=(o_n[:, None] < seq_kv) & (o_dv[None, :] < head_dim_v), other=0.0)
         if LAZY and not MASKED:  # acc and row_sum are already on row_max's scale
-            row_sum = row_sum + tl.sum(p, axis=1)
+            b_row_sum = b_row_sum + tl.sum(b_p, axis=1)
             if IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
+                b_acc = tl.dot(b_p, b_v, b_acc, input_precision="ieee")
             else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+                b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
         else:
             # every row sees key 0 in the first block it folds, so new_max is finite from then on
-            rescale = tl.exp2(row_max - new_max)
-            row_sum = row_sum * rescale + tl.sum(p, axis=1)
+            b_rescale = tl.exp2(b_row_max - b_new_max)
+            b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
             if IEEE:
-                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+                b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
             else:
-                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        row_max = new_max
-    return acc, row_max, row_sum
+                b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_row_max = b_new_max
+    return b_acc, b_row_max, b_row_sum
 
 
 @triton.jit
 def _query_block(seq_q, n_q_heads, group_size, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(batch * Hq + head, batch, head, kv_head, query block) of this program of a forward or
-    dQ grid (B * Hq * query blocks,) in layout.head_and_block's order, the last query blocks
-    first when causal (they see the most keys); batch and the heads as int64."""
+    """(i_bh = batch * Hq + head, batch, head, KV head, query block) of this program of a
+    forward or dQ grid (B * Hq * query blocks,) in layout.head_and_block's order, the last query
+    blocks first when causal (they see the most keys); batch and the heads as int64."""
     n_blocks = tl.cdiv(seq_q, BLOCK_M)
-    batch_head, m_block = layout.head_and_block(n_blocks, CAUSAL)
+    i_bh, i_m = layout.head_and_block(n_blocks, CAUSAL)
     if CAUSAL:
-        m_block = n_blocks - 1 - m_block
-    batch = (batch_head // n_q_heads).to(tl.int64)
-    head = (batch_head % n_q_heads).to(tl.int64)
-    return batch_head, batch, head, head // group_size, m_block
+        i_m = n_blocks - 1 - i_m
+    i_b = (i_bh // n_q_heads).to(tl.int64)
+    i_h = (i_bh % n_q_heads).to(tl.int64)
+    return i_bh, i_b, i_h, i_h // group_size, i_m
 
 
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
     seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2,
-    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h, o_stride_s,
+    stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, stride_o_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
@@ -151,124 +152,124 @@ def _attention_fwd_kernel(
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
-    batch_head, batch, head, kv_head, m_block = _query_block(seq_q, n_q_heads, group_size,
-                                                             CAUSAL, BLOCK_M)
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q_head = q_ptr + batch * q_stride_b + head * q_stride_h
-    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
-    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
+    i_bh, i_b, i_h, i_hkv, i_m = _query_block(seq_q, n_q_heads, group_size, CAUSAL, BLOCK_M)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    p_q = q_ptr + i_b * stride_q_b + i_h * stride_q_h
+    p_k = k_ptr + i_b * stride_k_b + i_hkv * stride_k_h
+    p_v = v_ptr + i_b * stride_v_b + i_hkv * stride_v_h
     if TMA:  # descriptor indices are int32
-        batch_i32, head_i32, kv_head_i32 = batch.to(tl.int32), head.to(tl.int32), kv_head.to(tl.int32)
-        q = q_desc.load([batch_i32, head_i32, m_block * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
+        i_b32, i_h32, i_hkv32 = i_b.to(tl.int32), i_h.to(tl.int32), i_hkv.to(tl.int32)
+        b_q = q_desc.load([i_b32, i_h32, i_m * BLOCK_M, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
-        batch_i32, head_i32, kv_head_i32 = batch, head, kv_head  # unused
-        q = tl.load(q_head + rows[:, None] * q_stride_s + dims[None, :],
-                    mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim), other=0.0)
+        i_b32, i_h32, i_hkv32 = i_b, i_h, i_hkv  # unused
+        b_q = tl.load(p_q + o_m[:, None] * stride_q_s + o_d[None, :],
+                      mask=(o_m[:, None] < seq_q) & (o_d[None, :] < head_dim), other=0.0)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    b_row_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    b_row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if CAUSAL:
         # keys below the block's first row are seen by every row: no mask; the rest up to the
         # block's last row is the diagonal
-        key_end = tl.minimum(seq_kv, (m_block + 1) * BLOCK_M)
-        full_end = (tl.minimum(seq_kv, m_block * BLOCK_M) // BLOCK_N) * BLOCK_N
+        key_end = tl.minimum(seq_kv, (i_m + 1) * BLOCK_M)
+        full_end = (tl.minimum(seq_kv, i_m * BLOCK_M) // BLOCK_N) * BLOCK_N
     else:
         key_end = seq_kv
         full_end = (seq_kv // BLOCK_N) * BLOCK_N
-    acc, row_max, row_sum = _attend_blocks(
-        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
-        batch_i32, kv_head_i32, rows, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
+    b_acc, b_row_max, b_row_sum = _attend_blocks(
+        b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc, v_desc,
+        i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
         False, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
-    acc, row_max, row_sum = _attend_blocks(
-        acc, row_max, row_sum, q, k_head, v_head, k_stride_s, v_stride_s, k_desc, v_desc,
-        batch_i32, kv_head_i32, rows, full_end, key_end, seq_kv, head_dim, head_dim_v,
+    b_acc, b_row_max, b_row_sum = _attend_blocks(
+        b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc, v_desc,
+        i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
         scale_log2, True, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
 
-    out = (acc / row_sum[:, None]).to(o_ptr.dtype.element_ty)
+    b_o = (b_acc / b_row_sum[:, None]).to(o_ptr.dtype.element_ty)
     if TMA:  # rows and features past o's end are not written
-        o_desc.store([batch_i32, head_i32, m_block * BLOCK_M, 0],
-                     out.reshape(1, 1, BLOCK_M, BLOCK_DV))
+        o_desc.store([i_b32, i_h32, i_m * BLOCK_M, 0], b_o.reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
-        o_head = o_ptr + batch * o_stride_b + head * o_stride_h
-        tl.store(o_head + rows[:, None] * o_stride_s + dims_v[None, :], out,
-                 mask=(rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v))
-    lse = (row_max + tl.log2(row_sum)) * LN2
-    tl.store(lse_ptr + batch_head.to(tl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+        p_o = o_ptr + i_b * stride_o_b + i_h * stride_o_h
+        tl.store(p_o + o_m[:, None] * stride_o_s + o_dv[None, :], b_o,
+                 mask=(o_m[:, None] < seq_q) & (o_dv[None, :] < head_dim_v))
+    b_lse = (b_row_max + tl.log2(b_row_sum)) * LN2
+    tl.store(lse_ptr + i_bh.to(tl.int64) * seq_q + o_m, b_lse, mask=o_m < seq_q)
 
 
 @triton.jit
 def _attention_bwd_delta_kernel(o_ptr, do_ptr, grad_lse_ptr, delta_ptr, seq_q, n_q_heads,
-                                head_dim_v, o_stride_b, o_stride_h, o_stride_s,
-                                do_stride_b, do_stride_h, do_stride_s,
-                                HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_DV: tl.constexpr):
+                                head_dim_v, stride_o_b, stride_o_h, stride_o_s,
+                                stride_do_b, stride_do_h, stride_do_s,
+                                BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """delta[b, h, i] = sum_d o[b, h, i, d] * do[b, h, i, d] - grad_lse[b, h, i] (fp32), the
     row term of the softmax backward (a gradient flowing into lse enters it there, since
     d lse_i / d s_ij = p_ij). Grid (B * Hq, query blocks): B * Hq may pass the 65535 that a
-    grid's second axis allows; delta and grad_lse (B, Hq, Sq)."""
-    batch_head = tl.program_id(0)
-    batch = (batch_head // n_q_heads).to(tl.int64)
-    head = (batch_head % n_q_heads).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims_v = tl.arange(0, BLOCK_DV)
-    mask = (rows[:, None] < seq_q) & (dims_v[None, :] < head_dim_v)
-    o = tl.load(o_ptr + batch * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_s
-                + dims_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + batch * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_s
-                 + dims_v[None, :], mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    offsets = batch_head.to(tl.int64) * seq_q + rows
-    if HAS_GRAD_LSE:
-        delta -= tl.load(grad_lse_ptr + offsets, mask=rows < seq_q, other=0.0)
-    tl.store(delta_ptr + offsets, delta, mask=rows < seq_q)
+    grid's second axis allows; delta and grad_lse (B, Hq, Sq), grad_lse None where no gradient
+    flows into lse."""
+    i_bh = tl.program_id(0)
+    i_b = (i_bh // n_q_heads).to(tl.int64)
+    i_h = (i_bh % n_q_heads).to(tl.int64)
+    o_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_o = (o_m[:, None] < seq_q) & (o_dv[None, :] < head_dim_v)
+    b_o = tl.load(o_ptr + i_b * stride_o_b + i_h * stride_o_h + o_m[:, None] * stride_o_s
+                  + o_dv[None, :], mask=m_o, other=0.0).to(tl.float32)
+    b_do = tl.load(do_ptr + i_b * stride_do_b + i_h * stride_do_h + o_m[:, None] * stride_do_s
+                   + o_dv[None, :], mask=m_o, other=0.0).to(tl.float32)
+    b_delta = tl.sum(b_o * b_do, axis=1)
+    o_row = i_bh.to(tl.int64) * seq_q + o_m  # rows of (B, Hq, Sq)
+    if grad_lse_ptr is not None:
+        b_delta -= tl.load(grad_lse_ptr + o_row, mask=o_m < seq_q, other=0.0)
+    tl.store(delta_ptr + o_row, b_delta, mask=o_m < seq_q)
 
 
 @triton.jit
-def _load_tile(head_ptr, rows, row_stride, n_rows, cols, n_cols):
-    """rows x cols of one head's (S, D) matrix with unit last stride, zeros outside it."""
-    return tl.load(head_ptr + rows[:, None] * row_stride + cols[None, :],
-                   mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols), other=0.0)
+def _load_tile(p_x, o_row, stride_x_row, n_rows, o_col, n_cols):
+    """Rows o_row x columns o_col of one head's (S, D) matrix at p_x with unit last stride,
+    zeros outside it."""
+    return tl.load(p_x + o_row[:, None] * stride_x_row + o_col[None, :],
+                   mask=(o_row[:, None] < n_rows) & (o_col[None, :] < n_cols), other=0.0)
 
 
 @triton.jit
-def _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv, scale_log2,
-                        KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
-    """For one block of BLOCK_M queries and BLOCK_N keys: p (the forward's probabilities,
-    recomputed from the saved lse) and ds = p * (do . v - delta), zero outside the visible
-    (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N), or (N, M)
-    with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left operand
-    straight from registers instead of transposing them through shared memory."""
+def _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n, seq_q, seq_kv,
+                        scale_log2, KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr,
+                        IEEE: tl.constexpr):
+    """For one block of BLOCK_M queries o_m and BLOCK_N keys o_n: p (the forward's
+    probabilities, recomputed from the saved lse) and ds = p * (do . v - delta), zero outside
+    the visible (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N),
+    or (N, M) with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left
+    operand straight from registers instead of transposing them through shared memory."""
     if KEYS_MAJOR:  # keys down, query rows across
-        left, right, left_v, right_v = k, q, v, do
-        row_ids, key_ids = rows[None, :], keys[:, None]
-        lse_2d, delta_2d = lse_log2[None, :], delta[None, :]
+        b_left, b_right, b_left_v, b_right_v = b_k, b_q, b_v, b_do
+        o_m_2d, o_n_2d = o_m[None, :], o_n[:, None]
+        b_lse_2d, b_delta_2d = b_lse_log2[None, :], b_delta[None, :]
     else:
-        left, right, left_v, right_v = q, k, do, v
-        row_ids, key_ids = rows[:, None], keys[None, :]
-        lse_2d, delta_2d = lse_log2[:, None], delta[:, None]
+        b_left, b_right, b_left_v, b_right_v = b_q, b_k, b_do, b_v
+        o_m_2d, o_n_2d = o_m[:, None], o_n[None, :]
+        b_lse_2d, b_delta_2d = b_lse_log2[:, None], b_delta[:, None]
     if IEEE:
-        qk = tl.dot(left, tl.trans(right), input_precision="ieee")
-        dp = tl.dot(left_v, tl.trans(right_v), input_precision="ieee")
+        b_qk = tl.dot(b_left, tl.trans(b_right), input_precision="ieee")
+        b_dp = tl.dot(b_left_v, tl.trans(b_right_v), input_precision="ieee")
     else:
-        qk = tl.dot(left, tl.trans(right))
-        dp = tl.dot(left_v, tl.trans(right_v))
-    visible = (row_ids < seq_q) & (key_ids < seq_kv)
+        b_qk = tl.dot(b_left, tl.trans(b_right))
+        b_dp = tl.dot(b_left_v, tl.trans(b_right_v))
+    m_visible = (o_m_2d < seq_q) & (o_n_2d < seq_kv)
     if CAUSAL:
-        visible = visible & (key_ids <= row_ids)
-    p = tl.where(visible, tl.exp2(qk * scale_log2 - lse_2d), 0.0)
-    ds = p * (dp - delta_2d)
-    return p, ds
+        m_visible = m_visible & (o_n_2d <= o_m_2d)
+    b_p = tl.where(m_visible, tl.exp2(b_qk * scale_log2 - b_lse_2d), 0.0)
+    b_ds = b_p * (b_dp - b_delta_2d)
+    return b_p, b_ds
 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     seq_q, seq_kv, n_kv_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
-    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
+    stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_do_b, stride_do_h, stride_do_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -277,90 +278,89 @@ def _attention_bwd_dkdv_kernel(
     dv = sum p^T do, dk = scale * sum ds^T q. Grid (B * Hkv * key blocks,) in
     layout.head_and_block's order (causal: the first key blocks, which see the most query rows,
     are the heavy ones); dk and dv contiguous (B, Hkv, Skv, D / Dv)."""
-    batch_kv_head, n_block = layout.head_and_block(tl.cdiv(seq_kv, BLOCK_N), CAUSAL)
-    batch = (batch_kv_head // n_kv_heads).to(tl.int64)
-    kv_head = (batch_kv_head % n_kv_heads).to(tl.int64)
-    keys = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    k = _load_tile(k_ptr + batch * k_stride_b + kv_head * k_stride_h, keys, k_stride_s, seq_kv,
-                   dims, head_dim)
-    v = _load_tile(v_ptr + batch * v_stride_b + kv_head * v_stride_h, keys, v_stride_s, seq_kv,
-                   dims_v, head_dim_v)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    i_bhkv, i_n = layout.head_and_block(tl.cdiv(seq_kv, BLOCK_N), CAUSAL)
+    i_b = (i_bhkv // n_kv_heads).to(tl.int64)
+    i_hkv = (i_bhkv % n_kv_heads).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_k = _load_tile(k_ptr + i_b * stride_k_b + i_hkv * stride_k_h, o_n, stride_k_s, seq_kv,
+                     o_d, head_dim)
+    b_v = _load_tile(v_ptr + i_b * stride_v_b + i_hkv * stride_v_h, o_n, stride_v_s, seq_kv,
+                     o_dv, head_dim_v)
+    b_dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # causal: query rows before the block's first key see none of it
-    first_row = (n_block * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    first_row = (i_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
     row_blocks = tl.cdiv(seq_q - first_row, BLOCK_M)
     # one flat loop over (group member, query block): one software pipeline across members
-    for step in range(0, group_size * row_blocks):
-        head = kv_head * group_size + step // row_blocks
-        rows = first_row + (step % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_ptr + batch * q_stride_b + head * q_stride_h, rows, q_stride_s, seq_q,
-                       dims, head_dim)
-        do = _load_tile(do_ptr + batch * do_stride_b + head * do_stride_h, rows, do_stride_s,
-                        seq_q, dims_v, head_dim_v)
-        row_offsets = (batch * n_kv_heads * group_size + head) * seq_q + rows
-        lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
-        delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
-        p_t, ds_t = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
-                                        scale_log2, True, CAUSAL, IEEE)
+    for i_step in range(0, group_size * row_blocks):
+        i_h = i_hkv * group_size + i_step // row_blocks
+        o_m = first_row + (i_step % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+        b_q = _load_tile(q_ptr + i_b * stride_q_b + i_h * stride_q_h, o_m, stride_q_s, seq_q,
+                         o_d, head_dim)
+        b_do = _load_tile(do_ptr + i_b * stride_do_b + i_h * stride_do_h, o_m, stride_do_s,
+                          seq_q, o_dv, head_dim_v)
+        o_row = (i_b * n_kv_heads * group_size + i_h) * seq_q + o_m  # rows of (B, Hq, Sq)
+        b_lse_log2 = tl.load(lse_ptr + o_row, mask=o_m < seq_q, other=0.0) * LOG2E
+        b_delta = tl.load(delta_ptr + o_row, mask=o_m < seq_q, other=0.0)
+        b_pt, b_dst = _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n,
+                                          seq_q, seq_kv, scale_log2, True, CAUSAL, IEEE)
         if IEEE:
-            dv += tl.dot(p_t, do, input_precision="ieee")
-            dk += tl.dot(ds_t, q, input_precision="ieee")
+            b_dv += tl.dot(b_pt, b_do, input_precision="ieee")
+            b_dk += tl.dot(b_dst, b_q, input_precision="ieee")
         else:
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dk += tl.dot(ds_t.to(q.dtype), q)
-    out_rows = batch_kv_head.to(tl.int64) * seq_kv + keys
-    tl.store(dk_ptr + out_rows[:, None] * head_dim + dims[None, :],
-             (dk * scale).to(dk_ptr.dtype.element_ty),
-             mask=(keys[:, None] < seq_kv) & (dims[None, :] < head_dim))
-    tl.store(dv_ptr + out_rows[:, None] * head_dim_v + dims_v[None, :],
-             dv.to(dv_ptr.dtype.element_ty),
-             mask=(keys[:, None] < seq_kv) & (dims_v[None, :] < head_dim_v))
+            b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
+            b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
+    o_kv_row = i_bhkv.to(tl.int64) * seq_kv + o_n  # rows of (B, Hkv, Skv)
+    tl.store(dk_ptr + o_kv_row[:, None] * head_dim + o_d[None, :],
+             (b_dk * scale).to(dk_ptr.dtype.element_ty),
+             mask=(o_n[:, None] < seq_kv) & (o_d[None, :] < head_dim))
+    tl.store(dv_ptr + o_kv_row[:, None] * head_dim_v + o_dv[None, :],
+             b_dv.to(dv_ptr.dtype.element_ty),
+             mask=(o_n[:, None] < seq_kv) & (o_dv[None, :] < head_dim_v))
 
 
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
-    q_stride_b, q_stride_h, q_stride_s, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s, do_stride_b, do_stride_h, do_stride_s,
+    stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_do_b, stride_do_h, stride_do_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
     keys those rows see. Grid (B * Hq * query blocks,) in layout.head_and_block's order, the
     last query blocks first when causal (they see the most keys); dq contiguous (B, Hq, Sq, D)."""
-    batch_head, batch, head, kv_head, m_block = _query_block(seq_q, n_q_heads, group_size,
-                                                             CAUSAL, BLOCK_M)
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = _load_tile(q_ptr + batch * q_stride_b + head * q_stride_h, rows, q_stride_s, seq_q,
-                   dims, head_dim)
-    do = _load_tile(do_ptr + batch * do_stride_b + head * do_stride_h, rows, do_stride_s, seq_q,
-                    dims_v, head_dim_v)
-    row_offsets = batch_head.to(tl.int64) * seq_q + rows
-    lse_log2 = tl.load(lse_ptr + row_offsets, mask=rows < seq_q, other=0.0) * LOG2E
-    delta = tl.load(delta_ptr + row_offsets, mask=rows < seq_q, other=0.0)
-    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
-    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    key_end = tl.minimum(seq_kv, (m_block + 1) * BLOCK_M) if CAUSAL else seq_kv
-    for start in range(0, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_head, keys, k_stride_s, seq_kv, dims, head_dim)
-        v = _load_tile(v_head, keys, v_stride_s, seq_kv, dims_v, head_dim_v)
-        _, ds = _softmax_grad_block(q, k, v, do, lse_log2, delta, rows, keys, seq_q, seq_kv,
-                                    scale_log2, False, CAUSAL, IEEE)
+    i_bh, i_b, i_h, i_hkv, i_m = _query_block(seq_q, n_q_heads, group_size, CAUSAL, BLOCK_M)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_q = _load_tile(q_ptr + i_b * stride_q_b + i_h * stride_q_h, o_m, stride_q_s, seq_q,
+                     o_d, head_dim)
+    b_do = _load_tile(do_ptr + i_b * stride_do_b + i_h * stride_do_h, o_m, stride_do_s, seq_q,
+                      o_dv, head_dim_v)
+    o_row = i_bh.to(tl.int64) * seq_q + o_m  # rows of (B, Hq, Sq)
+    b_lse_log2 = tl.load(lse_ptr + o_row, mask=o_m < seq_q, other=0.0) * LOG2E
+    b_delta = tl.load(delta_ptr + o_row, mask=o_m < seq_q, other=0.0)
+    p_k = k_ptr + i_b * stride_k_b + i_hkv * stride_k_h
+    p_v = v_ptr + i_b * stride_v_b + i_hkv * stride_v_h
+    b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    key_end = tl.minimum(seq_kv, (i_m + 1) * BLOCK_M) if CAUSAL else seq_kv
+    for i_n in range(0, key_end, BLOCK_N):
+        o_n = i_n + tl.arange(0, BLOCK_N)
+        b_k = _load_tile(p_k, o_n, stride_k_s, seq_kv, o_d, head_dim)
+        b_v = _load_tile(p_v, o_n, stride_v_s, seq_kv, o_dv, head_dim_v)
+        _, b_ds = _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n,
+                                      seq_q, seq_kv, scale_log2, False, CAUSAL, IEEE)
         if IEEE:
-            dq += tl.dot(ds, k, input_precision="ieee")
+            b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
         else:
-            dq += tl.dot(ds.to(k.dtype), k)
-    tl.store(dq_ptr + row_offsets[:, None] * head_dim + dims[None, :],
-             (dq * scale).to(dq_ptr.dtype.element_ty),
-             mask=(rows[:, None] < seq_q) & (dims[None, :] < head_dim))
+            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    tl.store(dq_ptr + o_row[:, None] * head_dim + o_d[None, :],
+             (b_dq * scale).to(dq_ptr.dtype.element_ty),
+             mask=(o_m[:, None] < seq_q) & (o_d[None, :] < head_dim))
 
 
 ATTENTION_FWD = runtime.TunedKernel("attention", "attention_fwd", _attention_fwd_kernel,
@@ -437,12 +437,16 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
                         (v, meta["BLOCK_N"], block_dv), (out, meta["BLOCK_M"], block_dv))]
     else:
         descriptors, config = [None] * 4, None
+    scale_log2 = scale * LOG2E.value
+    # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors and
+    # descriptors; sizes and scale; strides; flags and blocks
     ATTENTION_FWD.launch(
         lambda meta: (batch * n_q_heads * runtime.cdiv(seq_q, meta["BLOCK_M"]),),
-        q, k, v, out, lse, *descriptors, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
-        head_dim, head_dim_v, scale * LOG2E.value,
+        q, k, v, out, lse, *descriptors,
+        seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads, head_dim, head_dim_v, scale_log2,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        causal, q.dtype == torch.float32, tma, block_d, block_dv, shape=shape, config=config)
+        causal, q.dtype == torch.float32, tma, block_d, block_dv,
+        shape=shape, config=config)
     return out, lse
 
 
@@ -464,25 +468,32 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     grad_lse = grad_lse.contiguous() if grad_lse is not None else None
     with runtime.quiet_interpreter():
         _attention_bwd_delta_kernel[(batch * n_q_heads, runtime.cdiv(seq_q, 64))](
-            out, grad_out, grad_lse if grad_lse is not None else delta, delta, seq_q, n_q_heads,
-            head_dim_v, *out.stride()[:3], *grad_out.stride()[:3], grad_lse is not None,
-            BLOCK_M=64, BLOCK_DV=block_dv)
+            o_ptr=out, do_ptr=grad_out, grad_lse_ptr=grad_lse, delta_ptr=delta, seq_q=seq_q,
+            n_q_heads=n_q_heads, head_dim_v=head_dim_v,
+            stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_s=out.stride(2),
+            stride_do_b=grad_out.stride(0), stride_do_h=grad_out.stride(1),
+            stride_do_s=grad_out.stride(2), BLOCK_M=64, BLOCK_DV=block_dv)
     shape = (head_dim, q.element_size())
-    # after the sequence lengths and the head count each kernel's grid runs over
+    # both kernels' parameters after the sequence lengths and the head count each kernel's grid
+    # runs over, positional (TunedKernel.launch forwards them so): sizes and scales; strides;
+    # flags and blocks
     rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * LOG2E.value,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], causal,
-            q.dtype == torch.float32, block_d, block_dv)
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+            causal, q.dtype == torch.float32, block_d, block_dv)
     if HOPPER_BACKWARD.on and _attention_hopper is not None and \
             _attention_hopper.eligible(q, k, v) and layout.tma_addressable(grad_out):
         dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
     else:
         ATTENTION_BWD_DKDV.launch(
             lambda meta: (batch * n_kv_heads * runtime.cdiv(seq_kv, meta["BLOCK_N"]),),
-            q, k, v, grad_out, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads, *rest,
+            q, k, v, grad_out, lse, delta, dk, dv,
+            seq_q, seq_kv, n_kv_heads, *rest,
             shape=shape)
     ATTENTION_BWD_DQ.launch(
         lambda meta: (batch * n_q_heads * runtime.cdiv(seq_q, meta["BLOCK_M"]),),
-        q, k, v, grad_out, lse, delta, dq, seq_q, seq_kv, n_q_heads, *rest, shape=shape)
+        q, k, v, grad_out, lse, delta, dq,
+        seq_q, seq_kv, n_q_heads, *rest,
+        shape=shape)
     return dq, dk, dv
 
 

@@ -37,129 +37,128 @@ from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
     cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
-    scale_log2, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_s,
-    v_stride_b, v_stride_h, v_stride_s, o_stride_b, o_stride_h,
-    HAS_SEQLENS: tl.constexpr, SPLIT: tl.constexpr, HAS_LSE: tl.constexpr, IEEE: tl.constexpr,
+    scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
-    first ``seqlens[b]`` (in [0, L], asserted; all L without seqlens) cache positions, whose
-    K/V are read once for all of them.
+    first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
+    whose K/V are read once for all of them.
 
-    Without SPLIT (one split) the program writes the output. With SPLIT it writes each head's
-    normalised partial output and log-sum-exp (an empty split: lse -inf, output 0), counts
-    itself in ``arrivals[b * Hkv + h]``, and the last of the splits to arrive merges them by
-    log-sum-exp (no keys at all gives 0) and puts the counter back to 0 for the next call: one
-    launch per decode step instead of a partial and a merge launch. With HAS_LSE the program
-    that writes a head's output also writes its log-sum-exp (natural log; -inf without keys)
-    to ``lse[b * Hq + head]``.
+    With one split the split scratch (o_part, lse_part, arrivals) is None and the program
+    writes the output. With several it writes each head's normalised partial output and
+    log-sum-exp (an empty split: lse -inf, output 0), counts itself in ``arrivals[b * Hkv + h]``,
+    and the last of the splits to arrive merges them by log-sum-exp (no keys at all gives 0)
+    and puts the counter back to 0 for the next call: one launch per decode step instead of a
+    partial and a merge launch. Unless lse is None, the program that writes a head's output
+    also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
     """
-    split = tl.program_id(0)
-    batch_kv = tl.program_id(1)
-    batch = (batch_kv // n_kv_heads).to(tl.int64)
-    kv_head = (batch_kv % n_kv_heads).to(tl.int64)
-    if HAS_SEQLENS:
+    i_split = tl.program_id(0)
+    i_bhkv = tl.program_id(1)
+    i_b = (i_bhkv // n_kv_heads).to(tl.int64)
+    i_hkv = (i_bhkv % n_kv_heads).to(tl.int64)
+    if seqlens_ptr is not None:
         # a length outside [0, L]: a device-side assert (compiled in, see DECODE); clamped so
         # that no input reads outside the cache where asserts are off
-        seq_len = tl.load(seqlens_ptr + batch).to(tl.int64)
+        seq_len = tl.load(seqlens_ptr + i_b).to(tl.int64)
         tl.device_assert((seq_len >= 0) & (seq_len <= cache_len),
                          "gemslib.decode_attention: seqlens must be in [0, L] (the cache length)")
         seq_len = tl.minimum(tl.maximum(seq_len, 0), cache_len).to(tl.int32)
     else:
         seq_len = cache_len
-    key_start = split * split_len
+    key_start = i_split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
-    group = tl.arange(0, BLOCK_G)
-    heads = kv_head * group_size + group  # the query heads of this KV head
-    head_mask = group < group_size
-    dims = tl.arange(0, BLOCK_D)
-    dims_v = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + batch * q_stride_b + heads[:, None] * q_stride_h + dims[None, :],
-                mask=head_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
-    k_head = k_ptr + batch * k_stride_b + kv_head * k_stride_h
-    v_head = v_ptr + batch * v_stride_b + kv_head * v_stride_h
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
-    row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for start in range(key_start, key_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_mask = keys < key_end
-        k = tl.load(k_head + keys[None, :] * k_stride_s + dims[:, None],
-                    mask=key_mask[None, :] & (dims[:, None] < head_dim), other=0.0)
+    o_g = tl.arange(0, BLOCK_G)
+    o_h = i_hkv * group_size + o_g  # the query heads of this KV head
+    m_h = o_g < group_size
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    b_q = tl.load(q_ptr + i_b * stride_q_b + o_h[:, None] * stride_q_h + o_d[None, :],
+                  mask=m_h[:, None] & (o_d[None, :] < head_dim), other=0.0)
+    p_k = k_ptr + i_b * stride_k_b + i_hkv * stride_k_h
+    p_v = v_ptr + i_b * stride_v_b + i_hkv * stride_v_h
+    b_acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    b_row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+    b_row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for i_n in range(key_start, key_end, BLOCK_N):
+        o_n = i_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < key_end
+        b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
+                      mask=m_n[None, :] & (o_d[:, None] < head_dim), other=0.0)
         if IEEE:
-            scores = tl.dot(q, k, input_precision="ieee") * scale_log2
+            b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
         else:
-            scores = tl.dot(q, k) * scale_log2
-        scores = tl.where(key_mask[None, :], scores, -float("inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(row_max - new_max)
-        p = tl.exp2(scores - new_max[:, None])
-        row_sum = row_sum * rescale + tl.sum(p, axis=1)
-        v = tl.load(v_head + keys[:, None] * v_stride_s + dims_v[None, :],
-                    mask=key_mask[:, None] & (dims_v[None, :] < head_dim_v), other=0.0)
+            b_s = tl.dot(b_q, b_k) * scale_log2
+        b_s = tl.where(m_n[None, :], b_s, -float("inf"))
+        b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
+        b_rescale = tl.exp2(b_row_max - b_new_max)
+        b_p = tl.exp2(b_s - b_new_max[:, None])
+        b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
+        b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
+                      mask=m_n[:, None] & (o_dv[None, :] < head_dim_v), other=0.0)
         if IEEE:
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
         else:
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
-        row_max = new_max
-    empty = row_sum == 0.0
-    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, row_sum)[:, None])
-    out_mask = head_mask[:, None] & (dims_v[None, :] < head_dim_v)
-    out_at = o_ptr + batch * o_stride_b + heads[:, None] * o_stride_h + dims_v[None, :]
-    if not SPLIT:
-        tl.store(out_at, out.to(o_ptr.dtype.element_ty), mask=out_mask)
-        if HAS_LSE:
-            tl.store(lse_ptr + batch * n_q_heads + heads,
-                     tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2),
-                     mask=head_mask)
+            b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_row_max = b_new_max
+    m_empty = b_row_sum == 0.0
+    b_o = tl.where(m_empty[:, None], 0.0, b_acc / tl.where(m_empty, 1.0, b_row_sum)[:, None])
+    m_o = m_h[:, None] & (o_dv[None, :] < head_dim_v)
+    p_o = o_ptr + i_b * stride_o_b + o_h[:, None] * stride_o_h + o_dv[None, :]
+    if o_part_ptr is None:  # one split: no scratch, no merge
+        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_o)
+        if lse_ptr is not None:
+            tl.store(lse_ptr + i_b * n_q_heads + o_h,
+                     tl.where(m_empty, -float("inf"), (b_row_max + tl.log2(b_row_sum)) * LN2),
+                     mask=m_h)
     else:
-        lse = tl.where(empty, -float("inf"), (row_max + tl.log2(row_sum)) * LN2)
-        head_slots = (batch * n_q_heads + heads) * n_splits  # (B, Hq, splits) buffers
-        tl.store(o_part_ptr + (head_slots + split)[:, None] * head_dim_v + dims_v[None, :], out,
-                 mask=out_mask)
-        tl.store(lse_part_ptr + head_slots + split, lse, mask=head_mask)
+        b_lse = tl.where(m_empty, -float("inf"), (b_row_max + tl.log2(b_row_sum)) * LN2)
+        o_slot = (i_b * n_q_heads + o_h) * n_splits  # (B, Hq, splits) buffers
+        tl.store(o_part_ptr + (o_slot + i_split)[:, None] * head_dim_v + o_dv[None, :], b_o,
+                 mask=m_o)
+        tl.store(lse_part_ptr + o_slot + i_split, b_lse, mask=m_h)
         tl.debug_barrier()  # every thread's stores issued before this program counts itself
-        arrived = tl.atomic_add(arrivals_ptr + batch_kv, 1, sem="acq_rel")
+        arrived = tl.atomic_add(arrivals_ptr + i_bhkv, 1, sem="acq_rel")
         if arrived == n_splits - 1:  # the last split of this KV head: merge
             # the whole group at once, [members, splits(, features)] tiles in chunks of splits
             # with masks instead of branches, so every load can be in flight together (a loop
             # over splits waited one L2 round trip each; one over members, a store between)
-            members = tl.arange(0, GROUP)
-            member_ok = members < group_size
-            slots = (batch * n_q_heads + kv_head * group_size + members) * n_splits
-            splits = tl.arange(0, BLOCK_S)
+            o_member = tl.arange(0, GROUP)
+            m_member = o_member < group_size
+            o_member_slot = (i_b * n_q_heads + i_hkv * group_size + o_member) * n_splits
+            o_s = tl.arange(0, BLOCK_S)
             # .cg: the other programs' results from L2, never from a stale L1 line
-            lses = tl.load(lse_part_ptr + slots[:, None] + splits[None, :],
-                           mask=member_ok[:, None] & (splits[None, :] < n_splits),
-                           other=-float("inf"), cache_modifier=".cg")
-            top = tl.max(lses, axis=1)
-            total = tl.sum(tl.where(lses == -float("inf"), 0.0, tl.exp(lses - top[:, None])),
-                           axis=1)
-            merged = tl.zeros([GROUP, BLOCK_DV], dtype=tl.float32)
-            for chunk_start in tl.static_range(0, BLOCK_S, MERGE_S):
-                chunk = chunk_start + tl.arange(0, MERGE_S)
-                in_chunk = member_ok[:, None] & (chunk[None, :] < n_splits)
-                chunk_lses = tl.load(lse_part_ptr + slots[:, None] + chunk[None, :],
-                                     mask=in_chunk, other=-float("inf"), cache_modifier=".cg")
-                weights = tl.where(chunk_lses == -float("inf"), 0.0,
-                                   tl.exp(chunk_lses - top[:, None]))
-                rows = (slots[:, None] + chunk[None, :]) * head_dim_v
-                pieces = tl.load(o_part_ptr + rows[:, :, None] + dims_v[None, None, :],
-                                 mask=in_chunk[:, :, None]
-                                 & (dims_v[None, None, :] < head_dim_v),
-                                 other=0.0, cache_modifier=".cg")
-                merged += tl.sum(pieces * weights[:, :, None], axis=1)
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]  # no keys at all: 0
-            tl.store(o_ptr + batch * o_stride_b
-                     + (kv_head * group_size + members)[:, None] * o_stride_h + dims_v[None, :],
-                     merged.to(o_ptr.dtype.element_ty),
-                     mask=member_ok[:, None] & (dims_v[None, :] < head_dim_v))
-            if HAS_LSE:
-                tl.store(lse_ptr + batch * n_q_heads + kv_head * group_size + members,
-                         tl.where(total == 0.0, -float("inf"), top + tl.log(total)),
-                         mask=member_ok)
-            tl.atomic_xchg(arrivals_ptr + batch_kv, 0)
+            b_lses = tl.load(lse_part_ptr + o_member_slot[:, None] + o_s[None, :],
+                             mask=m_member[:, None] & (o_s[None, :] < n_splits),
+                             other=-float("inf"), cache_modifier=".cg")
+            b_top = tl.max(b_lses, axis=1)
+            b_total = tl.sum(tl.where(b_lses == -float("inf"), 0.0,
+                                      tl.exp(b_lses - b_top[:, None])), axis=1)
+            b_merged = tl.zeros([GROUP, BLOCK_DV], dtype=tl.float32)
+            for i_chunk in tl.static_range(0, BLOCK_S, MERGE_S):
+                o_chunk = i_chunk + tl.arange(0, MERGE_S)
+                m_chunk = m_member[:, None] & (o_chunk[None, :] < n_splits)
+                b_chunk_lses = tl.load(lse_part_ptr + o_member_slot[:, None] + o_chunk[None, :],
+                                       mask=m_chunk, other=-float("inf"), cache_modifier=".cg")
+                b_weights = tl.where(b_chunk_lses == -float("inf"), 0.0,
+                                     tl.exp(b_chunk_lses - b_top[:, None]))
+                o_part_row = (o_member_slot[:, None] + o_chunk[None, :]) * head_dim_v
+                b_pieces = tl.load(o_part_ptr + o_part_row[:, :, None] + o_dv[None, None, :],
+                                   mask=m_chunk[:, :, None] & (o_dv[None, None, :] < head_dim_v),
+                                   other=0.0, cache_modifier=".cg")
+                b_merged += tl.sum(b_pieces * b_weights[:, :, None], axis=1)
+            # no keys at all: 0
+            b_merged = b_merged / tl.where(b_total == 0.0, 1.0, b_total)[:, None]
+            tl.store(o_ptr + i_b * stride_o_b
+                     + (i_hkv * group_size + o_member)[:, None] * stride_o_h + o_dv[None, :],
+                     b_merged.to(o_ptr.dtype.element_ty),
+                     mask=m_member[:, None] & (o_dv[None, :] < head_dim_v))
+            if lse_ptr is not None:
+                tl.store(lse_ptr + i_b * n_q_heads + i_hkv * group_size + o_member,
+                         tl.where(b_total == 0.0, -float("inf"), b_top + tl.log(b_total)),
+                         mask=m_member)
+            tl.atomic_xchg(arrivals_ptr + i_bhkv, 0)
 
 
 DECODE = runtime.TunedKernel("decode_attention", "decode_attention", _decode_kernel,
@@ -200,7 +199,7 @@ class _DecodePlan(NamedTuple):
     out_shape: tuple[int, int, int]
     scratch: tuple[int, int, int] | None  # _decode_scratch's sizes; None: one split
     arguments: tuple  # the scalars and constexprs after the tensors
-    replay_key: tuple  # determines config, grid and arguments (TunedKernel.replay)
+    replay_key: tuple  # determines config, grid, arguments and the None tensors (replay)
 
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
@@ -218,18 +217,22 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     block_s = max(2, runtime.next_power_of_2(n_splits))
     group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
     out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
+    # the kernel's parameters after the tensors, positional (TunedKernel.replay launches the
+    # compiled kernel with them so): sizes and scale; strides; flag and blocks
     arguments = (
-        cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
-        n_splits, scale * LOG2E.value, *q.stride()[:2], *k_cache.stride()[:3],
-        *v_cache.stride()[:3], *out_strides, has_seqlens, n_splits > 1, with_lse,
+        cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
+        scale * LOG2E.value,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out_strides,
         q.dtype == torch.float32, max(16, group_pow2), group_pow2,
-        max(16, runtime.next_power_of_2(head_dim)),
-        block_dv, block_s, min(block_s, max(2, 8192 // (block_dv * group_pow2))))
+        max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
+        min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     grid = (n_splits, batch * n_kv_heads)
     scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
                if n_splits > 1 else None)
+    # the kernel is compiled for which tensors are None (seqlens, lse, the split scratch), so
+    # the key holds them: the scratch with the grid's split count, the others as flags
     return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
-                       (config, grid, arguments))
+                       (config, grid, arguments, has_seqlens, with_lse))
 
 
 def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
@@ -248,17 +251,18 @@ def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
 
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
                 lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps when
-    the plan was made with_lse."""
+    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens
+    and lse are None exactly where the plan was made without them (has_seqlens, with_lse)."""
     _check_seqlens_in_cache(seqlens, k_cache.shape[2])
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
-        arrivals = lse_part = o_part = out  # not touched
+        arrivals = lse_part = o_part = None  # one split: no merge
+    # positional: TunedKernel.replay launches the compiled kernel with them so
     DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens if seqlens is not None else out, out,
-                   lse if lse is not None else out, o_part, lse_part, arrivals, *plan.arguments))
+                  (q, k_cache, v_cache, seqlens, out, lse, o_part, lse_part, arrivals,
+                   *plan.arguments))
     return out
 
 

@@ -468,10 +468,12 @@ from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
     a_layout, b_layout = hopper._shared_layouts(dtype)
-    signature = {"a_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],{a_layout!r}>",
-                 "b_desc": f"tensordesc<{name}[{hopper.BLOCK_N}, {hopper.BLOCK_K}],{b_layout!r}>",
+    signature = {"xg_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],"
+                            f"{a_layout!r}>",
+                 "weight_desc": f"tensordesc<{name}[{hopper.BLOCK_N}, {hopper.BLOCK_K}],"
+                                f"{b_layout!r}>",
                  "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
-                 "has_bias": "i32", "M": "i32", "N": "i32", "K": "i32",
+                 "n_rows": "i32", "n_out": "i32", "n_in": "i32",
                  "GROUP_M": "constexpr", "STAGES": "constexpr"}
     source = GluonASTSource(hopper._matmul_epilogue, signature,
                             {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES})
@@ -480,10 +482,10 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
     report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
     signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
-                 "rstd_ptr": "*fp32", "n_in": "i32", "x_row_stride": "i32", "eps": "fp32",
-                 "BLOCK": "constexpr"}
+                 "rstd_ptr": "*fp32", "n_in": "i32", "stride_x_row": "i32", "eps": "fp32",
+                 "BLOCK_K": "constexpr"}
     source = ASTSource(fn=hopper._scale_rows_kernel, signature=signature,
-                       constexprs={"BLOCK": hopper.SCALE_BLOCK})
+                       constexprs={"BLOCK_K": hopper.SCALE_BLOCK})
     prepass = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     report[f"pre-pass {name}"] = {"shared": prepass.metadata.shared, "cubin": bool(prepass.asm["cubin"]),
                                   "wgmma": None, "setmaxnreg": None}
