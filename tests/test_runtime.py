@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import gemslib
-from conftest import random_tensor
+from conftest import DEVICE, random_tensor
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import silu as silu_ops
@@ -238,7 +238,7 @@ def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
     kernel = runtime.TunedKernel("test_runtime", "scale", _scale_kernel, tunables=("BLOCK",),
                                  launcher_knobs=("WAVES",), shape_keys=("numel",))
     try:
-        x = torch.ones(100)
+        x = torch.ones(100, device=DEVICE)
         seen = []
 
         def grid(meta):
@@ -252,7 +252,7 @@ def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
                 kernel.planned_config((7,))
             assert shapes == [(100,), (7,)]
         assert seen == [1, 2]
-        assert torch.equal(x, torch.full((100,), 4.0))
+        assert torch.equal(x.cpu(), torch.full((100,), 4.0))
         with pytest.raises(ValueError, match="do not match"):
             with kernel.forced(runtime.LaunchConfig((("BLOCK", 16),))):
                 pass
