@@ -1,12 +1,11 @@
-"""attention (prefill forward) and decode_attention (bf16) against SDPA with each backend forced,
-SDPA's default choice, and FlagGems.
+"""attention (prefill, bf16) against SDPA with each backend forced, SDPA's default choice, and
+FlagGems.
 
-    python -m benchmark --ops attention decode_attention [--forward-only]
+    python -m benchmark --ops attention [--forward-only]
 
-Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal); decode reports the
-bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). Unless ``--forward-only``,
-attention_backward cases follow: the backward alone (dq, dk, dv from a graph built once), at
-2.5x the forward's FLOPs (five matmuls of the forward's size against two).
+Prefill reports TFLOP/s at 4 * B * H * Sq * Skv * D (half that when causal). Unless
+``--forward-only``, attention_backward cases follow: the backward alone (dq, dk, dv from a
+graph built once), at 2.5x the forward's FLOPs (five matmuls of the forward's size against two).
 """
 
 from __future__ import annotations
@@ -22,15 +21,11 @@ from gemslib.fused import attention as attention_ops
 
 # the Case names cases() yields (python -m benchmark --ops selects among them)
 OPS = ("attention", "attention_causal", "attention_backward",
-       "attention_backward_causal", "decode_attention")
+       "attention_backward_causal")
 DTYPE = torch.bfloat16
 # (batch, heads, seq, head dim)
 QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
 EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128)]
-# (batch, cache length)
-QUICK_DECODE = [(1, 8192), (16, 32768)]
-EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
-DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
 
 
 def _sdpa_with(backend):
@@ -62,13 +57,11 @@ def _backward_only(fn, q, k, v):
 
 
 def _with_hopper_backward(run, on: bool):
-    """``run`` with attention_ops.use_hopper_backward set to ``on`` (read at backward time)."""
+    """``run`` with the Gluon dK/dV kernel where it applies (``on``) or without (the choice is
+    read at backward time)."""
     def timed():
-        previous, attention_ops.use_hopper_backward = attention_ops.use_hopper_backward, on
-        try:
+        with contextlib.nullcontext() if on else attention_ops.HOPPER_BACKWARD.switched_off():
             return run()
-        finally:
-            attention_ops.use_hopper_backward = previous
     return timed
 
 
@@ -130,20 +123,3 @@ def cases(quick: bool = False, backward: bool = False):
                            f"B{batch} H{heads} S{seq} D{dim}", "bf16", 0, impls,
                            flops=flops * 5 // 2)
         del q, k, v
-    for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
-        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
-        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
-                                        device="cuda", dtype=DTYPE) for _ in range(2))
-        impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
-                 "SDPA default": lambda: F.scaled_dot_product_attention(
-                     q[:, :, None], k_cache, v_cache, enable_gqa=True)}
-        bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
-        yield Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
-                   f"L{cache_len} D{DECODE_DIM}", "bf16", bytes_moved, impls,
-                   outputs_agree=outputs_close(
-                       lambda: gemslib.decode_attention(q, k_cache, v_cache),
-                       lambda: attention_ops.decode_attention_reference(
-                           q.float(), k_cache.float(), v_cache.float())))
-        del q, k_cache, v_cache
-
-

@@ -16,14 +16,14 @@ The descriptors are 4-d (B, H, S, D) with blocks (1, 1, rows, D): any strides th
 and rows past a head's end read as zeros, so ragged lengths need only the key mask on the last
 block (keys >= Skv) and the causal diagonal (keys > row, top-left aligned). Used by
 ``attention._launch_forward`` for 16-bit inputs with D = Dv = 128 on sm_90; see ``eligible``.
-Measured in benchmark/NOTES.md (the session of 2026-11-30 05:14).
+Measured in benchmark/NOTES.md (issue 4's H200 runs).
 
 The backward's dK/dV (``backward_dkdv``) follows the same plan with the roles of queries and
 keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup) in shared
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
-dk += ds^T q with p^T and ds^T as register operands. Used when ``attention.use_hopper_backward``
-is on (the default; measured in benchmark/NOTES.md, the session of 2026-11-30 09:00).
+dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
+is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
+from gemslib.layout import LOG2E
 
 ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program has two
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
@@ -48,7 +49,6 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
-LOG2E = 1.4426950408889634
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -68,122 +68,125 @@ def _register_operand_layout(cols):
 
 
 @gluon.jit
-def _softmax_block(s, row_max, scale_log2):
-    """p = 2^(s * scale_log2 - new_max) for one block of scores (scale_log2 >= 0); returns
+def _softmax_block(b_s, b_row_max, scale_log2):
+    """p = 2^(s * scale_log2 - new_max) for one block of scores b_s (scale_log2 >= 0); returns
     (p, new_max, alpha), alpha = 2^(old_max - new_max) rescales what was accumulated."""
-    new_max = gl.maximum(row_max, gl.max(s, axis=1) * scale_log2)
-    p = gl.exp2(s * scale_log2 - new_max[:, None])
-    alpha = gl.exp2(row_max - new_max)
-    return p, new_max, alpha
+    b_new_max = gl.maximum(b_row_max, gl.max(b_s, axis=1) * scale_log2)
+    b_p = gl.exp2(b_s * scale_log2 - b_new_max[:, None])
+    b_alpha = gl.exp2(b_row_max - b_new_max)
+    return b_p, b_new_max, b_alpha
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-              batch, head, kv_head, first_query, n_blocks, STAGES: gl.constexpr):
+              i_b, i_h, i_hkv, first_query, n_blocks, STAGES: gl.constexpr):
     """One warp: both consumers' q tiles, then K_j and V_j into stage j % STAGES, each stage
     refilled once both consumers released it."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    for half in gl.static_range(2):
-        mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, first_query + half * ROWS, 0],
-                                        q_ready.index(half), q_smem.index(half))
-    for block in range(n_blocks):
-        stage = block % STAGES
+    for i_half in gl.static_range(2):
+        mbarrier.expect(q_ready.index(i_half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [i_b, i_h, first_query + i_half * ROWS, 0],
+                                        q_ready.index(i_half), q_smem.index(i_half))
+    for i_n in range(n_blocks):
+        stage = i_n % STAGES
         # the previous round of this stage must be released (the first round is free)
-        mbarrier.wait(kv_empty.index(stage), ((block // STAGES) + 1) & 1, pred=block >= STAGES)
+        mbarrier.wait(kv_empty.index(stage), ((i_n // STAGES) + 1) & 1, pred=i_n >= STAGES)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, block * BLOCK_N, 0],
+        tma.async_copy_global_to_shared(k_desc, [i_b, i_hkv, i_n * BLOCK_N, 0],
                                         k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, block * BLOCK_N, 0],
+        tma.async_copy_global_to_shared(v_desc, [i_b, i_hkv, i_n * BLOCK_N, 0],
                                         v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _mask(s, block, rows, cols, seq_kv, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    keys = block * BLOCK_N + cols[None, :]
-    keep = (keys < seq_kv) & (rows[:, None] >= 0)  # the full (rows, keys) shape
+def _mask(b_s, i_n, o_m, o_col, seq_kv, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """b_s with -inf where key block i_n's keys (columns o_col) are past seq_kv or, causal,
+    past the query row o_m."""
+    o_n = i_n * BLOCK_N + o_col[None, :]
+    m_keep = (o_n < seq_kv) & (o_m[:, None] >= 0)  # the full (rows, keys) shape
     if CAUSAL:
-        keep = keep & (keys <= rows[:, None])
-    return gl.where(keep, s, -float("inf"))
+        m_keep = m_keep & (o_n <= o_m[:, None])
+    return gl.where(m_keep, b_s, -float("inf"))
 
 
 @gluon.jit
-def _consumer(half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, out_ptr, lse_ptr,
+def _consumer(i_half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, p_out, p_lse,
               first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: query rows first_query + half * ROWS + [0, ROWS) of one head against key
+    """One warpgroup: query rows first_query + i_half * ROWS + [0, ROWS) of one head against key
     blocks [0, n_blocks); blocks from full_blocks on are masked. Writes o rows and their lse
-    (out_ptr / lse_ptr point at the head's (Sq, D) / (Sq,) slices)."""
+    (p_out / p_lse point at the head's (Sq, D) / (Sq,) slices)."""
     ROWS: gl.constexpr = q_smem.shape[3]
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(HEAD_D)
-    p_layout: gl.constexpr = _register_operand_layout(HEAD_D)
-    q_tile = q_smem.index(half).reshape([ROWS, HEAD_D])
-    rows = first_query + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    row_max = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    row_sum = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    DTYPE: gl.constexpr = q_smem.dtype
+    S_LAYOUT: gl.constexpr = _wgmma_layout(BLOCK_N)
+    O_LAYOUT: gl.constexpr = _wgmma_layout(HEAD_D)
+    P_LAYOUT: gl.constexpr = _register_operand_layout(HEAD_D)
+    q_tile = q_smem.index(i_half).reshape([ROWS, HEAD_D])
+    o_m = first_query + i_half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_LAYOUT))
+    o_col = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    b_row_max = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    b_row_sum = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    b_acc = gl.zeros([ROWS, HEAD_D], gl.float32, O_LAYOUT)
+    b_zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, S_LAYOUT)
 
     # block 0: scores and softmax before the loop
-    mbarrier.wait(q_ready.index(half), 0)
+    mbarrier.wait(q_ready.index(i_half), 0)
     mbarrier.wait(k_ready.index(0), 0)
     k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_D])
-    s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s, _, _ = warpgroup_mma_wait(0, deps=[s_token, q_tile, k_tile])
+    s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_zero_s, use_acc=False,
+                            is_async=True)
+    b_s, _, _ = warpgroup_mma_wait(0, deps=[s_token, q_tile, k_tile])
     if full_blocks == 0:
-        s = _mask(s, 0, rows, cols, seq_kv, CAUSAL, BLOCK_N)
-    p, row_max, alpha = _softmax_block(s, row_max, scale_log2)
-    row_sum = row_sum * alpha + gl.sum(p, axis=1)
+        b_s = _mask(b_s, 0, o_m, o_col, seq_kv, CAUSAL, BLOCK_N)
+    b_p, b_row_max, b_alpha = _softmax_block(b_s, b_row_max, scale_log2)
+    b_row_sum = b_row_sum * b_alpha + gl.sum(b_p, axis=1)
 
-    for block in range(n_blocks - 1):
-        stage = block % STAGES
-        next_stage = (block + 1) % STAGES
+    for i_n in range(n_blocks - 1):
+        stage = i_n % STAGES
+        next_stage = (i_n + 1) % STAGES
         # tensor cores: q @ K_{j+1}, then p_j @ V_j, both in flight
-        mbarrier.wait(k_ready.index(next_stage), ((block + 1) // STAGES) & 1)
+        mbarrier.wait(k_ready.index(next_stage), ((i_n + 1) // STAGES) & 1)
         k_tile = k_smem.index(next_stage).reshape([BLOCK_N, HEAD_D])
-        s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False,
+        s_token = warpgroup_mma(q_tile, k_tile.permute((1, 0)), b_zero_s, use_acc=False,
                                 is_async=True)
-        p_operand = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(v_ready.index(stage), (block // STAGES) & 1)
+        b_p_op = gl.convert_layout(b_p.to(DTYPE), P_LAYOUT)
+        mbarrier.wait(v_ready.index(stage), (i_n // STAGES) & 1)
         v_tile = v_smem.index(stage).reshape([BLOCK_N, HEAD_D])
-        o_token = warpgroup_mma(p_operand, v_tile, acc, is_async=True)
-        s, _ = warpgroup_mma_wait(1, deps=[s_token, k_tile])
+        acc_token = warpgroup_mma(b_p_op, v_tile, b_acc, is_async=True)
+        b_s, _ = warpgroup_mma_wait(1, deps=[s_token, k_tile])
         # CUDA cores: the softmax of block j+1 under p_j @ V_j. The branch (always taken) keeps
         # it in a basic block of its own: ptxas would otherwise hoist the wait for p_j @ V_j
         # into its first latency bubble and serialise the two (seen in the SASS)
         if seq_q > 0:
-            if block + 1 >= full_blocks:
-                s = _mask(s, block + 1, rows, cols, seq_kv, CAUSAL, BLOCK_N)
-            p, row_max, alpha = _softmax_block(s, row_max, scale_log2)
-            row_sum = row_sum * alpha + gl.sum(p, axis=1)
+            if i_n + 1 >= full_blocks:
+                b_s = _mask(b_s, i_n + 1, o_m, o_col, seq_kv, CAUSAL, BLOCK_N)
+            b_p, b_row_max, b_alpha = _softmax_block(b_s, b_row_max, scale_log2)
+            b_row_sum = b_row_sum * b_alpha + gl.sum(b_p, axis=1)
         else:
-            p = s
-            alpha = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
-        acc, _ = warpgroup_mma_wait(0, deps=[o_token, v_tile])
+            b_p = b_s
+            b_alpha = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        b_acc, _ = warpgroup_mma_wait(0, deps=[acc_token, v_tile])
         mbarrier.arrive(kv_empty.index(stage))  # K_j and V_j are no longer read
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        b_acc = b_acc * gl.convert_layout(b_alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
 
     last = (n_blocks - 1) % STAGES
-    p_operand = gl.convert_layout(p.to(dtype), p_layout)
+    b_p_op = gl.convert_layout(b_p.to(DTYPE), P_LAYOUT)
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
     v_tile = v_smem.index(last).reshape([BLOCK_N, HEAD_D])
-    o_token = warpgroup_mma(p_operand, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(0, deps=[o_token, v_tile])
+    acc_token = warpgroup_mma(b_p_op, v_tile, b_acc, is_async=True)
+    b_acc, _ = warpgroup_mma_wait(0, deps=[acc_token, v_tile])
 
-    in_range = rows < seq_q
-    gl.store(lse_ptr + rows, (row_max + gl.log2(row_sum)) * 0.6931471805599453, mask=in_range)
-    out = (acc / gl.convert_layout(row_sum, gl.SliceLayout(1, o_layout))[:, None]).to(dtype)
-    out_rows = first_query + half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + out_rows[:, None].to(gl.int64) * HEAD_D + dims[None, :], out,
-             mask=(out_rows < seq_q)[:, None])
+    m_m = o_m < seq_q
+    gl.store(p_lse + o_m, (b_row_max + gl.log2(b_row_sum)) * 0.6931471805599453, mask=m_m)
+    b_out = (b_acc / gl.convert_layout(b_row_sum, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(DTYPE)
+    o_m_out = first_query + i_half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
+    o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
+    gl.store(p_out + o_m_out[:, None].to(gl.int64) * HEAD_D + o_d[None, :], b_out,
+             mask=(o_m_out < seq_q)[:, None])
 
 
 @gluon.jit
@@ -197,14 +200,14 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
+    DTYPE: gl.constexpr = q_desc.dtype
     n_query_blocks = gl.cdiv(seq_q, 2 * ROWS)
-    batch_head, query_block = layout.head_and_block(n_query_blocks, CAUSAL)
-    batch = batch_head // n_q_heads
-    head = batch_head % n_q_heads
+    i_bh, i_m = layout.head_and_block(n_query_blocks, CAUSAL)
+    i_b = i_bh // n_q_heads
+    i_h = i_bh % n_q_heads
     if CAUSAL:  # the last query blocks see the most keys
-        query_block = n_query_blocks - 1 - query_block
-    first_query = query_block * 2 * ROWS
+        i_m = n_query_blocks - 1 - i_m
+    first_query = i_m * 2 * ROWS
     if CAUSAL:  # top-left aligned: row i sees keys j <= i
         n_blocks = gl.cdiv(gl.minimum(seq_kv, first_query + 2 * ROWS), BLOCK_N)
         full_blocks = gl.minimum(seq_kv, first_query) // BLOCK_N
@@ -212,27 +215,27 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
         n_blocks = gl.cdiv(seq_kv, BLOCK_N)
         full_blocks = seq_kv // BLOCK_N
 
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(DTYPE, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(DTYPE, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(DTYPE, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_ready.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i_half in gl.static_range(2):
+        mbarrier.init(q_ready.index(i_half), count=1)
+    for i_stage in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i_stage), count=1)
+        mbarrier.init(v_ready.index(i_stage), count=1)
+        mbarrier.init(kv_empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
 
-    head_rows = batch_head.to(gl.int64) * seq_q
+    head_rows = i_bh.to(gl.int64) * seq_q
     consumer_args = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
                      out_ptr + head_rows * HEAD_D, lse_ptr + head_rows, first_query, seq_q,
                      seq_kv, n_blocks, full_blocks, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which 64 of the 128 rows
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                     kv_empty, batch, head, head // group_size, first_query, n_blocks, STAGES)
+                     kv_empty, i_b, i_h, i_h // group_size, first_query, n_blocks, STAGES)
     gl.warp_specialize([(_consumer, (low,) + consumer_args), (_consumer, (high,) + consumer_args),
                         (_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -244,92 +247,92 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
 
 @gluon.jit
 def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                  qdo_ready, qdo_empty, batch, kv_head, first_key, group_size, first_row_block,
+                  qdo_ready, qdo_empty, i_b, i_hkv, first_key, group_size, first_row_block,
                   row_blocks, STAGES: gl.constexpr):
     """One warp: both consumers' K and V blocks once, then for each (group member, query block)
     the q and do tiles into stage step % STAGES, refilled once both consumers released it."""
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     mbarrier.expect(kv_ready.index(0), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, first_key + half * KEYS, 0],
-                                        kv_ready.index(0), k_smem.index(half))
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, first_key + half * KEYS, 0],
-                                        kv_ready.index(0), v_smem.index(half))
-    for step in range(group_size * row_blocks):
-        stage = step % STAGES
-        head = kv_head * group_size + step // row_blocks
-        row = (first_row_block + step % row_blocks) * ROWS
-        mbarrier.wait(qdo_empty.index(stage), ((step // STAGES) + 1) & 1, pred=step >= STAGES)
+    for i_half in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [i_b, i_hkv, first_key + i_half * KEYS, 0],
+                                        kv_ready.index(0), k_smem.index(i_half))
+        tma.async_copy_global_to_shared(v_desc, [i_b, i_hkv, first_key + i_half * KEYS, 0],
+                                        kv_ready.index(0), v_smem.index(i_half))
+    for i_step in range(group_size * row_blocks):
+        stage = i_step % STAGES
+        i_h = i_hkv * group_size + i_step // row_blocks
+        row = (first_row_block + i_step % row_blocks) * ROWS
+        mbarrier.wait(qdo_empty.index(stage), ((i_step // STAGES) + 1) & 1, pred=i_step >= STAGES)
         mbarrier.expect(qdo_ready.index(stage),
                         q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, row, 0], qdo_ready.index(stage),
+        tma.async_copy_global_to_shared(q_desc, [i_b, i_h, row, 0], qdo_ready.index(stage),
                                         q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [batch, head, row, 0], qdo_ready.index(stage),
+        tma.async_copy_global_to_shared(do_desc, [i_b, i_h, row, 0], qdo_ready.index(stage),
                                         do_smem.index(stage))
 
 
 @gluon.jit
-def _bwd_consumer(half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, first_key, seq_q, seq_kv, group_size,
+def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty, p_lse,
+                  p_delta, p_dk, p_dv, first_key, seq_q, seq_kv, group_size,
                   first_row_block, row_blocks, scale, scale_log2,
                   CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: keys first_key + half * KEYS + [0, KEYS) of one KV head, keys-major like
+    """One warpgroup: keys first_key + i_half * KEYS + [0, KEYS) of one KV head, keys-major like
     the Triton kernel: s^T = k q^T and dp^T = v do^T (K and V straight from shared memory),
     p^T = 2^(s^T scale_log2 - lse log2 e), ds^T = p^T (dp^T - delta), then dv += p^T do and
-    dk += ds^T q with p^T and ds^T as register operands. lse_ptr / delta_ptr point at the
-    group's first query head ((Sq,) per member, consecutive); dk_ptr / dv_ptr at the KV head's
+    dk += ds^T q with p^T and ds^T as register operands. p_lse / p_delta point at the
+    group's first query head ((Sq,) per member, consecutive); p_dk / p_dv at the KV head's
     (Skv, D) slices."""
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     ROWS: gl.constexpr = q_smem.shape[3]
-    dtype: gl.constexpr = k_smem.dtype
-    s_layout: gl.constexpr = _wgmma_layout(ROWS)
-    acc_layout: gl.constexpr = _wgmma_layout(HEAD_D)
-    operand_layout: gl.constexpr = _register_operand_layout(HEAD_D)
-    k_tile = k_smem.index(half).reshape([KEYS, HEAD_D])
-    v_tile = v_smem.index(half).reshape([KEYS, HEAD_D])
-    keys = first_key + half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-    dk = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
-    dv = gl.zeros([KEYS, HEAD_D], gl.float32, acc_layout)
-    zero_s = gl.zeros([KEYS, ROWS], gl.float32, s_layout)
+    DTYPE: gl.constexpr = k_smem.dtype
+    S_LAYOUT: gl.constexpr = _wgmma_layout(ROWS)
+    ACC_LAYOUT: gl.constexpr = _wgmma_layout(HEAD_D)
+    OPERAND_LAYOUT: gl.constexpr = _register_operand_layout(HEAD_D)
+    k_tile = k_smem.index(i_half).reshape([KEYS, HEAD_D])
+    v_tile = v_smem.index(i_half).reshape([KEYS, HEAD_D])
+    o_n = first_key + i_half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, S_LAYOUT))
+    o_col = gl.arange(0, ROWS, layout=gl.SliceLayout(0, S_LAYOUT))
+    b_dk = gl.zeros([KEYS, HEAD_D], gl.float32, ACC_LAYOUT)
+    b_dv = gl.zeros([KEYS, HEAD_D], gl.float32, ACC_LAYOUT)
+    b_zero_s = gl.zeros([KEYS, ROWS], gl.float32, S_LAYOUT)
     mbarrier.wait(kv_ready.index(0), 0)
-    for step in range(group_size * row_blocks):
-        stage = step % STAGES
-        rows = (first_row_block + step % row_blocks) * ROWS + cols
-        mbarrier.wait(qdo_ready.index(stage), (step // STAGES) & 1)
+    for i_step in range(group_size * row_blocks):
+        stage = i_step % STAGES
+        o_m = (first_row_block + i_step % row_blocks) * ROWS + o_col
+        mbarrier.wait(qdo_ready.index(stage), (i_step // STAGES) & 1)
         q_tile = q_smem.index(stage).reshape([ROWS, HEAD_D])
         do_tile = do_smem.index(stage).reshape([ROWS, HEAD_D])
-        s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), zero_s, use_acc=False,
+        s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), b_zero_s, use_acc=False,
                                 is_async=True)
-        dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), zero_s, use_acc=False,
+        dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), b_zero_s, use_acc=False,
                                  is_async=True)
         # the rows' lse and delta load under the two matmuls
-        row_offsets = (step // row_blocks).to(gl.int64) * seq_q + rows
-        in_rows = rows < seq_q
-        lse_log2 = gl.load(lse_ptr + row_offsets, mask=in_rows, other=0.0) * 1.4426950408889634
-        delta = gl.load(delta_ptr + row_offsets, mask=in_rows, other=0.0)
-        s_t, dp_t, _, _, _, _ = warpgroup_mma_wait(
+        o_row = (i_step // row_blocks).to(gl.int64) * seq_q + o_m
+        m_m = o_m < seq_q
+        b_lse_log2 = gl.load(p_lse + o_row, mask=m_m, other=0.0) * LOG2E
+        b_delta = gl.load(p_delta + o_row, mask=m_m, other=0.0)
+        b_st, b_dpt, _, _, _, _ = warpgroup_mma_wait(
             0, deps=[s_token, dp_token, k_tile, v_tile, q_tile, do_tile])
-        keep = (keys[:, None] < seq_kv) & in_rows[None, :]
+        m_keep = (o_n[:, None] < seq_kv) & m_m[None, :]
         if CAUSAL:  # top-left aligned: row i sees keys j <= i
-            keep = keep & (keys[:, None] <= rows[None, :])
-        p_t = gl.where(keep, gl.exp2(s_t * scale_log2 - lse_log2[None, :]), 0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        p_operand = gl.convert_layout(p_t.to(dtype), operand_layout)
-        ds_operand = gl.convert_layout(ds_t.to(dtype), operand_layout)
-        dv_token = warpgroup_mma(p_operand, do_tile, dv, is_async=True)
-        dk_token = warpgroup_mma(ds_operand, q_tile, dk, is_async=True)
-        dv, dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+            m_keep = m_keep & (o_n[:, None] <= o_m[None, :])
+        b_pt = gl.where(m_keep, gl.exp2(b_st * scale_log2 - b_lse_log2[None, :]), 0.0)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        b_pt_op = gl.convert_layout(b_pt.to(DTYPE), OPERAND_LAYOUT)
+        b_dst_op = gl.convert_layout(b_dst.to(DTYPE), OPERAND_LAYOUT)
+        dv_token = warpgroup_mma(b_pt_op, do_tile, b_dv, is_async=True)
+        dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
+        b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
         mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
 
-    out_keys = first_key + half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    offsets = out_keys[:, None].to(gl.int64) * HEAD_D + dims[None, :]
-    in_keys = (out_keys < seq_kv)[:, None]
-    gl.store(dk_ptr + offsets, (dk * scale).to(dtype), mask=in_keys)
-    gl.store(dv_ptr + offsets, dv.to(dtype), mask=in_keys)
+    o_n_out = first_key + i_half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+    o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
+    o_dkv = o_n_out[:, None].to(gl.int64) * HEAD_D + o_d[None, :]
+    m_n_out = (o_n_out < seq_kv)[:, None]
+    gl.store(p_dk + o_dkv, (b_dk * scale).to(DTYPE), mask=m_n_out)
+    gl.store(p_dv + o_dkv, b_dv.to(DTYPE), mask=m_n_out)
 
 
 @gluon.jit
@@ -345,39 +348,39 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    dtype: gl.constexpr = q_desc.dtype
-    batch_kv_head, key_block = layout.head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
-    batch = batch_kv_head // n_kv_heads
-    kv_head = batch_kv_head % n_kv_heads
-    first_key = key_block * 2 * KEYS
+    DTYPE: gl.constexpr = q_desc.dtype
+    i_bhkv, i_n = layout.head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
+    i_b = i_bhkv // n_kv_heads
+    i_hkv = i_bhkv % n_kv_heads
+    first_key = i_n * 2 * KEYS
     if CAUSAL:  # query rows before the first key see none of the program's keys
         first_row_block = gl.minimum(first_key, seq_q) // ROWS
     else:
         first_row_block = first_key * 0
     row_blocks = gl.cdiv(seq_q, ROWS) - first_row_block
 
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape,
+    q_smem = gl.allocate_shared_memory(DTYPE, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(DTYPE, [STAGES] + do_desc.block_type.shape,
                                         do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(DTYPE, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(DTYPE, [2] + v_desc.block_type.shape, v_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(qdo_ready.index(i), count=1)
-        mbarrier.init(qdo_empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i_stage in gl.static_range(STAGES):
+        mbarrier.init(qdo_ready.index(i_stage), count=1)
+        mbarrier.init(qdo_empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
 
-    group_rows = (batch * n_kv_heads + kv_head).to(gl.int64) * group_size * seq_q
-    kv_rows = batch_kv_head.to(gl.int64) * seq_kv
+    group_rows = (i_b * n_kv_heads + i_hkv).to(gl.int64) * group_size * seq_q
+    kv_rows = i_bhkv.to(gl.int64) * seq_kv
     consumer_args = (q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty,
                      lse_ptr + group_rows, delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
                      dv_ptr + kv_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
                      first_row_block, row_blocks, scale, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which KEYS of the program's keys
     producer_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                     qdo_ready, qdo_empty, batch, kv_head, first_key, group_size,
+                     qdo_ready, qdo_empty, i_b, i_hkv, first_key, group_size,
                      first_row_block, row_blocks, STAGES)
     gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
                         (_bwd_consumer, (high,) + consumer_args),
@@ -414,9 +417,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       for t in (k, v))
     with torch.cuda.device(q.device):
         _attention_fwd_hopper[(batch * n_q_heads * runtime.cdiv(seq_q, 2 * ROWS),)](
-            q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads,
-            scale * LOG2E, CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+            q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, out_ptr=out, lse_ptr=lse, seq_q=seq_q,
+            seq_kv=seq_kv, n_q_heads=n_q_heads, group_size=n_q_heads // n_kv_heads,
+            scale_log2=scale * LOG2E.value, CAUSAL=causal, STAGES=STAGES,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return out, lse
 
 
@@ -438,37 +442,9 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                       for t in (k, v))
     with torch.cuda.device(q.device):
         _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
-            q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, seq_q, seq_kv, n_kv_heads,
-            n_q_heads // n_kv_heads, scale, scale * LOG2E, CAUSAL=causal, STAGES=BWD_STAGES,
+            q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_ptr=lse,
+            delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, seq_q=seq_q, seq_kv=seq_kv,
+            n_kv_heads=n_kv_heads, group_size=n_q_heads // n_kv_heads, scale=scale,
+            scale_log2=scale * LOG2E.value, CAUSAL=causal, STAGES=BWD_STAGES,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
     return dk, dv
-
-
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
-                     backward: bool = False):
-    """Compile the forward kernel (or the backward's dK/dV kernel) for sm_90 without a GPU
-    (tests): returns triton's CompiledKernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    q_layout, kv_layout = shared_layouts(dtype)
-    constexprs = {"CAUSAL": causal, "STAGES": BWD_STAGES if backward else STAGES,
-                  "CONSUMER_REGS": CONSUMER_REGS, "PRODUCER_REGS": PRODUCER_REGS}
-    block = f"tensordesc<{name}[1, 1, {ROWS}, {HEAD_DIM}],{q_layout!r}>"  # also KEYS, BWD_ROWS
-    if backward:
-        kernel = _attention_bwd_dkdv_hopper
-        signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
-                     "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
-                     "dv_ptr": f"*{name}", "seq_q": "i32", "seq_kv": "i32", "n_kv_heads": "i32",
-                     "group_size": "i32", "scale": "fp32", "scale_log2": "fp32"}
-    else:
-        kernel = _attention_fwd_hopper
-        kv_block = f"tensordesc<{name}[1, 1, {BLOCK_N}, {HEAD_DIM}],{kv_layout!r}>"
-        signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
-                     "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
-                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32"}
-    signature.update({key: "constexpr" for key in constexprs})
-    source = GluonASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

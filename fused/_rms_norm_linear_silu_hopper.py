@@ -11,8 +11,8 @@
    stage by an mbarrier that needs both their arrivals; tiles in grouped order (GROUP_M row
    tiles sweep the columns together, so W is read about once per group).
 
-Triton's own matmul reached 1.29x cuBLAS's time on the H200, this one 1.02-1.07x at most
-shapes (benchmark/NOTES.md, issue 5); the in-loop fusion of the Triton kernel in
+On the H200 Triton's own matmul takes 1.29x cuBLAS's time, this one 1.02-1.07x at most
+shapes (benchmark/NOTES.md, RMSNorm + Linear + SiLU); the in-loop fusion of the Triton kernel in
 ``rms_norm_linear_silu.py`` (which serves every other call) cost another 1.6x on top. The
 operand fed to the tensor cores is the same x * g rounded to x's dtype as there.
 """
@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
+from gemslib.layout import LOG2E
 
 TILE_ROWS = 64     # rows of a tile per consumer warpgroup (the wgmma M); a tile has two
 BLOCK_N = 256      # columns of a tile
@@ -43,118 +44,130 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @triton.jit
-def _scale_rows_kernel(x_ptr, norm_weight_ptr, xg_ptr, rstd_ptr, n_in, x_row_stride, eps,
-                       BLOCK: tl.constexpr):
-    """One row per program: xg = x * g in x's dtype, rstd = 1 / sqrt(mean(x^2) + eps) fp32."""
-    row = tl.program_id(0).to(tl.int64)
-    squares = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n_in, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_in
-        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
-        g = tl.load(norm_weight_ptr + cols, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        squares += xf * xf
-        tl.store(xg_ptr + row * n_in + cols, (xf * g.to(tl.float32)).to(x.dtype), mask=mask)
-    tl.store(rstd_ptr + row, 1.0 / tl.sqrt(tl.sum(squares) / n_in + eps))
+def _scale_rows_kernel(x_ptr, norm_weight_ptr, xg_ptr, rstd_ptr, n_in, stride_x_row, eps,
+                       BLOCK_K: tl.constexpr):
+    """One row per program, BLOCK_K elements a step: xg = x * g in x's dtype, rstd = 1 /
+    sqrt(mean(x^2) + eps) fp32."""
+    i_m = tl.program_id(0).to(tl.int64)
+    b_squares = tl.zeros([BLOCK_K], tl.float32)
+    for i_k in range(0, n_in, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        m_k = o_k < n_in
+        b_x = tl.load(x_ptr + i_m * stride_x_row + o_k, mask=m_k, other=0.0)
+        b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0)
+        b_xf = b_x.to(tl.float32)
+        b_squares += b_xf * b_xf
+        tl.store(xg_ptr + i_m * n_in + o_k, (b_xf * b_g.to(tl.float32)).to(b_x.dtype), mask=m_k)
+    tl.store(rstd_ptr + i_m, 1.0 / tl.sqrt(tl.sum(b_squares) / n_in + eps))
 
 
 @gluon.jit
-def _tile_coords(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+def _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M: gl.constexpr):
+    """(row tile, column tile) of tile i_tile in grouped order."""
+    tiles_per_group = GROUP_M * n_tiles_n
+    first_m = (i_tile // tiles_per_group) * GROUP_M
+    group_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
+    return first_m + (i_tile % tiles_per_group) % group_m, (i_tile % tiles_per_group) // group_m
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_m, tiles_n, k_steps,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    step = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        for kk in range(k_steps):
-            stage = step % STAGES
+def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_m, n_tiles_n,
+              n_k_steps, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
+    i_step = 0
+    for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
+        i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
+        for i_k in range(n_k_steps):
+            stage = i_step % STAGES
             # the previous round of this stage must be released by both consumers
-            mbarrier.wait(empty.index(stage), ((step // STAGES) + 1) & 1, pred=step >= STAGES)
+            mbarrier.wait(empty.index(stage), ((i_step // STAGES) + 1) & 1, pred=i_step >= STAGES)
             mbarrier.expect(ready.index(stage),
-                            2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            for half in gl.static_range(2):
+                            2 * xg_desc.block_type.nbytes + weight_desc.block_type.nbytes)
+            for i_half in gl.static_range(2):
                 tma.async_copy_global_to_shared(
-                    a_desc, [(pid_m * 2 + half) * ROWS, kk * BLOCK_K], ready.index(stage),
-                    a_smem.index(stage * 2 + half))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kk * BLOCK_K],
-                                            ready.index(stage), b_smem.index(stage))
-            step += 1
+                    xg_desc, [(i_m * 2 + i_half) * ROWS, i_k * BLOCK_K], ready.index(stage),
+                    xg_smem.index(stage * 2 + i_half))
+            tma.async_copy_global_to_shared(weight_desc, [i_n * BLOCK_N, i_k * BLOCK_K],
+                                            ready.index(stage), weight_smem.index(stage))
+            i_step += 1
 
 
 @gluon.jit
-def _consumer(half, a_smem, b_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, has_bias, M, N,
-              tiles_m, tiles_n, k_steps, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Rows (2 * pid_m + half) * 64 ... of every tile this program visits."""
-    BLOCK_N: gl.constexpr = b_smem.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, n_rows,
+              n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
+              STAGES: gl.constexpr):
+    """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits."""
+    BLOCK_N: gl.constexpr = weight_smem.shape[1]
+    ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     # the epilogue's layout: 8 consecutive columns (16 bytes) per thread
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8],
+    OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8],
                                                 [4, 1], [1, 0])
-    step = 0
-    for tile in range(gl.program_id(0), tiles_m * tiles_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-        for kk in range(k_steps):
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            a_tile = a_smem.index(stage * 2 + half)
-            b_tile = b_smem.index(stage)
-            acc = warpgroup_mma(a_tile, b_tile.permute((1, 0)), acc, is_async=True)
+    i_step = 0
+    for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
+        i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
+        b_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC_LAYOUT)
+        for i_k in range(n_k_steps):
+            stage = i_step % STAGES
+            mbarrier.wait(ready.index(stage), (i_step // STAGES) & 1)
+            xg_tile = xg_smem.index(stage * 2 + i_half)
+            weight_tile = weight_smem.index(stage)
+            b_acc = warpgroup_mma(xg_tile, weight_tile.permute((1, 0)), b_acc, is_async=True)
             # the previous step's wgmma is done: its stage goes back to the producer
-            acc, _, _ = warpgroup_mma_wait(1, deps=[acc, a_tile, b_tile])
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=kk > 0)
-            step += 1
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+            b_acc, _, _ = warpgroup_mma_wait(1, deps=[b_acc, xg_tile, weight_tile])
+            mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES), pred=i_k > 0)
+            i_step += 1
+        b_acc = warpgroup_mma_wait(0, deps=[b_acc])
+        mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES))
 
         # epilogue: silu(r * acc + b), one store. (A bf16 tile converted straight from this
         # 64 x 256 wgmma layout trips an assertion in Triton 3.6's lowering; fp32 does not.)
-        z = gl.convert_layout(acc, out_layout)
-        rows = (pid_m * 2 + half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
-        rstd = gl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
-        bias = gl.load(bias_ptr + cols, mask=(cols < N) & (has_bias != 0), other=0.0)
-        z = z * rstd[:, None] + bias.to(gl.float32)[None, :]
-        out = z / (1.0 + gl.exp2(-1.4426950408889634 * z))
-        gl.store(out_ptr + rows[:, None].to(gl.int64) * N + cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        b_z = gl.convert_layout(b_acc, OUT_LAYOUT)
+        o_m = (i_m * 2 + i_half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
+        o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
+        b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
+        if bias_ptr is not None:
+            b_bias = gl.load(bias_ptr + o_n, mask=o_n < n_out, other=0.0)
+            b_z = b_z * b_rstd[:, None] + b_bias.to(gl.float32)[None, :]
+        else:
+            b_z = b_z * b_rstd[:, None]
+        b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z))
+        gl.store(out_ptr + o_m[:, None].to(gl.int64) * n_out + o_n[None, :],
+                 b_out.to(out_ptr.dtype.element_ty),
+                 mask=(o_m < n_rows)[:, None] & (o_n < n_out)[None, :])
 
 
 @gluon.jit
-def _matmul_epilogue(a_desc, b_desc, out_ptr, rstd_ptr, bias_ptr, has_bias, M, N, K,
+def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, n_out, n_in,
                      GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """Persistent grid (at most one program per SM): out (M, N) = silu(rstd * (A @ B.T) + b),
-    A (M, K) through a_desc in [64, BLOCK_K] blocks, B (N, K) through b_desc in
-    [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (M,) fp32, bias (N,) read if has_bias."""
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    dtype: gl.constexpr = a_desc.dtype
-    tiles_m = gl.cdiv(M, 2 * ROWS)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    a_smem = gl.allocate_shared_memory(dtype, [STAGES * 2, ROWS, BLOCK_K], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    """Persistent grid (at most one program per SM): out (n_rows, n_out) = silu(rstd * (xg @
+    W.T) + b), xg (n_rows, n_in) through xg_desc in [64, BLOCK_K] blocks, W (n_out, n_in)
+    through weight_desc in [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (n_rows,) fp32, bias
+    (n_out,) or None."""
+    BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
+    DTYPE: gl.constexpr = xg_desc.dtype
+    n_tiles_m = gl.cdiv(n_rows, 2 * ROWS)
+    n_tiles_n = gl.cdiv(n_out, BLOCK_N)
+    n_k_steps = gl.cdiv(n_in, BLOCK_K)
+    xg_smem = gl.allocate_shared_memory(DTYPE, [STAGES * 2, ROWS, BLOCK_K], xg_desc.layout)
+    weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, BLOCK_K], weight_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-    consumer_args = (a_smem, b_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, has_bias, M, N,
-                     tiles_m, tiles_n, k_steps, GROUP_M, STAGES)
-    gl.warp_specialize([(_consumer, (gl.to_tensor(0),) + consumer_args),
-                        (_consumer, (gl.to_tensor(1),) + consumer_args),
-                        (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, tiles_m,
-                                     tiles_n, k_steps, GROUP_M, STAGES))],
+    for i_stage in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i_stage), count=1)
+        mbarrier.init(empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
+    # each consumer's arguments written out: Triton 3.6 cannot concatenate a tuple holding
+    # a None (bias_ptr without a bias) onto the warpgroup's index
+    gl.warp_specialize([(_consumer, (gl.to_tensor(0), xg_smem, weight_smem, ready, empty, out_ptr,
+                                     rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
+                                     n_k_steps, GROUP_M, STAGES)),
+                        (_consumer, (gl.to_tensor(1), xg_smem, weight_smem, ready, empty, out_ptr,
+                                     rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
+                                     n_k_steps, GROUP_M, STAGES)),
+                        (_producer, (xg_desc, weight_desc, xg_smem, weight_smem, ready, empty,
+                                     n_tiles_m, n_tiles_n, n_k_steps, GROUP_M, STAGES))],
                        [4, 1], [232, 40])
 
 
@@ -184,30 +197,14 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
     with torch.cuda.device(x_rows.device):
         _scale_rows_kernel[(n_rows,)](x_rows, norm_weight, scaled, rstd, n_in, x_rows.stride(0),
-                                      eps, BLOCK=SCALE_BLOCK, num_warps=4)
-        a_layout, b_layout = _shared_layouts(x_rows.dtype)
-        a_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], a_layout)
-        b_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], b_layout)
+                                      eps, BLOCK_K=SCALE_BLOCK, num_warps=4)
+        xg_layout, weight_layout = _shared_layouts(x_rows.dtype)
+        xg_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], xg_layout)
+        weight_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], weight_layout)
         tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, BLOCK_N)
         programs = min(torch.cuda.get_device_properties(x_rows.device).multi_processor_count,
                        tiles)
         _matmul_epilogue[(programs,)](
-            a_desc, b_desc, out_rows, rstd, bias if bias is not None else out_rows,
-            int(bias is not None), n_rows, n_out, n_in, GROUP_M=GROUP_M, STAGES=STAGES,
-            num_warps=4)
-
-
-def compile_for_sm90(dtype: torch.dtype = torch.bfloat16):
-    """Compile the Gluon matmul for sm_90 without a GPU (tests)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    a_layout, b_layout = _shared_layouts(dtype)
-    signature = {"a_desc": f"tensordesc<{name}[{TILE_ROWS}, {BLOCK_K}],{a_layout!r}>",
-                 "b_desc": f"tensordesc<{name}[{BLOCK_N}, {BLOCK_K}],{b_layout!r}>",
-                 "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
-                 "has_bias": "i32", "M": "i32", "N": "i32", "K": "i32",
-                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
-    source = GluonASTSource(_matmul_epilogue, signature, {"GROUP_M": GROUP_M, "STAGES": STAGES})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
+            bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
+            STAGES=STAGES, num_warps=4)

@@ -1,6 +1,6 @@
 """silu(rms_norm(x) @ W.T + b) in one kernel: the normalisation and the activation ride on the
-matmul. (Work in progress, issue 5. On sm_90, 16-bit inputs with 128 or more rows take the
-two-launch path of _rms_norm_linear_silu_hopper.py instead.)
+matmul. (On sm_90, 16-bit inputs with 128 or more rows take the two-launch path of
+_rms_norm_linear_silu_hopper.py instead.)
 
     out[m, n] = silu(z[m, n]),   z[m, n] = r[m] * sum_k x[m, k] g[k] W[n, k] + b[n],
     r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
@@ -16,7 +16,8 @@ from HBM about once per group. Small M (decode) runs the same kernel with 16-row
 narrow column tiles: many programs, each streaming its slice of W once.
 
 The backward is torch arithmetic (recomputing z), correct rather than fast. The file reads
-top-down: kernel, launcher, reference, public function and custom op.
+top-down: kernel, launcher, reference, public function, custom op and autograd, self-check,
+tuning.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Trito
 except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
     _rms_norm_linear_silu_hopper = None
 
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -46,98 +45,97 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 def _rms_norm_linear_silu_kernel(
     x_ptr, norm_weight_ptr, weight_ptr, weight_desc, bias_ptr, out_ptr, part_ptr,
     part_sum_squares_ptr, arrivals_ptr, n_rows, n_out, n_in, eps, split_len, n_splits,
-    x_row_stride, weight_row_stride, out_row_stride,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    stride_x_row, stride_weight_row, stride_out_row, IEEE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_TMA: tl.constexpr, SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
-    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides. TMA (the launcher's
-    decision: the config asks with USE_TMA and W's layout allows): W tiles come through the
-    tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past W's end); x always
-    goes through registers, where it is scaled by the norm weight.
+    order. x (n_rows, n_in) and W (n_out, n_in) with unit last strides, bias (n_out,) or None.
+    TMA (the launcher's decision: the config asks with USE_TMA and W's layout allows): W tiles
+    come through the tensor descriptor ``weight_desc`` ([BLOCK_N, BLOCK_K] blocks, zeros past
+    W's end); x always goes through registers, where it is scaled by the norm weight.
 
     SPLIT_K > 1 (decode: few rows, and a grid of column tiles alone is too short to keep every
     SM streaming W): axis 1 splits K into n_splits ranges of split_len. Each program stores its
     fp32 partial tile in part (n_splits, n_rows, n_out) and its rows' partial sums of squares in
     part_sum_squares (n_splits, n_rows); the last program of a tile to arrive (int32 counters in
     arrivals, one per tile, zero between launches) adds the splits in order, so the result does
-    not depend on arrival order, and finishes the tile."""
-    pid = tl.program_id(0)
+    not depend on arrival order, and finishes the tile. With SPLIT_K 1 the three are None."""
+    i_tile = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
     tiles_per_group = GROUP_M * n_n_tiles
-    first_m_tile = (pid // tiles_per_group) * GROUP_M
+    first_m_tile = (i_tile // tiles_per_group) * GROUP_M
     group_m_tiles = tl.minimum(n_m_tiles - first_m_tile, GROUP_M)
-    m_tile = first_m_tile + (pid % tiles_per_group) % group_m_tiles
-    n_tile = (pid % tiles_per_group) // group_m_tiles
+    i_m = first_m_tile + (i_tile % tiles_per_group) % group_m_tiles
+    i_n = (i_tile % tiles_per_group) // group_m_tiles
 
-    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    col_mask = cols < n_out
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride
-    w_cols = weight_ptr + cols.to(tl.int64)[None, :] * weight_row_stride  # W read as W.T tiles
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_m = o_m < n_rows
+    m_n = o_n < n_out
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
+    p_w = weight_ptr + o_n.to(tl.int64)[None, :] * stride_weight_row  # W read as W.T tiles
     if SPLIT_K > 1:
-        split = tl.program_id(1)
-        k_begin = split * split_len
+        i_split = tl.program_id(1)
+        k_begin = i_split * split_len
         k_end = tl.minimum(n_in, k_begin + split_len)
     else:
         k_begin = 0
         k_end = n_in
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k_start in range(k_begin, k_end, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        g = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for i_k in range(k_begin, k_end, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_end
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0)
         if TMA:  # split_len is a whole number of BLOCK_K: a block never crosses k_end < n_in
-            w = tl.trans(weight_desc.load([n_tile * BLOCK_N, k_start]))
+            b_w = tl.trans(weight_desc.load([i_n * BLOCK_N, i_k]))
         else:
-            w = tl.load(w_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        x32 = x.to(tl.float32)
-        sum_squares += tl.sum(x32 * x32, axis=1)
-        scaled = (x32 * g.to(tl.float32)[None, :]).to(x.dtype)
+            b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_x32 = b_x.to(tl.float32)
+        b_sum_squares += tl.sum(b_x32 * b_x32, axis=1)
+        b_xg = (b_x32 * b_g.to(tl.float32)[None, :]).to(b_x.dtype)
         if IEEE:
-            acc = tl.dot(scaled, w, acc, input_precision="ieee")
+            b_acc = tl.dot(b_xg, b_w, b_acc, input_precision="ieee")
         else:
-            acc = tl.dot(scaled, w, acc)
+            b_acc = tl.dot(b_xg, b_w, b_acc)
 
-    tile_mask = row_mask[:, None] & col_mask[None, :]
+    m_tile = m_m[:, None] & m_n[None, :]
     finish = True
     if SPLIT_K > 1:
-        part_rows = (split * n_rows + rows).to(tl.int64)
-        tl.store(part_ptr + part_rows[:, None] * n_out + cols[None, :], acc, mask=tile_mask)
+        o_part_row = (i_split * n_rows + o_m).to(tl.int64)
+        tl.store(part_ptr + o_part_row[:, None] * n_out + o_n[None, :], b_acc, mask=m_tile)
         # every column tile stores the same sums for its rows and split: harmless
-        tl.store(part_sum_squares_ptr + split * n_rows + rows, sum_squares, mask=row_mask)
-        tile = m_tile * n_n_tiles + n_tile
+        tl.store(part_sum_squares_ptr + i_split * n_rows + o_m, b_sum_squares, mask=m_m)
+        counter = i_m * n_n_tiles + i_n
         # acq_rel: the stores above are visible to whichever program arrives last
-        finish = tl.atomic_add(arrivals_ptr + tile, 1) == n_splits - 1
+        finish = tl.atomic_add(arrivals_ptr + counter, 1) == n_splits - 1
         if finish:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for other in range(0, n_splits):  # in split order: deterministic sums
-                other_rows = (other * n_rows + rows).to(tl.int64)
-                acc += tl.load(part_ptr + other_rows[:, None] * n_out + cols[None, :],
-                               mask=tile_mask, other=0.0, cache_modifier=".cg")
-                sum_squares += tl.load(part_sum_squares_ptr + other * n_rows + rows,
-                                       mask=row_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + tile, 0)  # ready for the next launch
+            b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for i_s in range(0, n_splits):  # in split order: deterministic sums
+                o_s_row = (i_s * n_rows + o_m).to(tl.int64)
+                b_acc += tl.load(part_ptr + o_s_row[:, None] * n_out + o_n[None, :],
+                                 mask=m_tile, other=0.0, cache_modifier=".cg")
+                b_sum_squares += tl.load(part_sum_squares_ptr + i_s * n_rows + o_m,
+                                         mask=m_m, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + counter, 0)  # ready for the next launch
     if finish:
-        rstd = 1.0 / tl.sqrt(sum_squares / n_in + eps)
-        z = acc * rstd[:, None]
-        if HAS_BIAS:
-            z += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        out = z / (1.0 + tl.exp(-z))
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_row_stride + cols[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
+        b_z = b_acc * b_rstd[:, None]
+        if bias_ptr is not None:
+            b_z += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        b_out = b_z / (1.0 + tl.exp(-b_z))
+        tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
+                 b_out.to(out_ptr.dtype.element_ty), mask=m_tile)
 
 
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "USE_TMA", "SPLIT_K"),
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"), launcher_knobs=("USE_TMA",),
     shape_keys=("rows", "n", "k", "elem_bytes"))
 
 
@@ -146,14 +144,10 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
-
-
 # On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
 # and a warp-specialised Gluon matmul with the r/bias/silu epilogue
-# (_rms_norm_linear_silu_hopper.py); False keeps every call on the one Triton kernel.
-use_hopper_path = True
+# (_rms_norm_linear_silu_hopper.py); switched off, every call takes the one Triton kernel.
+HOPPER_PATH = runtime.KernelPath("rms_norm_linear_silu", "the pre-pass and Gluon matmul on sm_90")
 
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -166,11 +160,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         return out
     if n_in == 0:  # an empty sum: z = b
         return torch.nn.functional.silu(bias.expand_as(out) if bias is not None else out.zero_())
-    x_rows = layout.as_rows(_unit_last(x))
-    weight = _unit_last(weight)
+    x_rows = layout.as_rows(layout.unit_last(x))
+    weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
     hopper = _rms_norm_linear_silu_hopper
-    if use_hopper_path and hopper is not None and hopper.eligible(x_rows, weight):
+    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight):
         hopper.forward(x_rows, norm_weight.contiguous(), weight,
                        bias.contiguous() if bias is not None else None, eps, out_rows)
         return out
@@ -195,15 +189,19 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
         part, part_sum_squares = parts[:part_len], parts[part_len:]
     else:
         split_len, n_splits = n_in, 1
-        arrivals = part = part_sum_squares = out_rows  # not read
+        arrivals = part = part_sum_squares = None
+    # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors and
+    # the descriptor; sizes and eps; strides; flags
     RMS_NORM_LINEAR_SILU.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),
                       n_splits if meta["SPLIT_K"] > 1 else 1),
         x_rows, norm_weight.contiguous(), weight, weight_desc,
-        bias.contiguous() if bias is not None else weight, out_rows, part, part_sum_squares,
-        arrivals, n_rows, n_out, n_in, eps, split_len, n_splits,
-        x_rows.stride(0), weight.stride(0), out_rows.stride(0), bias is not None,
-        x.dtype == torch.float32, tma, shape=shape, config=config)
+        bias.contiguous() if bias is not None else None, out_rows, part, part_sum_squares,
+        arrivals,
+        n_rows, n_out, n_in, eps, split_len, n_splits,
+        x_rows.stride(0), weight.stride(0), out_rows.stride(0),
+        x.dtype == torch.float32, tma,
+        shape=shape, config=config)
     return out
 
 
@@ -232,13 +230,8 @@ def _check(x, norm_weight, weight, bias) -> None:
     for arg, t in (("x", x), ("norm_weight", norm_weight), ("weight", weight), ("bias", bias)):
         if t is None and arg == "bias":
             continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"{name}: {arg} must be {x.dtype} on {x.device} like x, got "
-                             f"{t.dtype} on {t.device}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
+        checks.like(name, arg, t, x, "x")
     if x.dim() == 0:
         raise ValueError(f"{name}: x must be (..., K), got a 0-d tensor")
     n_in = x.shape[-1]
@@ -275,18 +268,8 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     _check(x, norm_weight, weight, bias)
     eps = checks.as_float("gemslib.rms_norm_linear_silu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, weight, bias):
-        return runtime.differentiable_call(_rms_norm_linear_silu_op, _RmsNormLinearSiluFunction,
-                                           x, norm_weight, weight, bias, eps)
+        return _rms_norm_linear_silu_op(x, norm_weight, weight, bias, eps)
     return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
-
-
-_rms_norm_linear_silu_op = torch.library.custom_op(
-    "gemslib::rms_norm_linear_silu", _rms_norm_linear_silu_impl, mutates_args=())
-
-
-@_rms_norm_linear_silu_op.register_fake
-def _(x, norm_weight, weight, bias, eps):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _setup(ctx, inputs, output):
@@ -295,7 +278,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, norm_weight, weight, bias)
 
 
-def _grad(ctx, grad_out):
+def _grad(ctx, grad_out, ops):
     """Gradients by the chain rule in fp32 (float64 stays float64), z recomputed:
     dz = dy * silu'(z), dW = dz.T h, db = sum dz, dh = dz W, dg = sum dh * x_hat,
     dx = r * (dh g - x_hat * mean(dh g * x_hat))."""
@@ -319,11 +302,11 @@ def _grad(ctx, grad_out):
             d_bias.to(bias.dtype) if d_bias is not None else None, None)
 
 
-_rms_norm_linear_silu_op.register_autograd(_grad, setup_context=_setup)
 # torch arithmetic all the way: the backward is itself differentiable
-_RmsNormLinearSiluFunction = runtime.eager_autograd(
-    "RmsNormLinearSiluFunction", _rms_norm_linear_silu_impl, _setup, _grad,
-    differentiable_backward=True)
+_rms_norm_linear_silu_op = runtime.CustomOp(
+    "rms_norm_linear_silu", _rms_norm_linear_silu_impl,
+    fake=lambda x, norm_weight, weight, bias, eps: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    setup_context=_setup, backward=_grad, differentiable_backward=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,12 +359,8 @@ def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4
         weight = torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5
 
         def run():
-            global use_hopper_path
-            previous, use_hopper_path = use_hopper_path, False
-            try:
+            with HOPPER_PATH.switched_off():
                 return [rms_norm_linear_silu(x, norm_weight, weight) for x in xs]
-            finally:
-                use_hopper_path = previous
         return run
     return make
 

@@ -39,7 +39,8 @@ _map_source_checkout()
 
 from gemslib.registry import disable, enable, is_enabled, registered_ops
 from gemslib.runtime import TuneConfigError
-from gemslib.fused.attention import attention, decode_attention
+from gemslib.fused.attention import attention
+from gemslib.fused.decode_attention import decode_attention
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import silu, silu_and_mul

@@ -1,9 +1,13 @@
-"""Checks of the scalar arguments of the public functions, with torch's own rules and words.
+"""Checks of the arguments of the public functions.
 
-torch's Python argument parser takes, for a ``float`` argument, any real number (bool and int
-included) or a 0-d tensor; for an ``int``, an integer that is not a bool, or a 0-d integer
-tensor; for a ``bool``, only a bool. Anything else is a ``TypeError`` that names the argument:
+Scalars follow torch's own rules and words: torch's Python argument parser takes, for a
+``float`` argument, any real number (bool and int included) or a 0-d tensor; for an ``int``,
+an integer that is not a bool, or a 0-d integer tensor; for a ``bool``, only a bool. Anything else is a ``TypeError`` that names the argument:
 ``gemslib.rms_norm(): argument 'eps' must be float, not str``.
+
+Tensors: a ``TypeError`` for a value that is not a tensor, or not a floating-point one, and a
+``ValueError`` for one whose dtype or device differs from the tensor it goes with, each naming
+the function and the argument: ``gemslib.silu: x must be a torch.Tensor, got list``.
 """
 
 from __future__ import annotations
@@ -48,3 +52,29 @@ def as_bool(function: str, name: str, value) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise _fail(function, name, "bool", value)
+
+
+def tensor(function: str, name: str, value, or_none: bool = False) -> None:
+    """A ``TypeError`` unless ``value`` is a tensor (or None, when ``or_none``)."""
+    if value is None and or_none:
+        return
+    if not isinstance(value, torch.Tensor):
+        expected = "a torch.Tensor or None" if or_none else "a torch.Tensor"
+        raise TypeError(f"{function}: {name} must be {expected}, got {type(value).__name__}")
+
+
+def float_tensor(function: str, name: str, value,
+                 expected: str = "a floating-point tensor") -> None:
+    """A ``TypeError`` unless ``value`` is a floating-point tensor (``expected`` words it)."""
+    tensor(function, name, value)
+    if not value.is_floating_point():
+        raise TypeError(f"{function}: {name} must be {expected}, got {value.dtype}")
+
+
+def like(function: str, name: str, value: torch.Tensor, reference: torch.Tensor,
+         reference_name: str | None = None) -> None:
+    """A ``ValueError`` unless ``value`` has ``reference``'s dtype and device."""
+    if value.dtype != reference.dtype or value.device != reference.device:
+        like_what = f" like {reference_name}" if reference_name else ""
+        raise ValueError(f"{function}: {name} must be {reference.dtype} on {reference.device}"
+                         f"{like_what}, got {value.dtype} on {value.device}")

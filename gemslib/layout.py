@@ -15,6 +15,10 @@ import triton
 import triton.language as tl
 
 MAX_RANK = 4
+# log2(e), for kernels that compute exp(x) as exp2(x * LOG2E); a tl.constexpr because the
+# compiler rejects a plain float global
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def has_internal_overlap(tensor: torch.Tensor) -> bool:
@@ -133,6 +137,12 @@ def _offset_reachable(shape_a, strides_a, shape_b, strides_b, delta: int) -> boo
     return solvable(0, delta)
 
 
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit last stride: itself when it has one (or its last dim has one element),
+    else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., n) as a 2-d (rows, n) tensor with a unit last stride: a view where the leading
     dims merge, a copy otherwise."""
@@ -201,26 +211,28 @@ def padded_layout(shape: Sequence[int], *strides: Sequence[int]):
 
 
 @triton.jit
-def strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3):
-    """Memory offsets of row-major logical ``index`` in a 4-d layout (int64 arithmetic)."""
-    index = index.to(tl.int64)
-    i3 = index % size3
-    rest = index // size3
-    i2 = rest % size2
-    rest = rest // size2
-    i1 = rest % size1
-    i0 = rest // size1
-    return i0 * stride0 + i1 * stride1 + i2 * stride2 + i3 * stride3
+def strided_offsets(o_n, n_1, n_2, n_3, stride_0, stride_1, stride_2, stride_3):
+    """Memory offsets of row-major logical indices ``o_n`` in a 4-d layout of sizes
+    (any, n_1, n_2, n_3) and strides ``stride_0..3`` (int64 arithmetic)."""
+    o_n = o_n.to(tl.int64)
+    o_3 = o_n % n_3
+    rest = o_n // n_3
+    o_2 = rest % n_2
+    rest = rest // n_2
+    o_1 = rest % n_1
+    o_0 = rest // n_1
+    return o_0 * stride_0 + o_1 * stride_1 + o_2 * stride_2 + o_3 * stride_3
 
 
 @triton.jit
-def element_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3,
+def element_offsets(o_n, n_1, n_2, n_3, stride_0, stride_1, stride_2, stride_3,
                     STRIDED: tl.constexpr):
-    """Offsets of one operand: ``index`` itself on the flat path, else the strided walk."""
-    offsets = index
+    """Memory offsets of one operand at logical indices ``o_n``: ``o_n`` itself on the flat
+    path, else the strided walk."""
+    o_mem = o_n
     if STRIDED:
-        offsets = strided_offsets(index, size1, size2, size3, stride0, stride1, stride2, stride3)
-    return offsets
+        o_mem = strided_offsets(o_n, n_1, n_2, n_3, stride_0, stride_1, stride_2, stride_3)
+    return o_mem
 
 
 @triton.jit
@@ -231,12 +243,12 @@ def head_and_block(n_blocks, HEAVY_FIRST: tl.constexpr):
     heads fastest, so every head's heavy blocks go out before any head's light ones and the last
     wave is short programs. Otherwise blocks fastest: the programs running together belong to
     one or two heads and share that head's tiles in L2 (heads fastest cost 6% at S8192)."""
-    program = tl.program_id(0)
+    i_hb = tl.program_id(0)
     if HEAVY_FIRST:
         n_heads = tl.num_programs(0) // n_blocks
-        return program % n_heads, program // n_heads
+        return i_hb % n_heads, i_hb // n_heads
     else:
-        return program // n_blocks, program % n_blocks
+        return i_hb // n_blocks, i_hb % n_blocks
 
 
 def tma_addressable(t: torch.Tensor) -> bool:

@@ -97,6 +97,9 @@ class TuneBucket:
     label: str
     make: Callable[[torch.device], Callable[[], object]]
 
+    def matches(self, shape: Mapping[str, int]) -> bool:
+        return runtime.within(self.max, shape)
+
 
 @dataclass(frozen=True)
 class TuneSpace:
@@ -366,9 +369,3 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return bool(_activations)
-
-
-def overridden_aten_ops() -> tuple[str, ...]:
-    """The aten overloads currently served by gemslib."""
-    with _lock:
-        return tuple(sorted(_served_by))

@@ -77,6 +77,32 @@ def quiet_interpreter():
     return _quietly() if INTERPRETER else contextlib.nullcontext()
 
 
+class KernelPath:
+    """An alternative kernel an operator takes where it applies (a Gluon kernel on sm_90, say),
+    on by default. ``with path.switched_off():`` keeps the calls inside the block, whichever
+    thread runs them (autograd's backward runs in its own), on the operator's Triton kernel: how
+    tuning problems and benchmarks pick a path, instead of flipping a module flag."""
+
+    def __init__(self, op: str, description: str):
+        self.op, self.description = op, description
+        self._switched_off = 0  # nesting depth of switched_off() blocks
+
+    @property
+    def on(self) -> bool:
+        return not self._switched_off
+
+    @contextlib.contextmanager
+    def switched_off(self):
+        self._switched_off += 1
+        try:
+            yield
+        finally:
+            self._switched_off -= 1
+
+    def __repr__(self) -> str:
+        return f"<gemslib kernel path {self.op}: {self.description}, {'on' if self.on else 'off'}>"
+
+
 def on_kernel_device(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` lives where the kernels can run (CUDA, or CPU when interpreted)."""
     return tensor.is_cpu if INTERPRETER else tensor.is_cuda  # attributes: cheap on the hot path
@@ -122,17 +148,77 @@ def wants_custom_op(*tensors: torch.Tensor | None) -> bool:
     return torch.compiler.is_compiling()
 
 
-def eager_autograd(name: str, forward: Callable, setup_context: Callable, backward: Callable,
-                   differentiable_backward: bool = False) -> type[torch.autograd.Function]:
-    """A ``torch.autograd.Function`` from the pieces a custom op registers with
-    ``register_autograd``, for eager calls: the custom op's Python dispatch costs 150-200 us of
-    host time per forward + backward even on a fast host, more than the kernels at most sizes.
-    torch.compile keeps seeing the custom op (see :func:`differentiable_call`).
+class CustomOp:
+    """One operator of ``torch.ops.gemslib``, defined once from its pieces.
 
-    Unless ``differentiable_backward`` (the backward is itself built from differentiable calls),
-    a backward with ``create_graph=True`` raises instead of giving second derivatives that
+    ``impl`` computes it (tensors in, tensors out) and ``fake`` gives its outputs' shapes and
+    dtypes for tracing; with ``backward`` it is differentiable, and :meth:`__call__` runs it
+    the way the caller's context needs:
+
+    * while torch.compile traces, the custom op (``register_fake`` + ``register_autograd``), so
+      the graph holds ``torch.ops.gemslib.<name>`` and its backward op;
+    * otherwise an eager ``torch.autograd.Function`` with the same ``impl``, ``setup_context``
+      and ``backward``: the custom op's Python dispatch costs 150-200 us of host time per
+      forward + backward even on a fast host, more than the kernels at most sizes.
+
+    ``setup_context(ctx, inputs, output)`` saves what the backward needs (register_autograd's
+    form). ``backward(ctx, *grads, ops)`` returns one gradient per input; ``ops`` holds the
+    operators named in ``uses`` (and this one), by name, each as the graph needs it: under
+    torch.compile their custom ops, in eager mode their ``impl`` (no dispatch), or their eager
+    Functions when ``differentiable_backward``.
+
+    Unless ``differentiable_backward`` (the backward is built from differentiable calls), an
+    eager backward with ``create_graph=True`` raises instead of giving second derivatives that
     silently miss this operation.
     """
+
+    def __init__(self, name: str, impl: Callable, fake: Callable, *,
+                 mutates_args: Sequence[str] = (), setup_context: Callable | None = None,
+                 backward: Callable | None = None, uses: Sequence[CustomOp] = (),
+                 differentiable_backward: bool = False):
+        self.name, self.impl = name, impl
+        self.op = torch.library.custom_op(f"gemslib::{name}", impl, mutates_args=mutates_args)
+        self.op.register_fake(fake)
+        self.eager_function: type[torch.autograd.Function] | None = None
+        if backward is None:
+            return
+        def eager_call(operator: CustomOp) -> Callable:
+            differentiable = operator is self or operator.eager_function is not None
+            return operator._apply if differentiable_backward and differentiable else operator.impl
+
+        operators = (self, *uses)
+        traced = _OpCalls({o.name: o.op for o in operators})
+        eager = _OpCalls({o.name: eager_call(o) for o in operators})
+        self.op.register_autograd(functools.partial(backward, ops=traced),
+                                  setup_context=setup_context)
+        self.eager_function = _eager_function(
+            self.function_name, impl, setup_context, functools.partial(backward, ops=eager),
+            differentiable_backward)
+
+    @property
+    def function_name(self) -> str:
+        """The eager Function's name (what ``grad_fn`` shows): ``silu_and_mul`` ->
+        ``SiluAndMulFunction``."""
+        return "".join(part.capitalize() for part in self.name.split("_")) + "Function"
+
+    def _apply(self, *args):
+        return self.eager_function.apply(*args)
+
+    def __call__(self, *args):
+        if self.eager_function is None or torch.compiler.is_compiling():
+            return self.op(*args)
+        return self.eager_function.apply(*args)
+
+
+class _OpCalls:
+    """The operators a backward calls, as attributes (``ops.silu_backward(grad, x)``)."""
+
+    def __init__(self, calls: Mapping[str, Callable]):
+        self.__dict__.update(calls)
+
+
+def _eager_function(name: str, forward: Callable, setup_context: Callable, backward: Callable,
+                    differentiable_backward: bool) -> type[torch.autograd.Function]:
     if not differentiable_backward:
         first_order = backward
 
@@ -151,14 +237,6 @@ def eager_autograd(name: str, forward: Callable, setup_context: Callable, backwa
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward_and_setup), "backward": staticmethod(backward)})
-
-
-def differentiable_call(custom_op, eager_function: type[torch.autograd.Function], *args):
-    """``custom_op(*args)`` while torch.compile traces, else ``eager_function.apply(*args)``;
-    both run the same forward and backward code."""
-    if torch.compiler.is_compiling():
-        return custom_op(*args)
-    return eager_function.apply(*args)
 
 
 @functools.lru_cache(maxsize=16)
@@ -260,9 +338,6 @@ class LaunchConfig:
         """What the Triton launch takes: meta-parameters plus num_warps and num_stages."""
         return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
-    def as_dict(self) -> dict[str, int]:
-        return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
-
 
 @dataclass(frozen=True)
 class Bucket:
@@ -274,7 +349,13 @@ class Bucket:
     where: str  # "file: ops.silu.silu_fwd[0]", for error messages
 
     def matches(self, shape: Mapping[str, int]) -> bool:
-        return self.max is None or all(shape[k] <= v for k, v in self.max.items())
+        return within(self.max, shape)
+
+
+def within(bound: Mapping[str, int] | None, shape: Mapping[str, int]) -> bool:
+    """Whether a bucket's ``max`` admits the call: ``shape[key] <= bound[key]`` for every key
+    of ``bound`` (``None``: no bound, every call)."""
+    return bound is None or all(shape[k] <= v for k, v in bound.items())
 
 
 @dataclass(frozen=True)
@@ -295,7 +376,9 @@ def _positive_int(path: Path, where: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-def _parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+def parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+    """One config (a mapping of meta-parameters, num_warps, num_stages), validated; errors
+    name ``path`` and ``where``."""
     if not isinstance(raw, dict) or not raw:
         raise _fail(path, where, f"expected a mapping of parameters, got {raw!r}")
     meta = []
@@ -328,12 +411,12 @@ def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
         bound = {k: _positive_int(path, f"{where}.max.{k}", v, minimum=0)  # 0: a flag off
                  for k, v in raw["max"].items()}
     if "config" in raw:
-        configs = (_parse_launch_config(path, f"{where}.config", raw["config"]),)
+        configs = (parse_launch_config(path, f"{where}.config", raw["config"]),)
     else:
         candidates = raw["autotune"]
         if not isinstance(candidates, list) or not candidates:
             raise _fail(path, f"{where}.autotune", "expected a non-empty list of configs")
-        configs = tuple(_parse_launch_config(path, f"{where}.autotune[{i}]", c)
+        configs = tuple(parse_launch_config(path, f"{where}.autotune[{i}]", c)
                         for i, c in enumerate(candidates))
     return Bucket(max=bound, configs=configs, autotune="autotune" in raw, where=f"{path}: {where}")
 
@@ -436,6 +519,10 @@ KERNELS: dict[str, "TunedKernel"] = {}
 class TunedKernel:
     """A Triton kernel whose constexpr ``tunables`` and launch options come from the config files.
 
+    ``launcher_knobs`` are config keys the launcher reads (in ``grid(meta)`` and its plan) that
+    are not kernel parameters: they are not passed to the kernel, so they do not specialise its
+    compilation. A config holds exactly ``tunables`` plus ``launcher_knobs``.
+
     ``shape_keys`` name the sizes a launcher passes to :meth:`launch`; buckets in the YAML are
     bounded by those names. The entry for kernel ``name`` of operator ``op`` lives under
     ``ops.<op>.<name>`` in the config file.
@@ -447,35 +534,43 @@ class TunedKernel:
     """
 
     def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str],
-                 device_asserts: bool = False):
+                 launcher_knobs: Sequence[str] = (), device_asserts: bool = False):
         self.op, self.name, self.fn = op, name, fn
-        self.tunables = frozenset(tunables)
+        self.launcher_knobs = frozenset(launcher_knobs)
+        self.tunables = frozenset(tunables) | self.launcher_knobs  # every key of a config
         self.shape_keys = tuple(shape_keys)
         self.options = {"debug": True, "sanitize_overflow": False} if device_asserts else {}
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
-        self.last_shape: tuple[int, ...] | None = None  # last launched or planned (sweep)
+        self._recording: list[tuple[int, ...]] | None = None  # shapes seen inside forced()
+        self._kernel_kwargs: dict[LaunchConfig, dict[str, int]] = {}
         self._compiled: dict[tuple, tuple] = {}  # replay key -> (launcher, constexprs)
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
         self._chosen.clear()
         self._checked.clear()
+        self._kernel_kwargs.clear()
         self._compiled.clear()
 
     @contextlib.contextmanager
     def forced(self, config: LaunchConfig):
-        """Launch every call with ``config`` inside the block (for sweeps and the tuner)."""
+        """Launch every call with ``config`` inside the block (for sweeps and the tuner).
+
+        Yields a list that collects the shapes (in ``shape_keys`` order) of the calls made in
+        the block, launched or planned, in order: how the tuner learns which bucket a problem
+        reaches, even when ``config`` cannot run there."""
         names = set(config.meta_dict)
         if names != self.tunables:
             raise ValueError(f"{self.name}: config parameters {sorted(names)} do not match the "
                              f"kernel's tunables {sorted(self.tunables)}")
         previous, self._forced = self._forced, config
+        outer, self._recording = self._recording, []
         try:
-            yield
+            yield self._recording
         finally:
-            self._forced = previous
+            self._forced, self._recording = previous, outer
 
     def buckets(self) -> tuple[Bucket, ...]:
         for config_file in active_configs():
@@ -518,9 +613,10 @@ class TunedKernel:
         ``restore`` lists tensors the kernel overwrites that are also inputs (in-place calls):
         they are saved and restored around autotuning runs. ``config`` forces a config (tuner).
         """
-        self.last_shape = shape
         if config is None:
             config = self._forced
+            if config is not None:
+                self._recording.append(tuple(shape))
         if config is None:
             key = tuple(shape)
             config = self._chosen.get(key)
@@ -533,8 +629,8 @@ class TunedKernel:
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
-        self.last_shape = shape
         if self._forced is not None:
+            self._recording.append(tuple(shape))
             return self._forced
         key = ("planned", *shape)
         config = self._chosen.get(key)
@@ -548,12 +644,24 @@ class TunedKernel:
         """The config a call of ``shape`` would use, if already decided (for reports)."""
         return self._forced or self._chosen.get(tuple(shape))
 
+    def kernel_kwargs(self, config: LaunchConfig) -> dict[str, int]:
+        """What the kernel's launch takes from ``config``: its constexprs (the launcher's knobs
+        left out), num_warps, num_stages and the kernel's compile options."""
+        kwargs = self._kernel_kwargs.get(config)
+        if kwargs is None:
+            kwargs = {key: value for key, value in config.launch_kwargs.items()
+                      if key not in self.launcher_knobs}
+            kwargs.update(self.options)
+            if len(self._kernel_kwargs) < 4096:
+                self._kernel_kwargs[config] = kwargs
+        return kwargs
+
     def run(self, config: LaunchConfig, grid, args) -> None:
         if INTERPRETER:
             with quiet_interpreter():
-                self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs, **self.options)
+                self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
             return
-        self.fn[grid(config.meta_dict)](*args, **config.launch_kwargs, **self.options)
+        self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
 
     def replay(self, key, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
         """:meth:`run` for a launch that repeats every step with new tensors (decode).
@@ -573,7 +681,7 @@ class TunedKernel:
         full_key = (key, tensors, torch.cuda.current_device())
         compiled = self._compiled.get(full_key)
         if compiled is None:
-            kernel = self.fn[grid](*args, **config.launch_kwargs, **self.options)
+            kernel = self.fn[grid](*args, **self.kernel_kwargs(config))
             meta = config.meta_dict
             constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
             if len(self._compiled) < 1024:  # a compiled kernel launches on a 3-d grid
@@ -612,5 +720,5 @@ class TunedKernel:
         if not timings:
             raise RuntimeError(f"gemslib: no candidate config of {bucket.where} runs on this GPU")
         best = min(timings, key=lambda item: item[0])[1]
-        log.debug("gemslib autotune %s: picked %s", self.name, best.as_dict())
+        log.debug("gemslib autotune %s: picked %s", self.name, best.launch_kwargs)
         return best

@@ -95,8 +95,8 @@ def tune_spaces(ops: Iterable[str] | None = None) -> list[tuple[str, registry.Tu
 
 
 def launch_config(raw) -> runtime.LaunchConfig:
-    meta = tuple(sorted((k, int(v)) for k, v in raw.items() if k not in ("num_warps", "num_stages")))
-    return runtime.LaunchConfig(meta, int(raw.get("num_warps", 4)), int(raw.get("num_stages", 1)))
+    """A TUNING candidate as the config the tune-config files would give (validated alike)."""
+    return runtime.parse_launch_config(Path("<TUNING candidates>"), "candidate", raw)
 
 
 def _bucket_config(config_file: runtime.TuneConfigFile, kernel, shape) -> runtime.LaunchConfig | None:
@@ -110,8 +110,7 @@ def _bucket_config(config_file: runtime.TuneConfigFile, kernel, shape) -> runtim
 
 def _bucket_index(space: registry.TuneSpace, shape) -> int:
     named = dict(zip(space.kernel.shape_keys, shape))
-    return next(i for i, b in enumerate(space.buckets)
-                if b.max is None or all(named[k] <= v for k, v in b.max.items()))
+    return next(i for i, b in enumerate(space.buckets) if b.matches(named))
 
 
 def _tensors(result) -> list[torch.Tensor]:
@@ -152,8 +151,7 @@ def disagreement(actual, expected) -> str | None:
 def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
     import triton.testing
 
-    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one; the full run
-    # times ~1600 (bucket, candidate) pairs and has 8 minutes
+    # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one
     warmup, rep = (5, 20) if quick else (10, 50)
     return lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
@@ -169,6 +167,18 @@ def candidates_for(space: registry.TuneSpace, in_use: runtime.LaunchConfig | Non
                               + every[:QUICK_CANDIDATES]))
 
 
+def problem_shape(space: registry.TuneSpace, run: Callable[[], object]) -> tuple[int, ...] | None:
+    """The shape (in the kernel's ``shape_keys`` order) of ``run``'s last call of the kernel;
+    None if it makes none. The kernel records a call's shape before it runs, so even a first
+    candidate that cannot run here tells it."""
+    with space.kernel.forced(launch_config(space.candidates[0])) as shapes:
+        try:
+            run()
+        except Exception:
+            pass
+    return tuple(int(s) for s in shapes[-1]) if shapes else None
+
+
 def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.device,
                 timer: Callable[[Callable], float], quick: bool = False,
                 progress: Callable[[str], None] = functools.partial(print, flush=True)
@@ -177,17 +187,9 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     kernel, bucket = space.kernel, space.buckets[index]
     run = bucket.make(device)
     selected, default = runtime.active_configs()
-    kernel.last_shape = None
-    # the shape first: launch and planned_config record it before the kernel runs, so even a
-    # first candidate that cannot run here tells it
-    with kernel.forced(launch_config(space.candidates[0])):
-        try:
-            run()
-        except Exception:
-            pass
-    if kernel.last_shape is None:
+    shape = problem_shape(space, run)
+    if shape is None:
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} does not launch it")
-    shape = tuple(int(s) for s in kernel.last_shape)
     landed = _bucket_index(space, shape)
     if landed != index:
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} (shape "
@@ -253,7 +255,7 @@ def tune_all(spaces, device: torch.device, timer: Callable[[Callable], float], q
 
 
 def _flow(config: runtime.LaunchConfig) -> str:
-    return "{" + ", ".join(f"{k}: {v}" for k, v in config.as_dict().items()) + "}"
+    return "{" + ", ".join(f"{k}: {v}" for k, v in config.launch_kwargs.items()) + "}"
 
 
 def _bound(bound) -> str:
@@ -329,8 +331,8 @@ def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int)
         del run
     if device.type == "cuda":
         torch.cuda.synchronize()
-        # an idle worker holds no tensors: a dozen of them, each keeping its largest problem's
-        # memory cached, filled the GPU and starved the timing process (H200, 2026-11-30)
+        # an idle worker holds no GPU memory: a dozen workers, each keeping its largest
+        # problem's memory cached, would fill the GPU and starve the timing process
         torch.cuda.empty_cache()
     return ran
 
@@ -364,8 +366,8 @@ def timings_record(results: list[BucketResult], tuned: dict) -> dict:
     later pruning of the candidate lists goes by."""
     return {"tuned": tuned, "buckets": [
         {"op": r.op, "kernel": r.kernel, "bucket": r.bucket.label, "shape": list(r.shape),
-         "reference": r.reference.as_dict(), "best": r.best.config.as_dict(),
-         "candidates": [{"config": t.config.as_dict(), "ms": t.ms, "rejected": t.why or None}
+         "reference": r.reference.launch_kwargs, "best": r.best.config.launch_kwargs,
+         "candidates": [{"config": t.config.launch_kwargs, "ms": t.ms, "rejected": t.why or None}
                         for t in r.timings]} for r in results]}
 
 

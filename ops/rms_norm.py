@@ -10,7 +10,8 @@
 
 Rows that fit one block (N <= BLOCK_N) are read once; wider rows loop over column blocks
 (two passes: the sum of squares, then the normalisation). The file reads top-down: kernels,
-launchers, references, public functions and custom ops, self-checks.
+launchers, references, public functions and custom ops, autograd, aten overrides, self-checks,
+tuning.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import triton.language as tl
 from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -37,66 +36,68 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rstd_ptr,
     n_rows, n_cols,
-    x_row_stride, residual_row_stride, out_row_stride, residual_out_row_stride,
+    stride_x_row, stride_residual_row, stride_out_row, stride_residual_out_row,
     eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, STORE_RSTD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """BLOCK_M rows per program. With a residual, ``residual_out = x + residual`` is stored and
     normalised; ``residual_out`` may be ``residual`` itself and ``out`` may be ``x`` (in place):
-    every element is read before the same thread writes it."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    row_index = rows.to(tl.int64)[:, None]  # int64: row * stride can pass 2**31
-    x_rows = x_ptr + row_index * x_row_stride
-    out_rows = out_ptr + row_index * out_row_stride
-    residual_rows = residual_ptr + row_index * residual_row_stride
-    residual_out_rows = residual_out_ptr + row_index * residual_out_row_stride
+    every element is read before the same thread writes it. ``residual`` and ``residual_out``
+    (given together), ``weight`` and ``rstd`` (rows,) may be None."""
+    o_row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_row = o_row < n_rows
+    o_row_64 = o_row.to(tl.int64)[:, None]  # int64: row * stride can pass 2**31
+    p_x = x_ptr + o_row_64 * stride_x_row
+    p_out = out_ptr + o_row_64 * stride_out_row
+    if residual_ptr is not None:
+        p_residual = residual_ptr + o_row_64 * stride_residual_row
+        p_residual_out = residual_out_ptr + o_row_64 * stride_residual_out_row
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        mask = row_mask[:, None] & (cols < n_cols)
-        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:  # issued with x's load, not after the reduction: off the critical path
-            weight = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        normed = x * rstd[:, None]
-        if HAS_WEIGHT:
-            normed *= weight
-        tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+        o_n = tl.arange(0, BLOCK_N)[None, :]
+        m_x = m_row[:, None] & (o_n < n_cols)
+        b_x = tl.load(p_x + o_n, mask=m_x, other=0.0).to(tl.float32)
+        # the weight is issued with x's load, not after the reduction: off the critical path
+        if weight_ptr is not None:
+            b_weight = tl.load(weight_ptr + o_n, mask=o_n < n_cols, other=0.0).to(tl.float32)
+        if residual_ptr is not None:
+            b_x += tl.load(p_residual + o_n, mask=m_x, other=0.0).to(tl.float32)
+            tl.store(p_residual_out + o_n, b_x.to(residual_out_ptr.dtype.element_ty), mask=m_x)
+        b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) / n_cols + eps)
+        b_out = b_x * b_rstd[:, None]
+        if weight_ptr is not None:
+            b_out *= b_weight
+        tl.store(p_out + o_n, b_out.to(out_ptr.dtype.element_ty), mask=m_x)
     else:
         # per-lane sums, reduced once after the loop (not a cross-thread reduction per block)
-        lane_squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for col_start in range(0, n_cols, BLOCK_N):
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask[:, None] & (cols < n_cols)
-            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                x += tl.load(residual_rows + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(residual_out_rows + cols, x.to(residual_out_ptr.dtype.element_ty),
-                         mask=mask)
-            lane_squares += x * x
-        rstd = 1.0 / tl.sqrt(tl.sum(lane_squares, axis=1) / n_cols + eps)
+        b_squares = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_n in range(0, n_cols, BLOCK_N):  # i_n: the block's first column
+            o_n = i_n + tl.arange(0, BLOCK_N)[None, :]
+            m_x = m_row[:, None] & (o_n < n_cols)
+            b_x = tl.load(p_x + o_n, mask=m_x, other=0.0).to(tl.float32)
+            if residual_ptr is not None:
+                b_x += tl.load(p_residual + o_n, mask=m_x, other=0.0).to(tl.float32)
+                tl.store(p_residual_out + o_n, b_x.to(residual_out_ptr.dtype.element_ty),
+                         mask=m_x)
+            b_squares += b_x * b_x
+        b_rstd = 1.0 / tl.sqrt(tl.sum(b_squares, axis=1) / n_cols + eps)
         n_blocks = tl.cdiv(n_cols, BLOCK_N)
-        for block in range(0, n_blocks):  # last block first: it is the one still in cache
-            col_start = (n_blocks - 1 - block) * BLOCK_N
-            cols = col_start + tl.arange(0, BLOCK_N)[None, :]
-            mask = row_mask[:, None] & (cols < n_cols)
+        for i_step in range(0, n_blocks):  # last block first: it is the one still in cache
+            col_start = (n_blocks - 1 - i_step) * BLOCK_N
+            o_n = col_start + tl.arange(0, BLOCK_N)[None, :]
+            m_x = m_row[:, None] & (o_n < n_cols)
             # the last read of these bytes: evict them first, keep other rows' first pass
-            if HAS_RESIDUAL:  # the sum this program stored in the first pass
-                x = tl.load(residual_out_rows + cols, mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
+            if residual_ptr is not None:  # the sum this program stored in the first pass
+                b_x = tl.load(p_residual_out + o_n, mask=m_x, other=0.0,
+                              eviction_policy="evict_first").to(tl.float32)
             else:
-                x = tl.load(x_rows + cols, mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            normed = x * rstd[:, None]
-            if HAS_WEIGHT:
-                normed *= tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-            tl.store(out_rows + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+                b_x = tl.load(p_x + o_n, mask=m_x, other=0.0,
+                              eviction_policy="evict_first").to(tl.float32)
+            b_out = b_x * b_rstd[:, None]
+            if weight_ptr is not None:
+                b_out *= tl.load(weight_ptr + o_n, mask=o_n < n_cols, other=0.0).to(tl.float32)
+            tl.store(p_out + o_n, b_out.to(out_ptr.dtype.element_ty), mask=m_x)
+    if rstd_ptr is not None:
+        tl.store(rstd_ptr + o_row, b_rstd, mask=m_row)
 
 
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
@@ -104,89 +105,94 @@ def _rms_norm_fwd_kernel(
 def _rms_norm_bwd_kernel(
     grad_ptr, x_ptr, weight_ptr, rstd_ptr, grad_extra_ptr, dx_ptr, dweight_partial_ptr,
     n_rows, n_cols, rows_per_program,
-    grad_row_stride, x_row_stride, grad_extra_row_stride, dx_row_stride,
-    HAS_WEIGHT: tl.constexpr, HAS_GRAD_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_PASS: tl.constexpr,
+    stride_grad_row, stride_x_row, stride_grad_extra_row, stride_dx_row,
+    BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    """Rows [pid * rows_per_program, ...) one at a time; this program's share of dweight goes
-    to row ``pid`` of the fp32 ``dweight_partial`` (n_programs, n_cols). ``grad_extra`` (the
-    gradient of add_rms_norm's sum output) is added to dx before its single rounding."""
-    pid = tl.program_id(0)
-    row_start = pid * rows_per_program
+    """Rows [i_m * rows_per_program, ...) one at a time; this program's share of dweight goes
+    to row ``i_m`` of the fp32 ``dweight_partial`` (n_programs, n_cols), None without a
+    weight. ``grad_extra`` (the gradient of add_rms_norm's sum output, or None) is added to dx
+    before its single rounding."""
+    i_m = tl.program_id(0)
+    row_start = i_m * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    partial_row = dweight_partial_ptr + pid.to(tl.int64) * n_cols
+    if weight_ptr is not None:
+        p_partial = dweight_partial_ptr + i_m.to(tl.int64) * n_cols
     first_row = row_start.to(tl.int64)  # pointers advance one row per iteration
-    x_row = x_ptr + first_row * x_row_stride
-    grad_row = grad_ptr + first_row * grad_row_stride
-    dx_row = dx_ptr + first_row * dx_row_stride
-    grad_extra_row = grad_extra_ptr + first_row * grad_extra_row_stride
-    rstd_row = rstd_ptr + first_row
+    p_x = x_ptr + first_row * stride_x_row
+    p_grad = grad_ptr + first_row * stride_grad_row
+    p_dx = dx_ptr + first_row * stride_dx_row
+    if grad_extra_ptr is not None:
+        p_grad_extra = grad_extra_ptr + first_row * stride_grad_extra_row
+    p_rstd = rstd_ptr + first_row
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < n_cols
-        if HAS_WEIGHT:
-            weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
+        o_n = tl.arange(0, BLOCK_N)
+        m_n = o_n < n_cols
+        if weight_ptr is not None:
+            b_weight = tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
         for _ in range(row_start, row_end):
-            x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_row)
-            x_hat = x * rstd
-            g = grad
-            if HAS_WEIGHT:
-                g = grad * weight
-            mean_g_xhat = tl.sum(g * x_hat, axis=0) / n_cols
-            dx = rstd * (g - x_hat * mean_g_xhat)
-            if HAS_GRAD_EXTRA:
-                dx += tl.load(grad_extra_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-            tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-            dweight += grad * x_hat
-            x_row += x_row_stride
-            grad_row += grad_row_stride
-            dx_row += dx_row_stride
-            grad_extra_row += grad_extra_row_stride
-            rstd_row += 1
-        if HAS_WEIGHT:
-            tl.store(partial_row + cols, dweight, mask=col_mask)
+            b_x = tl.load(p_x + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_grad = tl.load(p_grad + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_rstd = tl.load(p_rstd)
+            b_xhat = b_x * b_rstd
+            b_g = b_grad
+            if weight_ptr is not None:
+                b_g = b_grad * b_weight
+            b_mean_g_xhat = tl.sum(b_g * b_xhat, axis=0) / n_cols
+            b_dx = b_rstd * (b_g - b_xhat * b_mean_g_xhat)
+            if grad_extra_ptr is not None:
+                b_dx += tl.load(p_grad_extra + o_n, mask=m_n, other=0.0).to(tl.float32)
+            tl.store(p_dx + o_n, b_dx.to(dx_ptr.dtype.element_ty), mask=m_n)
+            b_dweight += b_grad * b_xhat
+            p_x += stride_x_row
+            p_grad += stride_grad_row
+            p_dx += stride_dx_row
+            if grad_extra_ptr is not None:
+                p_grad_extra += stride_grad_extra_row
+            p_rstd += 1
+        if weight_ptr is not None:
+            tl.store(p_partial + o_n, b_dweight, mask=m_n)
     else:
-        if HAS_WEIGHT:  # this program's partial row starts at zero; it accumulates in place
-            for col_start in range(0, n_cols, BLOCK_N):
-                cols = col_start + tl.arange(0, BLOCK_N)
-                tl.store(partial_row + cols, tl.zeros([BLOCK_N], dtype=tl.float32),
-                         mask=cols < n_cols)
+        # this program's partial row starts at zero; it accumulates in place
+        if weight_ptr is not None:
+            for i_n in range(0, n_cols, BLOCK_N):  # i_n: the block's first column
+                o_n = i_n + tl.arange(0, BLOCK_N)
+                tl.store(p_partial + o_n, tl.zeros([BLOCK_N], dtype=tl.float32),
+                         mask=o_n < n_cols)
         for _ in range(row_start, row_end):
-            rstd = tl.load(rstd_row)
-            dot = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for col_start in range(0, n_cols, BLOCK_N):
-                cols = col_start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n_cols
-                x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                g = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    g *= tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                dot += g * x
-            mean_g_xhat = tl.sum(dot, axis=0) * rstd / n_cols
+            b_rstd = tl.load(p_rstd)
+            b_dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for i_n in range(0, n_cols, BLOCK_N):
+                o_n = i_n + tl.arange(0, BLOCK_N)
+                m_n = o_n < n_cols
+                b_x = tl.load(p_x + o_n, mask=m_n, other=0.0).to(tl.float32)
+                b_g = tl.load(p_grad + o_n, mask=m_n, other=0.0).to(tl.float32)
+                if weight_ptr is not None:
+                    b_g *= tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+                b_dot += b_g * b_x
+            b_mean_g_xhat = tl.sum(b_dot, axis=0) * b_rstd / n_cols
             n_blocks = tl.cdiv(n_cols, BLOCK_N)
-            for block in range(0, n_blocks):  # last block first: it is the one still in cache
-                col_start = (n_blocks - 1 - block) * BLOCK_N
-                cols = col_start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n_cols
-                x_hat = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32) * rstd
-                grad = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                g = grad
-                if HAS_WEIGHT:
-                    g = grad * tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                    partial = tl.load(partial_row + cols, mask=col_mask, other=0.0)
-                    tl.store(partial_row + cols, partial + grad * x_hat, mask=col_mask)
-                dx = rstd * (g - x_hat * mean_g_xhat)
-                if HAS_GRAD_EXTRA:
-                    dx += tl.load(grad_extra_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-                tl.store(dx_row + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_mask)
-            x_row += x_row_stride
-            grad_row += grad_row_stride
-            dx_row += dx_row_stride
-            grad_extra_row += grad_extra_row_stride
-            rstd_row += 1
+            for i_step in range(0, n_blocks):  # last block first: it is the one still in cache
+                col_start = (n_blocks - 1 - i_step) * BLOCK_N
+                o_n = col_start + tl.arange(0, BLOCK_N)
+                m_n = o_n < n_cols
+                b_xhat = tl.load(p_x + o_n, mask=m_n, other=0.0).to(tl.float32) * b_rstd
+                b_grad = tl.load(p_grad + o_n, mask=m_n, other=0.0).to(tl.float32)
+                b_g = b_grad
+                if weight_ptr is not None:
+                    b_g = b_grad * tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+                    b_partial = tl.load(p_partial + o_n, mask=m_n, other=0.0)
+                    tl.store(p_partial + o_n, b_partial + b_grad * b_xhat, mask=m_n)
+                b_dx = b_rstd * (b_g - b_xhat * b_mean_g_xhat)
+                if grad_extra_ptr is not None:
+                    b_dx += tl.load(p_grad_extra + o_n, mask=m_n, other=0.0).to(tl.float32)
+                tl.store(p_dx + o_n, b_dx.to(dx_ptr.dtype.element_ty), mask=m_n)
+            p_x += stride_x_row
+            p_grad += stride_grad_row
+            p_dx += stride_dx_row
+            if grad_extra_ptr is not None:
+                p_grad_extra += stride_grad_extra_row
+            p_rstd += 1
 
 
 RMS_NORM_FWD = runtime.TunedKernel("rms_norm", "rms_norm_fwd", _rms_norm_fwd_kernel,
@@ -211,16 +217,17 @@ def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool
     x_rows, x_stride = layout.rows_of(x)
     out_rows, out_stride = layout.rows_of(out, output=True)
     residual_rows, residual_stride = layout.rows_of(residual) if residual is not None \
-        else (x_rows, x_stride)
+        else (None, 0)
     residual_out_rows, residual_out_stride = layout.rows_of(residual_out, output=True) \
-        if residual_out is not None else (out_rows, out_stride)
+        if residual_out is not None else (None, 0)
     in_place = out is x or (residual is not None and residual_out is residual)
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     RMS_NORM_FWD.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]),),
-        x_rows, residual_rows, weight if weight is not None else x_rows, out_rows,
-        residual_out_rows, rstd if want_rstd else x_rows,
-        n_rows, n_cols, x_stride, residual_stride, out_stride, residual_out_stride,
-        eps, residual is not None, weight is not None, want_rstd,
+        x_rows, residual_rows, weight, out_rows, residual_out_rows, rstd,
+        n_rows, n_cols,
+        x_stride, residual_stride, out_stride, residual_out_stride,
+        eps,
         shape=(n_rows, n_cols),
         restore=[t for t in (x, residual) if t is not None] if in_place else ())
     return rstd
@@ -238,15 +245,17 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None):
     slots = 4 * runtime.multiprocessor_count(x.device.index or 0)
     rows_per_program = runtime.cdiv(n_rows, slots)
     n_programs = runtime.cdiv(n_rows, rows_per_program)
-    partial = torch.empty((n_programs, n_cols) if weight is not None else (1,),
-                          dtype=torch.float32, device=x.device)
+    partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) \
+        if weight is not None else None
     dx_rows = dx.view(-1, n_cols)
-    extra_rows = layout.as_rows(grad_extra) if grad_extra is not None else grad_rows
+    extra_rows = layout.as_rows(grad_extra) if grad_extra is not None else None
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     RMS_NORM_BWD.launch(
         lambda meta: (n_programs,),
-        grad_rows, x_rows, weight if weight is not None else x_rows, rstd, extra_rows, dx_rows,
-        partial, n_rows, n_cols, rows_per_program, grad_rows.stride(0), x_rows.stride(0),
-        extra_rows.stride(0), dx_rows.stride(0), weight is not None, grad_extra is not None,
+        grad_rows, x_rows, weight, rstd, extra_rows, dx_rows, partial,
+        n_rows, n_cols, rows_per_program,
+        grad_rows.stride(0), x_rows.stride(0),
+        extra_rows.stride(0) if extra_rows is not None else 0, dx_rows.stride(0),
         shape=(n_rows, n_cols))
     dweight = partial.sum(dim=0).to(weight.dtype) if weight is not None else None
     return dx, dweight
@@ -273,31 +282,23 @@ def add_rms_norm_reference(x, residual, weight=None, eps=1e-6):
 
 
 def _check_inputs(function: str, x, weight, residual=None):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    checks.float_tensor(function, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{function}: x must have at least one dim (normalised over the last)")
     if residual is not None:
-        if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"{function}: residual must be a torch.Tensor, got {type(residual).__name__}")
+        checks.tensor(function, "residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"{function}: residual must have x's shape {tuple(x.shape)}, "
                              f"got {tuple(residual.shape)}")
-        if residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"{function}: residual must be {x.dtype} on {x.device}, "
-                             f"got {residual.dtype} on {residual.device}")
+        checks.like(function, "residual", residual, x)
     if weight is not None:
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"{function}: weight must be a torch.Tensor or None, got {type(weight).__name__}")
+        checks.tensor(function, "weight", weight, or_none=True)
         if weight.shape != (x.shape[-1],):
             raise ValueError(f"{function}: weight must have shape ({x.shape[-1]},) to match x's "
                              f"last dim, got {tuple(weight.shape)}")
         if weight.device != x.device:
             raise ValueError(f"{function}: weight must be on {x.device}, got {weight.device}")
-        if not weight.is_floating_point():
-            raise TypeError(f"{function}: weight must be floating-point, got {weight.dtype}")
+        checks.float_tensor(function, "weight", weight, expected="floating-point")
 
 
 def _upcast_reference(fn, *tensors, eps):
@@ -327,7 +328,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _check_inputs("gemslib.rms_norm", x, weight)
     eps = checks.as_float("gemslib.rms_norm", "eps", eps)
     if runtime.wants_custom_op(x, weight):
-        return runtime.differentiable_call(_rms_norm_forward_op, _RmsNormFunction, x, weight, eps)[0]
+        return _rms_norm_forward_op(x, weight, eps)[0]
     if not _kernel_takes(x, weight):
         return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
     return _forward(x, weight, eps, want_rstd=False)[0]
@@ -395,9 +396,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         weight = _check_in_place_aliasing("gemslib.add_rms_norm", x, residual, weight)
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
     if runtime.wants_custom_op(x, residual, weight):
-        normed, total = runtime.differentiable_call(_add_rms_norm_op, _AddRmsNormFunction,
-                                                    x, residual, weight, eps)
-        return normed, total
+        return _add_rms_norm_op(x, residual, weight, eps)
     return _add_rms_norm(x, residual, weight, eps)
 
 
@@ -444,47 +443,31 @@ def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return _add_rms_norm(x, residual, weight, eps)
 
 
-_rms_norm_forward_op = torch.library.custom_op("gemslib::rms_norm_forward", _rms_norm_forward_impl,
-                                               mutates_args=())
-_rms_norm_backward_op = torch.library.custom_op("gemslib::rms_norm_backward",
-                                                _rms_norm_backward_impl, mutates_args=())
-_add_rms_norm_op = torch.library.custom_op("gemslib::add_rms_norm", _add_rms_norm_impl,
-                                           mutates_args=())
-
-
-@_rms_norm_forward_op.register_fake
-def _(x, weight, eps):
+def _rms_norm_forward_fake(x, weight, eps):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
         (rows,), dtype=torch.float32)
 
 
-@_rms_norm_backward_op.register_fake
-def _(grad, x, weight, rstd, grad_extra=None):
+def _rms_norm_backward_fake(grad, x, weight, rstd, grad_extra=None):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(weight) if weight is not None else x.new_empty((0,)))
 
 
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
+def _add_rms_norm_fake(x, residual, weight, eps):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
-
-# Autograd: the same setup and backward serve the custom ops (what torch.compile traces, calling
-# the backward custom ops) and the eager autograd.Functions (calling the implementations).
 
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _rms_norm_grad_via(backward):
-    def rms_norm_grad(ctx, grad_out, grad_rstd):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dweight = backward(grad_out.contiguous(), x, weight, rstd)
-        return dx, (dweight if weight is not None else None), None
-    return rms_norm_grad
+def _rms_norm_grad(ctx, grad_out, grad_rstd, ops):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = ops.rms_norm_backward(grad_out.contiguous(), x, weight, rstd)
+    return dx, (dweight if weight is not None else None), None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
@@ -493,27 +476,25 @@ def _add_rms_norm_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], weight)
 
 
-def _add_rms_norm_grad_via(forward, backward):
-    def add_rms_norm_grad(ctx, grad_normed, grad_total):
-        total, weight = ctx.saved_tensors
-        # the forward kept no rstd (it serves inference); one cheap pass recomputes it
-        _, rstd = forward(total, weight, ctx.eps)
-        d_total, dweight = backward(grad_normed.contiguous(), total, weight, rstd,
-                                    grad_total.contiguous() if grad_total is not None else None)
-        return d_total, d_total, (dweight if weight is not None else None), None
-    return add_rms_norm_grad
+def _add_rms_norm_grad(ctx, grad_normed, grad_total, ops):
+    total, weight = ctx.saved_tensors
+    # the forward kept no rstd (it serves inference); one cheap pass recomputes it
+    _, rstd = ops.rms_norm_forward(total, weight, ctx.eps)
+    d_total, dweight = ops.rms_norm_backward(
+        grad_normed.contiguous(), total, weight, rstd,
+        grad_total.contiguous() if grad_total is not None else None)
+    return d_total, d_total, (dweight if weight is not None else None), None
 
 
-_rms_norm_forward_op.register_autograd(_rms_norm_grad_via(_rms_norm_backward_op),
-                                       setup_context=_rms_norm_setup)
-_add_rms_norm_op.register_autograd(_add_rms_norm_grad_via(_rms_norm_forward_op, _rms_norm_backward_op),
-                                   setup_context=_add_rms_norm_setup)
-_RmsNormFunction = runtime.eager_autograd(
-    "RmsNormFunction", _rms_norm_forward_impl, _rms_norm_setup,
-    _rms_norm_grad_via(_rms_norm_backward_impl))
-_AddRmsNormFunction = runtime.eager_autograd(
-    "AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup,
-    _add_rms_norm_grad_via(_rms_norm_forward_impl, _rms_norm_backward_impl))
+_rms_norm_backward_op = runtime.CustomOp("rms_norm_backward", _rms_norm_backward_impl,
+                                         fake=_rms_norm_backward_fake)
+_rms_norm_forward_op = runtime.CustomOp("rms_norm_forward", _rms_norm_forward_impl,
+                                        fake=_rms_norm_forward_fake, setup_context=_rms_norm_setup,
+                                        backward=_rms_norm_grad, uses=(_rms_norm_backward_op,))
+_add_rms_norm_op = runtime.CustomOp("add_rms_norm", _add_rms_norm_impl,
+                                    fake=_add_rms_norm_fake, setup_context=_add_rms_norm_setup,
+                                    backward=_add_rms_norm_grad,
+                                    uses=(_rms_norm_forward_op, _rms_norm_backward_op))
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,7 +508,7 @@ _DEFAULT_EPS = torch.finfo(torch.float32).eps  # torch's choice for eps=None (fp
 
 
 def _why_not_fused(input, normalized_shape, weight):
-    if input.dtype not in KERNEL_DTYPES:
+    if input.dtype not in runtime.KERNEL_DTYPES:
         return f"dtype {input.dtype}"
     if len(normalized_shape) != 1 or input.dim() == 0 or list(input.shape[-1:]) != list(normalized_shape):
         return f"normalized_shape {list(normalized_shape)} is not x's last dim"

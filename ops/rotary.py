@@ -13,7 +13,7 @@ rotation (sin -> -sin) of the incoming gradients.
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks.
+kernel, launcher, reference, public function and custom ops, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import triton.language as tl
 from gemslib import checks, layout, runtime
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-
 
 # --------------------------------------------------------------------------------------------
 # Kernel
@@ -34,64 +32,64 @@ KERNEL_DTYPES = runtime.KERNEL_DTYPES
 
 
 @triton.jit
-def _head_block(x_ptr, head_stride, head_start, n_heads, half,
+def _head_block(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
                 INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """Pointers to the (first, second) features of BLOCK_H heads' rotation pairs, and the mask;
     x_ptr points at one token's first head."""
-    heads = head_start + tl.arange(0, BLOCK_H)[:, None]
-    pairs = tl.arange(0, BLOCK_R)[None, :]
-    mask = (heads < n_heads) & (pairs < half)
+    o_h = head_start + tl.arange(0, BLOCK_H)[:, None]
+    o_r = tl.arange(0, BLOCK_R)[None, :]
+    m_x = (o_h < n_heads) & (o_r < n_pairs)
     if INTERLEAVED:
-        first, second = 2 * pairs, 2 * pairs + 1
+        o_a, o_b = 2 * o_r, 2 * o_r + 1
     else:
-        first, second = pairs, pairs + half
-    heads_ptr = x_ptr + heads * head_stride
-    return heads_ptr + first, heads_ptr + second, mask
+        o_a, o_b = o_r, o_r + n_pairs
+    p_x = x_ptr + o_h * stride_x_h
+    return p_x + o_a, p_x + o_b, m_x
 
 
 @triton.jit
-def _load_heads(x_ptr, head_stride, head_start, n_heads, half,
+def _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
                 INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     """(x_a, x_b) of BLOCK_H heads of one token, in fp32."""
-    first, second, mask = _head_block(x_ptr, head_stride, head_start, n_heads, half,
-                                      INTERLEAVED, BLOCK_H, BLOCK_R)
-    x_a = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x_b = tl.load(second, mask=mask, other=0.0).to(tl.float32)
-    return x_a, x_b
+    p_a, p_b, m_x = _head_block(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
+                                INTERLEAVED, BLOCK_H, BLOCK_R)
+    b_xa = tl.load(p_a, mask=m_x, other=0.0).to(tl.float32)
+    b_xb = tl.load(p_b, mask=m_x, other=0.0).to(tl.float32)
+    return b_xa, b_xb
 
 
 @triton.jit
-def _store_heads(x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, x_a, x_b,
-                 cos, sin, half, head_dim,
+def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
+                 b_cos, b_sin, n_pairs, head_dim,
                  INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr):
     """Store the rotated (x_a, x_b) of BLOCK_H heads; with COPY_REST the features past rot_dim
     are copied from x (out of place with partial rotary)."""
-    first, second, mask = _head_block(out_ptr, out_head_stride, head_start, n_heads, half,
-                                      INTERLEAVED, BLOCK_H, BLOCK_R)
+    p_a, p_b, m_x = _head_block(out_ptr, stride_out_h, head_start, n_heads, n_pairs,
+                                INTERLEAVED, BLOCK_H, BLOCK_R)
     dtype = out_ptr.dtype.element_ty
-    tl.store(first, (x_a * cos - x_b * sin).to(dtype), mask=mask)
-    tl.store(second, (x_b * cos + x_a * sin).to(dtype), mask=mask)
+    tl.store(p_a, (b_xa * b_cos - b_xb * b_sin).to(dtype), mask=m_x)
+    tl.store(p_b, (b_xb * b_cos + b_xa * b_sin).to(dtype), mask=m_x)
     if COPY_REST:
-        heads = head_start + tl.arange(0, BLOCK_H)[:, None]
-        rest = 2 * half + tl.arange(0, BLOCK_REST)[None, :]
-        rest_mask = (heads < n_heads) & (rest < head_dim)
-        tl.store(out_ptr + heads * out_head_stride + rest,
-                 tl.load(x_ptr + heads * x_head_stride + rest, mask=rest_mask), mask=rest_mask)
+        o_h = head_start + tl.arange(0, BLOCK_H)[:, None]
+        o_rest = 2 * n_pairs + tl.arange(0, BLOCK_REST)[None, :]
+        m_rest = (o_h < n_heads) & (o_rest < head_dim)
+        tl.store(out_ptr + o_h * stride_out_h + o_rest,
+                 tl.load(x_ptr + o_h * stride_x_h + o_rest, mask=m_rest), mask=m_rest)
 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, cos, sin,
-    half, head_dim,
+    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_cos, b_sin,
+    n_pairs, head_dim,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
-    x_a, x_b = _load_heads(x_ptr, x_head_stride, head_start, n_heads, half, INTERLEAVED,
-                           BLOCK_H, BLOCK_R)
-    _store_heads(x_ptr, out_ptr, x_head_stride, out_head_stride, head_start, n_heads, x_a, x_b,
-                 cos, sin, half, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+    b_xa, b_xb = _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs, INTERLEAVED,
+                             BLOCK_H, BLOCK_R)
+    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb, b_cos,
+                 b_sin, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
 @triton.heuristics({"BLOCK_HK": lambda args: min(args["BLOCK_H"],
@@ -99,13 +97,13 @@ def _rotate_heads(
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
-    seq_len, n_q_heads, n_k_heads, half, head_dim,
-    q_batch_stride, q_seq_stride, q_head_stride,
-    k_batch_stride, k_seq_stride, k_head_stride,
-    q_out_batch_stride, q_out_seq_stride, q_out_head_stride,
-    k_out_batch_stride, k_out_seq_stride, k_out_head_stride,
-    cos_stride, sin_stride, positions_batch_stride, positions_seq_stride, n_positions,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    seq_len, n_q_heads, n_k_heads, n_pairs, head_dim,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_k_b, stride_k_s, stride_k_h,
+    stride_q_out_b, stride_q_out_s, stride_q_out_h,
+    stride_k_out_b, stride_k_out_s, stride_k_out_h,
+    stride_cos_pos, stride_sin_pos, stride_positions_b, stride_positions_s, n_positions,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
@@ -113,58 +111,58 @@ def _rotary_kernel(
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
     loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
     k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
-    whose one program per token wins on short inputs)."""
-    token = tl.program_id(0)
-    batch = (token // seq_len).to(tl.int64)
-    seq = (token % seq_len).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_R)[None, :]
-    if HAS_POSITIONS:
-        position = tl.load(positions_ptr + batch * positions_batch_stride
-                           + seq * positions_seq_stride).to(tl.int64)
+    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head."""
+    i_t = tl.program_id(0)
+    i_b = (i_t // seq_len).to(tl.int64)
+    i_s = (i_t % seq_len).to(tl.int64)
+    o_r = tl.arange(0, BLOCK_R)[None, :]
+    if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
+        b_pos = tl.load(positions_ptr + i_b * stride_positions_b
+                        + i_s * stride_positions_s).to(tl.int64)
         # a position outside the table: a device-side assert (compiled in, see ROTARY), and
         # never a read outside cos/sin (NaN angles where asserts are off)
-        in_table = (position >= 0) & (position < n_positions)
-        tl.device_assert(in_table, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
-        position = tl.where(in_table, position, 0)
-        pair_mask = (pairs < half) & in_table
-        cos = tl.load(cos_ptr + position * cos_stride + pairs, mask=pair_mask).to(tl.float32)
-        sin = tl.load(sin_ptr + position * sin_stride + pairs, mask=pair_mask).to(tl.float32)
-        cos = tl.where(pairs < half, tl.where(in_table, cos, float("nan")), 1.0)
-        sin = tl.where(pairs < half, tl.where(in_table, sin, float("nan")), 0.0)
+        m_pos = (b_pos >= 0) & (b_pos < n_positions)
+        tl.device_assert(m_pos, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
+        b_pos = tl.where(m_pos, b_pos, 0)
+        m_r = (o_r < n_pairs) & m_pos
+        b_cos = tl.load(cos_ptr + b_pos * stride_cos_pos + o_r, mask=m_r).to(tl.float32)
+        b_sin = tl.load(sin_ptr + b_pos * stride_sin_pos + o_r, mask=m_r).to(tl.float32)
+        b_cos = tl.where(o_r < n_pairs, tl.where(m_pos, b_cos, float("nan")), 1.0)
+        b_sin = tl.where(o_r < n_pairs, tl.where(m_pos, b_sin, float("nan")), 0.0)
     else:
-        cos = tl.load(cos_ptr + seq * cos_stride + pairs, mask=pairs < half, other=1.0)
-        sin = tl.load(sin_ptr + seq * sin_stride + pairs, mask=pairs < half, other=0.0)
-        cos = cos.to(tl.float32)
-        sin = sin.to(tl.float32)
+        b_cos = tl.load(cos_ptr + i_s * stride_cos_pos + o_r, mask=o_r < n_pairs, other=1.0)
+        b_sin = tl.load(sin_ptr + i_s * stride_sin_pos + o_r, mask=o_r < n_pairs, other=0.0)
+        b_cos = b_cos.to(tl.float32)
+        b_sin = b_sin.to(tl.float32)
     if INVERSE:
-        sin = -sin
-    q_token = q_ptr + batch * q_batch_stride + seq * q_seq_stride
-    q_out_token = q_out_ptr + batch * q_out_batch_stride + seq * q_out_seq_stride
-    k_token = k_ptr + batch * k_batch_stride + seq * k_seq_stride
-    k_out_token = k_out_ptr + batch * k_out_batch_stride + seq * k_out_seq_stride
+        b_sin = -b_sin
+    p_q = q_ptr + i_b * stride_q_b + i_s * stride_q_s
+    p_q_out = q_out_ptr + i_b * stride_q_out_b + i_s * stride_q_out_s
+    p_k = k_ptr + i_b * stride_k_b + i_s * stride_k_s
+    p_k_out = k_out_ptr + i_b * stride_k_out_b + i_s * stride_k_out_s
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if LOOP_HEADS:
         # a block past the last heads of q or k is fully masked: no memory traffic
-        for block in range(0, tl.maximum(n_q_blocks, tl.cdiv(n_k_heads, BLOCK_HK))):
-            q_a, q_b = _load_heads(q_token, q_head_stride, block * BLOCK_H, n_q_heads, half,
-                                   INTERLEAVED, BLOCK_H, BLOCK_R)
-            k_a, k_b = _load_heads(k_token, k_head_stride, block * BLOCK_HK, n_k_heads, half,
-                                   INTERLEAVED, BLOCK_HK, BLOCK_R)
-            _store_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
-                         block * BLOCK_H, n_q_heads, q_a, q_b, cos, sin, half, head_dim,
+        for i_h in range(0, tl.maximum(n_q_blocks, tl.cdiv(n_k_heads, BLOCK_HK))):
+            b_qa, b_qb = _load_heads(p_q, stride_q_h, i_h * BLOCK_H, n_q_heads, n_pairs,
+                                     INTERLEAVED, BLOCK_H, BLOCK_R)
+            b_ka, b_kb = _load_heads(p_k, stride_k_h, i_h * BLOCK_HK, n_k_heads, n_pairs,
+                                     INTERLEAVED, BLOCK_HK, BLOCK_R)
+            _store_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
+                         i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos, b_sin, n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
-            _store_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
-                         block * BLOCK_HK, n_k_heads, k_a, k_b, cos, sin, half, head_dim,
+            _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
+                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos, b_sin, n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_HK, BLOCK_R, BLOCK_REST)
     else:
-        head_block = tl.program_id(1)
-        if head_block < n_q_blocks:
-            _rotate_heads(q_token, q_out_token, q_head_stride, q_out_head_stride,
-                          head_block * BLOCK_H, n_q_heads, cos, sin, half, head_dim, INTERLEAVED,
+        i_h = tl.program_id(1)
+        if i_h < n_q_blocks:
+            _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
+                          i_h * BLOCK_H, n_q_heads, b_cos, b_sin, n_pairs, head_dim, INTERLEAVED,
                           COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
-            _rotate_heads(k_token, k_out_token, k_head_stride, k_out_head_stride,
-                          (head_block - n_q_blocks) * BLOCK_H, n_k_heads, cos, sin, half,
+            _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
+                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos, b_sin, n_pairs,
                           head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
@@ -204,12 +202,14 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
             return (n_tokens, 1)
         return (n_tokens, runtime.cdiv(n_q_heads, meta["BLOCK_H"]) + runtime.cdiv(n_k_heads, meta["BLOCK_H"]))
 
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     ROTARY.launch(
         grid,
-        q4, k4, q_out4, k_out4, cos, sin, positions if positions is not None else cos,
-        seq_len, n_q_heads, n_k_heads, half, head_dim, *strides,
+        q4, k4, q_out4, k_out4, cos, sin, positions,
+        seq_len, n_q_heads, n_k_heads, half, head_dim,
+        *strides,
         cos.stride(0), sin.stride(0), *position_strides, cos.shape[0],
-        positions is not None, interleaved, inverse, copy_rest, block_r, block_rest,
+        interleaved, inverse, copy_rest, block_r, block_rest,
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
 
@@ -254,18 +254,14 @@ def rotary_reference(q, k, cos, sin, positions=None, interleaved=False):
 def _check(q, k, cos, sin, positions) -> None:
     name = "gemslib.apply_rotary"
     for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be floating-point, got {t.dtype}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
     if q.dim() not in (3, 4) or k.dim() != q.dim():
         raise ValueError(f"{name}: q and k must both be (B, S, H, D) or (T, H, D), got "
                          f"{tuple(q.shape)} and {tuple(k.shape)}")
     if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on the "
                          "token dims and the head dim")
-    if q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"{name}: k must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device}")
+    checks.like(name, "k", k, q, "q")
     if cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2), got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -308,13 +304,9 @@ def _check_writes_alias_nothing(q, k, cos, sin, positions) -> None:
 
 
 def _kernel_runs(q, k, cos, sin) -> bool:
-    return (q.dtype in KERNEL_DTYPES and runtime.on_kernel_device(q)
-            and cos.dtype in KERNEL_DTYPES and sin.dtype in KERNEL_DTYPES
+    return (q.dtype in runtime.KERNEL_DTYPES and runtime.on_kernel_device(q)
+            and cos.dtype in runtime.KERNEL_DTYPES and sin.dtype in runtime.KERNEL_DTYPES
             and cos.stride(-1) == 1 and sin.stride(-1) == 1)
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def _check_positions_in_table(positions, n_positions: int) -> None:
@@ -342,7 +334,8 @@ def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)
         return q_out, k_out
-    _launch(_unit_last(q), _unit_last(k), q_out, k_out, cos, sin, positions, interleaved, inverse)
+    _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_out, cos, sin, positions,
+            interleaved, inverse)
     return q_out, k_out
 
 
@@ -373,8 +366,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             return q, k
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
-        return runtime.differentiable_call(_rotary_op, _RotaryFunction, q, k, cos, sin, positions,
-                                           interleaved, False)
+        return _rotary_op(q, k, cos, sin, positions, interleaved, False)
     return _rotary(q, k, cos, sin, positions, interleaved, False, torch.empty_like(q),
                    torch.empty_like(k))
 
@@ -387,12 +379,28 @@ def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                    torch.empty_like(k))
 
 
-_rotary_op = torch.library.custom_op("gemslib::rotary", _rotary_impl, mutates_args=())
+def _rotary_setup(ctx, inputs, output):
+    _, _, cos, sin, positions, interleaved, inverse = inputs
+    ctx.interleaved, ctx.inverse = interleaved, inverse
+    ctx.save_for_backward(cos, sin, positions)
 
 
-@_rotary_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, inverse):
-    return torch.empty_like(q), torch.empty_like(k)
+def _rotary_grad(ctx, grad_q, grad_k, ops):
+    """The inverse rotation, through this same operator: differentiable too."""
+    cos, sin, positions = ctx.saved_tensors
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
+                                  "implemented (they are usually fixed buffers)")
+    dq, dk = ops.rotary(grad_q.contiguous(), grad_k.contiguous(), cos, sin, positions,
+                        ctx.interleaved, not ctx.inverse)
+    return dq, dk, None, None, None, None, None
+
+
+_rotary_op = runtime.CustomOp(
+    "rotary", _rotary_impl,
+    fake=lambda q, k, cos, sin, positions, interleaved, inverse: (torch.empty_like(q),
+                                                                  torch.empty_like(k)),
+    setup_context=_rotary_setup, backward=_rotary_grad, differentiable_backward=True)
 
 
 def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -401,40 +409,8 @@ def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
 
 
-_rotary_inplace_op = torch.library.custom_op("gemslib::rotary_", _rotary_inplace_impl,
-                                             mutates_args=("q", "k"))
-
-
-@_rotary_inplace_op.register_fake
-def _(q, k, cos, sin, positions, interleaved):
-    return None
-
-
-# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
-
-def _rotary_setup(ctx, inputs, output):
-    _, _, cos, sin, positions, interleaved, inverse = inputs
-    ctx.interleaved, ctx.inverse = interleaved, inverse
-    ctx.save_for_backward(cos, sin, positions)
-
-
-def _rotary_grad_via(rotate):
-    def rotary_grad(ctx, grad_q, grad_k):
-        cos, sin, positions = ctx.saved_tensors
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
-                                      "implemented (they are usually fixed buffers)")
-        dq, dk = rotate(grad_q.contiguous(), grad_k.contiguous(), cos, sin, positions,
-                        ctx.interleaved, not ctx.inverse)
-        return dq, dk, None, None, None, None, None
-    return rotary_grad
-
-
-_rotary_op.register_autograd(_rotary_grad_via(_rotary_op), setup_context=_rotary_setup)
-# the backward is the inverse rotation through the same Function, so it is differentiable too
-_RotaryFunction = runtime.eager_autograd(
-    "RotaryFunction", _rotary_impl, _rotary_setup,
-    _rotary_grad_via(lambda *args: _RotaryFunction.apply(*args)), differentiable_backward=True)
+_rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_args=("q", "k"),
+                                     fake=lambda q, k, cos, sin, positions, interleaved: None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
                        x (..., 2d) -> out (..., d)
 
 All math in fp32; inputs and outputs fp16, bf16 or fp32. The file reads top-down: kernels,
-launchers, public functions and custom ops, aten overrides, self-checks.
+launchers, references, public functions and custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gemslib import layout, runtime
+from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
 
@@ -31,68 +29,70 @@ _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room 
 @triton.jit
 def _block_indices(n_elements, INDEX_64: tl.constexpr, BLOCK: tl.constexpr):
     """This program's BLOCK logical element indices and their in-bounds mask."""
-    pid = tl.program_id(0)
+    i_n = tl.program_id(0)
     if INDEX_64:
-        block_start = pid.to(tl.int64) * BLOCK
+        block_start = i_n.to(tl.int64) * BLOCK
     else:
-        block_start = pid * BLOCK
-    index = block_start + tl.arange(0, BLOCK)
-    return index, index < n_elements
+        block_start = i_n * BLOCK
+    o_n = block_start + tl.arange(0, BLOCK)
+    return o_n, o_n < n_elements
 
 
 @triton.jit
 def _silu_fwd_kernel(
     x_ptr, y_ptr, n_elements,
-    size1, size2, size3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
-    y_stride0, y_stride1, y_stride2, y_stride3,
+    n_1, n_2, n_3,
+    stride_x_0, stride_x_1, stride_x_2, stride_x_3,
+    stride_y_0, stride_y_1, stride_y_2, stride_y_3,
     STRIDED: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """y = silu(x) over ``n_elements``: flat storage order, or a 4-d strided walk."""
-    index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
-    x_offsets = layout.element_offsets(index, size1, size2, size3, x_stride0, x_stride1,
-                                       x_stride2, x_stride3, STRIDED)
-    y_offsets = layout.element_offsets(index, size1, size2, size3, y_stride0, y_stride1,
-                                       y_stride2, y_stride3, STRIDED)
-    x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
-    y = x / (1.0 + tl.exp(-x))
-    tl.store(y_ptr + y_offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+    """y = silu(x) over ``n_elements``: flat storage order, or a 4-d strided walk (dims of
+    sizes (n_elements / (n_1 n_2 n_3), n_1, n_2, n_3), each operand with its own strides)."""
+    o_n, m_n = _block_indices(n_elements, INDEX_64, BLOCK)
+    o_x = layout.element_offsets(o_n, n_1, n_2, n_3, stride_x_0, stride_x_1, stride_x_2,
+                                 stride_x_3, STRIDED)
+    o_y = layout.element_offsets(o_n, n_1, n_2, n_3, stride_y_0, stride_y_1, stride_y_2,
+                                 stride_y_3, STRIDED)
+    b_x = tl.load(x_ptr + o_x, mask=m_n).to(tl.float32)
+    b_y = b_x / (1.0 + tl.exp(-b_x))
+    tl.store(y_ptr + o_y, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
 def _silu_bwd_kernel(
     grad_ptr, x_ptr, dx_ptr, n_elements,
-    size1, size2, size3,
-    grad_stride0, grad_stride1, grad_stride2, grad_stride3,
-    x_stride0, x_stride1, x_stride2, x_stride3,
-    dx_stride0, dx_stride1, dx_stride2, dx_stride3,
+    n_1, n_2, n_3,
+    stride_grad_0, stride_grad_1, stride_grad_2, stride_grad_3,
+    stride_x_0, stride_x_1, stride_x_2, stride_x_3,
+    stride_dx_0, stride_dx_1, stride_dx_2, stride_dx_3,
     STRIDED: tl.constexpr, INDEX_64: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """dx = grad * silu'(x)."""
-    index, mask = _block_indices(n_elements, INDEX_64, BLOCK)
-    grad_offsets = layout.element_offsets(index, size1, size2, size3, grad_stride0, grad_stride1,
-                                          grad_stride2, grad_stride3, STRIDED)
-    x_offsets = layout.element_offsets(index, size1, size2, size3, x_stride0, x_stride1,
-                                       x_stride2, x_stride3, STRIDED)
-    dx_offsets = layout.element_offsets(index, size1, size2, size3, dx_stride0, dx_stride1,
-                                        dx_stride2, dx_stride3, STRIDED)
-    grad = tl.load(grad_ptr + grad_offsets, mask=mask).to(tl.float32)
-    x = tl.load(x_ptr + x_offsets, mask=mask).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-x))
-    dx = grad * sig * (1.0 + x * (1.0 - sig))
-    tl.store(dx_ptr + dx_offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    """dx = grad * silu'(x); the walk as in _silu_fwd_kernel."""
+    o_n, m_n = _block_indices(n_elements, INDEX_64, BLOCK)
+    o_grad = layout.element_offsets(o_n, n_1, n_2, n_3, stride_grad_0, stride_grad_1,
+                                    stride_grad_2, stride_grad_3, STRIDED)
+    o_x = layout.element_offsets(o_n, n_1, n_2, n_3, stride_x_0, stride_x_1, stride_x_2,
+                                 stride_x_3, STRIDED)
+    o_dx = layout.element_offsets(o_n, n_1, n_2, n_3, stride_dx_0, stride_dx_1, stride_dx_2,
+                                  stride_dx_3, STRIDED)
+    b_grad = tl.load(grad_ptr + o_grad, mask=m_n).to(tl.float32)
+    b_x = tl.load(x_ptr + o_x, mask=m_n).to(tl.float32)
+    b_sig = 1.0 / (1.0 + tl.exp(-b_x))
+    b_dx = b_grad * b_sig * (1.0 + b_x * (1.0 - b_sig))
+    tl.store(dx_ptr + o_dx, b_dx.to(dx_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
 def _row_and_columns(half_width, BLOCK_N: tl.constexpr):
-    """A 1-d grid walked row-major: neighbouring programs take neighbouring column blocks of
-    one row, so the grid sweeps memory in order (a 2-d grid with rows on the fast axis jumps
-    a whole row between neighbours and lost ~5% bandwidth on the H200)."""
-    pid = tl.program_id(0)  # int32 division: the int64 one is a long emulated sequence
+    """(row, its columns) of this program. A 1-d grid walked row-major: neighbouring programs
+    take neighbouring column blocks of one row, so the grid sweeps memory in order (a 2-d grid
+    with rows on the fast axis jumps a whole row between neighbours and lost ~5% bandwidth on
+    the H200)."""
+    i_mn = tl.program_id(0)  # int32 division: the int64 one is a long emulated sequence
     n_col_blocks = tl.cdiv(half_width, BLOCK_N)
-    row = (pid // n_col_blocks).to(tl.int64)  # int64 from here: row * stride can pass 2**31
-    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return row, cols
+    i_row = (i_mn // n_col_blocks).to(tl.int64)  # int64 from here: row * stride can pass 2**31
+    o_n = (i_mn % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return i_row, o_n
 
 
 def _even_columns(args) -> bool:
@@ -103,43 +103,43 @@ def _even_columns(args) -> bool:
 @triton.jit
 def _silu_and_mul_fwd_kernel(
     x_ptr, out_ptr, half_width,
-    x_row_stride, x_col_stride, out_row_stride,
+    stride_x_row, stride_x_col, stride_out_row,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block)."""
-    row, cols = _row_and_columns(half_width, BLOCK_N)
-    mask = cols < half_width
+    i_row, o_n = _row_and_columns(half_width, BLOCK_N)
+    m_n = o_n < half_width
     if EVEN_N:  # no partial block in any row: unpredicated loads and stores
-        mask = None
-    gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
-    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
-    up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        m_n = None
+    p_gate = x_ptr + i_row * stride_x_row + o_n * stride_x_col
+    b_gate = tl.load(p_gate, mask=m_n).to(tl.float32)
+    b_up = tl.load(p_gate + half_width * stride_x_col, mask=m_n).to(tl.float32)
+    b_out = b_gate / (1.0 + tl.exp(-b_gate)) * b_up
+    tl.store(out_ptr + i_row * stride_out_row + o_n, b_out.to(out_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.heuristics({"EVEN_N": _even_columns})
 @triton.jit
 def _silu_and_mul_bwd_kernel(
     grad_ptr, x_ptr, dx_ptr, half_width,
-    grad_row_stride, x_row_stride, x_col_stride, dx_row_stride,
+    stride_grad_row, stride_x_row, stride_x_col, stride_dx_row,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     """d gate = grad * up * silu'(gate),  d up = grad * silu(gate)."""
-    row, cols = _row_and_columns(half_width, BLOCK_N)
-    mask = cols < half_width
+    i_row, o_n = _row_and_columns(half_width, BLOCK_N)
+    m_n = o_n < half_width
     if EVEN_N:  # no partial block in any row: unpredicated loads and stores
-        mask = None
-    gate_ptrs = x_ptr + row * x_row_stride + cols * x_col_stride
-    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
-    up = tl.load(gate_ptrs + half_width * x_col_stride, mask=mask).to(tl.float32)
-    grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    d_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
-    d_up = grad * gate * sig
-    dx_ptrs = dx_ptr + row * dx_row_stride + cols
-    tl.store(dx_ptrs, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptrs + half_width, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
+        m_n = None
+    p_gate = x_ptr + i_row * stride_x_row + o_n * stride_x_col
+    b_gate = tl.load(p_gate, mask=m_n).to(tl.float32)
+    b_up = tl.load(p_gate + half_width * stride_x_col, mask=m_n).to(tl.float32)
+    b_grad = tl.load(grad_ptr + i_row * stride_grad_row + o_n, mask=m_n).to(tl.float32)
+    b_sig = 1.0 / (1.0 + tl.exp(-b_gate))
+    b_dgate = b_grad * b_up * b_sig * (1.0 + b_gate * (1.0 - b_sig))
+    b_dup = b_grad * b_gate * b_sig
+    p_dx = dx_ptr + i_row * stride_dx_row + o_n
+    tl.store(p_dx, b_dgate.to(dx_ptr.dtype.element_ty), mask=m_n)
+    tl.store(p_dx + half_width, b_dup.to(dx_ptr.dtype.element_ty), mask=m_n)
 
 
 SILU_FWD = runtime.TunedKernel("silu", "silu_fwd", _silu_fwd_kernel,
@@ -159,7 +159,8 @@ SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul
 
 def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
                         out: torch.Tensor) -> torch.Tensor:
-    """Run an elementwise ``kernel(*inputs, out, n, sizes, strides..., STRIDED, INDEX_64)``.
+    """Run an elementwise ``kernel(*inputs, out, n_elements, n_1..n_3, strides of each operand,
+    STRIDED, INDEX_64)``.
 
     Operands share one shape. One dense layout common to all of them runs flat; anything else
     walks strides, and a layout that does not collapse to 4 dims is computed on contiguous
@@ -181,8 +182,12 @@ def _launch_elementwise(kernel: runtime.TunedKernel, inputs: list[torch.Tensor],
         strided, sizes = True, shape4[1:]
         strides = [s for operand in operand_strides for s in operand]
     index_64 = n_elements >= _INT32_LIMIT
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     kernel.launch(lambda meta: (runtime.cdiv(n_elements, meta["BLOCK"]),),
-                  *operands, n_elements, *sizes, *strides, strided, index_64,
+                  *operands,
+                  n_elements, *sizes,
+                  *strides,
+                  strided, index_64,
                   shape=(n_elements,), restore=[t for t in inputs if t is out])
     return out
 
@@ -195,7 +200,8 @@ def _launch_silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_FWD.launch(
         lambda meta: (n_rows * runtime.cdiv(half_width, meta["BLOCK_N"]),),
-        rows_in, rows_out, half_width, rows_in.stride(0), rows_in.stride(1), rows_out.stride(0),
+        rows_in, rows_out, half_width,
+        rows_in.stride(0), rows_in.stride(1), rows_out.stride(0),
         shape=(n_rows, half_width))
     return out
 
@@ -212,8 +218,9 @@ def _launch_silu_and_mul_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.
     n_rows = rows_in.shape[0]
     SILU_AND_MUL_BWD.launch(
         lambda meta: (n_rows * runtime.cdiv(half_width, meta["BLOCK_N"]),),
-        rows_grad, rows_in, rows_dx, half_width, rows_grad.stride(0), rows_in.stride(0),
-        rows_in.stride(1), rows_dx.stride(0), shape=(n_rows, half_width))
+        rows_grad, rows_in, rows_dx, half_width,
+        rows_grad.stride(0), rows_in.stride(0), rows_in.stride(1), rows_dx.stride(0),
+        shape=(n_rows, half_width))
     return dx
 
 
@@ -247,21 +254,11 @@ def silu_and_mul_backward_reference(grad: torch.Tensor, x: torch.Tensor) -> torc
 # --------------------------------------------------------------------------------------------
 
 
-def _check_float_tensor(function: str, argument: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{function}: {argument} must be a torch.Tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{function}: {argument} must be a floating-point tensor, got {value.dtype}")
-
-
 def _check_out(function: str, out: torch.Tensor, shape, like: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{function}: out must be a torch.Tensor, got {type(out).__name__}")
+    checks.tensor(function, "out", out)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{function}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"{function}: out must be {like.dtype} on {like.device}, "
-                         f"got {out.dtype} on {out.device}")
+    checks.like(function, "out", out, like)
     if layout.has_internal_overlap(out):
         raise ValueError(f"{function}: out has overlapping elements (a stride-0 dim)")
 
@@ -280,10 +277,10 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     The result has ``x``'s layout when ``x`` is dense (like ``torch.empty_like``). With ``out``
     (same shape, dtype and device) nothing is allocated. Differentiable.
     """
-    _check_float_tensor("gemslib.silu", "x", x)
+    checks.float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
-            return runtime.differentiable_call(_silu_op, _SiluFunction, x)
+            return _silu_op(x)
         if not runtime.kernel_runs(x):
             return F.silu(x)
         return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
@@ -304,14 +301,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     x: (..., 2d) with any strides -> (..., d), contiguous (or written into ``out``).
     Differentiable.
     """
-    _check_float_tensor("gemslib.silu_and_mul", "x", x)
+    checks.float_tensor("gemslib.silu_and_mul", "x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError("gemslib.silu_and_mul: x's last dim must be even (x = [gate | up]), "
                          f"got shape {tuple(x.shape)}")
     out_shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
         if runtime.wants_custom_op(x):
-            return runtime.differentiable_call(_silu_and_mul_op, _SiluAndMulFunction, x)
+            return _silu_and_mul_op(x)
         if not runtime.kernel_runs(x):
             return silu_and_mul_reference(x)
         return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
@@ -339,56 +336,35 @@ def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
                                            device=x.device))
 
 
-_silu_op = torch.library.custom_op("gemslib::silu", _silu_impl, mutates_args=())
-_silu_backward_op = torch.library.custom_op("gemslib::silu_backward", _silu_backward,
-                                            mutates_args=())
-_silu_and_mul_op = torch.library.custom_op("gemslib::silu_and_mul", _silu_and_mul_impl,
-                                           mutates_args=())
-_silu_and_mul_backward_op = torch.library.custom_op("gemslib::silu_and_mul_backward",
-                                                    _silu_and_mul_backward, mutates_args=())
-
-
-@_silu_op.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-@_silu_backward_op.register_fake
-def _(grad, x):
-    return torch.empty_like(x)
-
-
-@_silu_and_mul_op.register_fake
-def _(x):
+def _silu_and_mul_fake(x):
     torch._check(x.dim() > 0 and x.shape[-1] % 2 == 0,
                  lambda: f"gemslib.silu_and_mul: x's last dim must be even, got {tuple(x.shape)}")
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@_silu_and_mul_backward_op.register_fake
-def _(grad, x):
-    return x.new_empty(x.shape)
-
-
-# One setup and backward for the custom ops (torch.compile) and the eager autograd.Functions.
-
 def _save_input(ctx, inputs, output):
     ctx.save_for_backward(inputs[0])
 
 
-def _grad_via(backward):
-    def grad_from_input(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return backward(grad, x)
-    return grad_from_input
+def _silu_grad(ctx, grad, ops):
+    (x,) = ctx.saved_tensors
+    return ops.silu_backward(grad, x)
 
 
-_silu_op.register_autograd(_grad_via(_silu_backward_op), setup_context=_save_input)
-_silu_and_mul_op.register_autograd(_grad_via(_silu_and_mul_backward_op), setup_context=_save_input)
-_SiluFunction = runtime.eager_autograd("SiluFunction", _silu_impl, _save_input,
-                                       _grad_via(_silu_backward))
-_SiluAndMulFunction = runtime.eager_autograd("SiluAndMulFunction", _silu_and_mul_impl, _save_input,
-                                             _grad_via(_silu_and_mul_backward))
+def _silu_and_mul_grad(ctx, grad, ops):
+    (x,) = ctx.saved_tensors
+    return ops.silu_and_mul_backward(grad, x)
+
+
+_silu_backward_op = runtime.CustomOp("silu_backward", _silu_backward,
+                                     fake=lambda grad, x: torch.empty_like(x))
+_silu_op = runtime.CustomOp("silu", _silu_impl, fake=torch.empty_like, setup_context=_save_input,
+                            backward=_silu_grad, uses=(_silu_backward_op,))
+_silu_and_mul_backward_op = runtime.CustomOp("silu_and_mul_backward", _silu_and_mul_backward,
+                                             fake=lambda grad, x: x.new_empty(x.shape))
+_silu_and_mul_op = runtime.CustomOp("silu_and_mul", _silu_and_mul_impl, fake=_silu_and_mul_fake,
+                                    setup_context=_save_input, backward=_silu_and_mul_grad,
+                                    uses=(_silu_and_mul_backward_op,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,7 +374,7 @@ _SiluAndMulFunction = runtime.eager_autograd("SiluAndMulFunction", _silu_and_mul
 
 def _unsupported_dtype(*tensors: torch.Tensor) -> str | None:
     dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in KERNEL_DTYPES:
+    if len(dtypes) != 1 or next(iter(dtypes)) not in runtime.KERNEL_DTYPES:
         return f"dtypes {sorted(map(str, dtypes))}"
     return None
 

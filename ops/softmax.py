@@ -15,8 +15,8 @@ them, so that all blocks but the first and last move full vectors (``ALIGN``). e
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
 A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
-strided kernel). The file reads top-down: kernels, launchers, public functions and custom ops,
-aten overrides, self-checks.
+strided kernel). The file reads top-down: kernels, launchers, references, public functions and
+custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
+from gemslib.layout import LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
-
-KERNEL_DTYPES = runtime.KERNEL_DTYPES
-LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by the compiler
 
 
 # --------------------------------------------------------------------------------------------
@@ -42,38 +40,39 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a plain float global is rejected by 
 @triton.jit
 def _row_block(n_rows, BLOCK_M: tl.constexpr):
     """This program's BLOCK_M rows as an int64 column of indices and their mask."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    return rows.to(tl.int64)[:, None], rows[:, None] < n_rows
+    o_row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return o_row.to(tl.int64)[:, None], o_row[:, None] < n_rows
 
 
 @triton.jit
-def _in_row(cols, shift, n_cols, row_mask, ALIGN: tl.constexpr):
-    """Mask of the columns ``cols`` (counted from ``shift`` elements before the row) that
+def _in_row(o_n, shift, n_cols, m_row, ALIGN: tl.constexpr):
+    """Mask of the columns ``o_n`` (counted from ``shift`` elements before the row) that
     belong to a row of ``n_cols``; ``shift`` is 0 when ALIGN is 1."""
     if ALIGN == 1:
-        return row_mask & (cols < n_cols)
+        return m_row & (o_n < n_cols)
     else:
-        return row_mask & (cols >= shift) & (cols < shift + n_cols)
+        return m_row & (o_n >= shift) & (o_n < shift + n_cols)
 
 
 @triton.jit
-def _row_start(ptr, row_index, row_stride, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
-    """Where a program walks its rows from: the rows themselves, or for looped rows with
-    ALIGN > 1 the aligned address before each, written as (offset // ALIGN) * ALIGN so that
-    the compiler knows it is aligned (and vectorizes the accesses from it)."""
+def _row_start(x_ptr, o_row, stride_x_row, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Where a program walks its rows ``o_row`` of a tensor ``x`` from: the rows themselves, or
+    for looped rows with ALIGN > 1 the aligned address before each, written as
+    (offset // ALIGN) * ALIGN so that the compiler knows it is aligned (and vectorizes the
+    accesses from it)."""
     if ONE_PASS or ALIGN == 1:
-        return ptr + row_index * row_stride
+        return x_ptr + o_row * stride_x_row
     else:
-        return ptr + (row_index * row_stride // ALIGN) * ALIGN
+        return x_ptr + (o_row * stride_x_row // ALIGN) * ALIGN
 
 
 @triton.jit
-def _row_shift(row_index, row_stride, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
+def _row_shift(o_row, stride_x_row, ALIGN: tl.constexpr, ONE_PASS: tl.constexpr):
     """Elements each row starts past the address ``_row_start`` gives (0 unless ALIGN > 1)."""
     if ONE_PASS or ALIGN == 1:
         return 0
     else:
-        return (row_index * row_stride) % ALIGN
+        return (o_row * stride_x_row) % ALIGN
 
 
 @triton.jit
@@ -89,20 +88,20 @@ def _block_range(n_cols, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _write_block(x_at, y_at, mask, row_max, row_sum, LOG: tl.constexpr):
-    """y = softmax or log_softmax of the block at ``x_at``, from the row's max and sum."""
-    shifted = (tl.load(x_at, mask=mask, other=-float("inf")).to(tl.float32) - row_max) * LOG2E
+def _write_block(p_x, p_y, m_x, b_row_max, b_row_sum, LOG: tl.constexpr):
+    """y = softmax or log_softmax of the block at ``p_x``, from the row's max and sum."""
+    b_shifted = (tl.load(p_x, mask=m_x, other=-float("inf")).to(tl.float32) - b_row_max) * LOG2E
     if LOG:
-        y = (shifted - tl.log2(row_sum)) / LOG2E
+        b_y = (b_shifted - tl.log2(b_row_sum)) / LOG2E
     else:
-        y = tl.exp2(shifted) / row_sum
-    tl.store(y_at, y.to(y_at.dtype.element_ty), mask=mask)
+        b_y = tl.exp2(b_shifted) / b_row_sum
+    tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_x)
 
 
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_fwd_kernel(
-    x_ptr, y_ptr, n_rows, n_cols, x_row_stride, y_row_stride,
+    x_ptr, y_ptr, n_rows, n_cols, stride_x_row, stride_y_row,
     LOG: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_PASS: tl.constexpr,
 ):
@@ -113,60 +112,60 @@ def _softmax_fwd_kernel(
     so that every block but the first and the last loads and stores full vectors unmasked.
     The launcher sets it only when x and y rows share the misalignment (equal strides mod ALIGN).
     """
-    row_index, row_mask = _row_block(n_rows, BLOCK_M)
+    o_row, m_row = _row_block(n_rows, BLOCK_M)
     # y's rows start ``shift`` past alignment too (the launcher checks the strides)
-    shift = _row_shift(row_index, x_row_stride, ALIGN, ONE_PASS)
-    x_rows = _row_start(x_ptr, row_index, x_row_stride, ALIGN, ONE_PASS)
-    y_rows = _row_start(y_ptr, row_index, y_row_stride, ALIGN, ONE_PASS)
+    shift = _row_shift(o_row, stride_x_row, ALIGN, ONE_PASS)
+    p_x = _row_start(x_ptr, o_row, stride_x_row, ALIGN, ONE_PASS)
+    p_y = _row_start(y_ptr, o_row, stride_y_row, ALIGN, ONE_PASS)
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        mask = row_mask & (cols < n_cols)
-        x = tl.load(x_rows + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        shifted = (x - tl.max(x, axis=1)[:, None]) * LOG2E  # log2 units
-        exps = tl.exp2(shifted)
-        row_sum = tl.sum(exps, axis=1)[:, None]
+        o_n = tl.arange(0, BLOCK_N)[None, :]
+        m_x = m_row & (o_n < n_cols)
+        b_x = tl.load(p_x + o_n, mask=m_x, other=-float("inf")).to(tl.float32)
+        b_shifted = (b_x - tl.max(b_x, axis=1)[:, None]) * LOG2E  # log2 units
+        b_exp = tl.exp2(b_shifted)
+        b_row_sum = tl.sum(b_exp, axis=1)[:, None]
         if LOG:
-            y = (shifted - tl.log2(row_sum)) / LOG2E
+            b_y = (b_shifted - tl.log2(b_row_sum)) / LOG2E
         else:
-            y = exps / row_sum
-        tl.store(y_rows + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            b_y = b_exp / b_row_sum
+        tl.store(p_y + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_x)
     else:
         first_full, end_full, n_blocks = _block_range(n_cols, ALIGN, BLOCK_N)
-        lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
-        lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in range(0, n_blocks):
-            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            if (block >= first_full) & (block < end_full):
-                x = tl.load(x_rows + cols, mask=row_mask, other=-float("inf")).to(tl.float32)
+        b_lane_max = tl.full([BLOCK_M, BLOCK_N], -float("inf"), dtype=tl.float32)
+        b_lane_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_n in range(0, n_blocks):
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (i_n >= first_full) & (i_n < end_full):
+                b_x = tl.load(p_x + o_n, mask=m_row, other=-float("inf")).to(tl.float32)
             else:
-                x = tl.load(x_rows + cols, mask=_in_row(cols, shift, n_cols, row_mask, ALIGN),
-                            other=-float("inf")).to(tl.float32)
+                b_x = tl.load(p_x + o_n, mask=_in_row(o_n, shift, n_cols, m_row, ALIGN),
+                              other=-float("inf")).to(tl.float32)
             # on the GPU tl.maximum drops NaN operands unless told otherwise
-            new_max = tl.maximum(lane_max, x, propagate_nan=tl.PropagateNan.ALL)
+            b_new_max = tl.maximum(b_lane_max, b_x, propagate_nan=tl.PropagateNan.ALL)
             # a lane that has seen only -inf keeps a zero sum; (-inf) - (-inf) would make it
             # NaN. A NaN or +inf input does make the sum NaN, and with it the row, as in torch.
-            seen_only_neg_inf = new_max == -float("inf")
-            rescale = tl.where(seen_only_neg_inf, 0.0, tl.exp2((lane_max - new_max) * LOG2E))
-            term = tl.where(seen_only_neg_inf, 0.0, tl.exp2((x - new_max) * LOG2E))
-            lane_sum = lane_sum * rescale + term
-            lane_max = new_max
-        row_max = tl.max(lane_max, axis=1)[:, None]
-        row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * LOG2E), axis=1)[:, None]
-        for step in range(0, n_blocks):  # last block first: it is the one still in cache
-            block = n_blocks - 1 - step
-            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            m_only_neg_inf = b_new_max == -float("inf")
+            b_rescale = tl.where(m_only_neg_inf, 0.0, tl.exp2((b_lane_max - b_new_max) * LOG2E))
+            b_term = tl.where(m_only_neg_inf, 0.0, tl.exp2((b_x - b_new_max) * LOG2E))
+            b_lane_sum = b_lane_sum * b_rescale + b_term
+            b_lane_max = b_new_max
+        b_row_max = tl.max(b_lane_max, axis=1)[:, None]
+        b_row_sum = tl.sum(b_lane_sum * tl.exp2((b_lane_max - b_row_max) * LOG2E), axis=1)[:, None]
+        for i_step in range(0, n_blocks):  # last block first: it is the one still in cache
+            i_n = n_blocks - 1 - i_step
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
             # two calls, not one on a merged mask: the unmasked one must see a mask that is
             # constant along the row, or its loads and stores are not vectorized
-            if (block >= first_full) & (block < end_full):
-                _write_block(x_rows + cols, y_rows + cols, row_mask, row_max, row_sum, LOG)
+            if (i_n >= first_full) & (i_n < end_full):
+                _write_block(p_x + o_n, p_y + o_n, m_row, b_row_max, b_row_sum, LOG)
             else:
-                _write_block(x_rows + cols, y_rows + cols,
-                             _in_row(cols, shift, n_cols, row_mask, ALIGN), row_max, row_sum, LOG)
+                _write_block(p_x + o_n, p_y + o_n, _in_row(o_n, shift, n_cols, m_row, ALIGN),
+                             b_row_max, b_row_sum, LOG)
 
 
 @triton.jit
 def _softmax_split_fwd_kernel(
-    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, x_row_stride, y_row_stride,
+    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, stride_x_row, stride_y_row,
     LOG: tl.constexpr, PHASE: tl.constexpr, MAX_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns, one
@@ -178,116 +177,117 @@ def _softmax_split_fwd_kernel(
     start (``counters[0]``) instead of using their program ids, so a program only ever waits
     for pieces that have started or will start in the next free slot: no deadlock while the GPU
     holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
-    launches: the statistics, then the outputs from a second read (for the interpreter, which
-    runs one program after another, and when a row has more pieces than the GPU has SMs).
+    launches without ``counters`` (None): the statistics, then the outputs from a second read
+    (for the interpreter, which runs one program after another, and when a row has more pieces
+    than the GPU has SMs).
     """
     if PHASE == 0:
-        ticket = tl.atomic_add(counters_ptr, 1)
+        i_ticket = tl.atomic_add(counters_ptr, 1)
     else:
-        ticket = tl.program_id(0)
-    row = (ticket // n_chunks).to(tl.int64)
-    chunk = ticket % n_chunks
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    row_stats = stats_ptr + row * n_chunks * 2  # (max, sum) per piece
+        i_ticket = tl.program_id(0)
+    i_row = (i_ticket // n_chunks).to(tl.int64)
+    i_chunk = i_ticket % n_chunks
+    o_n = i_chunk * CHUNK + tl.arange(0, CHUNK)
+    m_n = o_n < n_cols
+    b_x = tl.load(x_ptr + i_row * stride_x_row + o_n, mask=m_n,
+                  other=-float("inf")).to(tl.float32)
+    p_stats = stats_ptr + i_row * n_chunks * 2  # (max, sum) per piece
     if PHASE != 2:
-        piece_max = tl.max(x, axis=0)
+        b_piece_max = tl.max(b_x, axis=0)
         # a piece of only -inf has a zero sum; NaN or +inf make it NaN, and the row with it
-        piece_sum = tl.sum(tl.exp2((x - piece_max) * LOG2E), axis=0)
-        piece_sum = tl.where(piece_max == -float("inf"), 0.0, piece_sum)
-        tl.store(row_stats + 2 * chunk, piece_max)
-        tl.store(row_stats + 2 * chunk + 1, piece_sum)
+        b_piece_sum = tl.sum(tl.exp2((b_x - b_piece_max) * LOG2E), axis=0)
+        b_piece_sum = tl.where(b_piece_max == -float("inf"), 0.0, b_piece_sum)
+        tl.store(p_stats + 2 * i_chunk, b_piece_max)
+        tl.store(p_stats + 2 * i_chunk + 1, b_piece_sum)
     if PHASE == 0:
         tl.debug_barrier()  # the statistics are stored before this program counts itself
-        arrived = tl.atomic_add(counters_ptr + 1 + row, 1, sem="acq_rel") + 1
+        arrived = tl.atomic_add(counters_ptr + 1 + i_row, 1, sem="acq_rel") + 1
         while arrived < n_chunks:
-            arrived = tl.atomic_add(counters_ptr + 1 + row, 0, sem="acquire")
+            arrived = tl.atomic_add(counters_ptr + 1 + i_row, 0, sem="acquire")
         tl.debug_barrier()
     if PHASE != 1:
-        pieces = tl.arange(0, MAX_CHUNKS)
+        o_chunk = tl.arange(0, MAX_CHUNKS)
         # .cg: read the other programs' statistics from L2, never from a stale L1 line
-        maxes = tl.load(row_stats + 2 * pieces, mask=pieces < n_chunks, other=-float("inf"),
-                        cache_modifier=".cg")
-        sums = tl.load(row_stats + 2 * pieces + 1, mask=pieces < n_chunks, other=0.0,
-                       cache_modifier=".cg")
-        row_max = tl.max(maxes, axis=0)
-        row_sum = tl.sum(tl.where(maxes == -float("inf"), 0.0,
-                                  sums * tl.exp2((maxes - row_max) * LOG2E)), axis=0)
-        shifted = (x - row_max) * LOG2E
+        b_maxes = tl.load(p_stats + 2 * o_chunk, mask=o_chunk < n_chunks, other=-float("inf"),
+                          cache_modifier=".cg")
+        b_sums = tl.load(p_stats + 2 * o_chunk + 1, mask=o_chunk < n_chunks, other=0.0,
+                         cache_modifier=".cg")
+        b_row_max = tl.max(b_maxes, axis=0)
+        b_row_sum = tl.sum(tl.where(b_maxes == -float("inf"), 0.0,
+                                    b_sums * tl.exp2((b_maxes - b_row_max) * LOG2E)), axis=0)
+        b_shifted = (b_x - b_row_max) * LOG2E
         if LOG:
-            y = (shifted - tl.log2(row_sum)) / LOG2E
+            b_y = (b_shifted - tl.log2(b_row_sum)) / LOG2E
         else:
-            y = tl.exp2(shifted) / row_sum
-        tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            b_y = tl.exp2(b_shifted) / b_row_sum
+        tl.store(y_ptr + i_row * stride_y_row + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
 @triton.jit
-def _grad_dot_terms(grad_at, y_at, mask, LOG: tl.constexpr):
+def _grad_dot_terms(p_grad, p_y, m_x, LOG: tl.constexpr):
     """One block's terms of the row's sum: dy * y (softmax) or dy (log_softmax)."""
-    grad = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
+    b_grad = tl.load(p_grad, mask=m_x, other=0.0).to(tl.float32)
     if LOG:
-        return grad
+        return b_grad
     else:
-        return grad * tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+        return b_grad * tl.load(p_y, mask=m_x, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _write_grad_block(grad_at, y_at, dx_at, mask, row_dot, LOG: tl.constexpr):
+def _write_grad_block(p_grad, p_y, p_dx, m_x, b_row_dot, LOG: tl.constexpr):
     """dx of one block from the row's sum of dy * y (softmax) or of dy (log_softmax)."""
-    grad = tl.load(grad_at, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
+    b_grad = tl.load(p_grad, mask=m_x, other=0.0).to(tl.float32)
+    b_y = tl.load(p_y, mask=m_x, other=0.0).to(tl.float32)
     if LOG:
-        dx = grad - tl.exp(y) * row_dot
+        b_dx = b_grad - tl.exp(b_y) * b_row_dot
     else:
-        dx = y * (grad - row_dot)
-    tl.store(dx_at, dx.to(dx_at.dtype.element_ty), mask=mask)
+        b_dx = b_y * (b_grad - b_row_dot)
+    tl.store(p_dx, b_dx.to(p_dx.dtype.element_ty), mask=m_x)
 
 
 @triton.heuristics({"ONE_PASS": layout.fits_one_block})
 @triton.jit
 def _softmax_bwd_kernel(
-    grad_ptr, y_ptr, dx_ptr, n_rows, n_cols, grad_row_stride, y_row_stride, dx_row_stride,
+    grad_ptr, y_ptr, dx_ptr, n_rows, n_cols, stride_grad_row, stride_y_row, stride_dx_row,
     LOG: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_PASS: tl.constexpr,
 ):
     """dx from the forward's output y: softmax y * (dy - sum(dy * y)); log dy - exp(y) sum(dy).
     ALIGN as in softmax_fwd (all three tensors' rows share the offset)."""
-    row_index, row_mask = _row_block(n_rows, BLOCK_M)
-    shift = _row_shift(row_index, grad_row_stride, ALIGN, ONE_PASS)
-    grad_rows = _row_start(grad_ptr, row_index, grad_row_stride, ALIGN, ONE_PASS)
-    y_rows = _row_start(y_ptr, row_index, y_row_stride, ALIGN, ONE_PASS)
-    dx_rows = _row_start(dx_ptr, row_index, dx_row_stride, ALIGN, ONE_PASS)
+    o_row, m_row = _row_block(n_rows, BLOCK_M)
+    shift = _row_shift(o_row, stride_grad_row, ALIGN, ONE_PASS)
+    p_grad = _row_start(grad_ptr, o_row, stride_grad_row, ALIGN, ONE_PASS)
+    p_y = _row_start(y_ptr, o_row, stride_y_row, ALIGN, ONE_PASS)
+    p_dx = _row_start(dx_ptr, o_row, stride_dx_row, ALIGN, ONE_PASS)
     if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)[None, :]
-        mask = row_mask & (cols < n_cols)
-        grad = tl.load(grad_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(y_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        o_n = tl.arange(0, BLOCK_N)[None, :]
+        m_x = m_row & (o_n < n_cols)
+        b_grad = tl.load(p_grad + o_n, mask=m_x, other=0.0).to(tl.float32)
+        b_y = tl.load(p_y + o_n, mask=m_x, other=0.0).to(tl.float32)
         if LOG:
-            dx = grad - tl.exp(y) * tl.sum(grad, axis=1)[:, None]
+            b_dx = b_grad - tl.exp(b_y) * tl.sum(b_grad, axis=1)[:, None]
         else:
-            dx = y * (grad - tl.sum(grad * y, axis=1)[:, None])
-        tl.store(dx_rows + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            b_dx = b_y * (b_grad - tl.sum(b_grad * b_y, axis=1)[:, None])
+        tl.store(p_dx + o_n, b_dx.to(dx_ptr.dtype.element_ty), mask=m_x)
     else:
         first_full, end_full, n_blocks = _block_range(n_cols, ALIGN, BLOCK_N)
-        lane_dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in range(0, n_blocks):
-            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            if (block >= first_full) & (block < end_full):  # a call per mask, see forward
-                lane_dot += _grad_dot_terms(grad_rows + cols, y_rows + cols, row_mask, LOG)
+        b_lane_dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_n in range(0, n_blocks):
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (i_n >= first_full) & (i_n < end_full):  # a call per mask, see forward
+                b_lane_dot += _grad_dot_terms(p_grad + o_n, p_y + o_n, m_row, LOG)
             else:
-                lane_dot += _grad_dot_terms(grad_rows + cols, y_rows + cols,
-                                            _in_row(cols, shift, n_cols, row_mask, ALIGN), LOG)
-        row_dot = tl.sum(lane_dot, axis=1)[:, None]
-        for step in range(0, n_blocks):  # last block first: it is the one still in cache
-            block = n_blocks - 1 - step
-            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            if (block >= first_full) & (block < end_full):
-                _write_grad_block(grad_rows + cols, y_rows + cols, dx_rows + cols, row_mask,
-                                  row_dot, LOG)
+                b_lane_dot += _grad_dot_terms(p_grad + o_n, p_y + o_n,
+                                              _in_row(o_n, shift, n_cols, m_row, ALIGN), LOG)
+        b_row_dot = tl.sum(b_lane_dot, axis=1)[:, None]
+        for i_step in range(0, n_blocks):  # last block first: it is the one still in cache
+            i_n = n_blocks - 1 - i_step
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if (i_n >= first_full) & (i_n < end_full):
+                _write_grad_block(p_grad + o_n, p_y + o_n, p_dx + o_n, m_row, b_row_dot, LOG)
             else:
-                _write_grad_block(grad_rows + cols, y_rows + cols, dx_rows + cols,
-                                  _in_row(cols, shift, n_cols, row_mask, ALIGN), row_dot, LOG)
+                _write_grad_block(p_grad + o_n, p_y + o_n, p_dx + o_n,
+                                  _in_row(o_n, shift, n_cols, m_row, ALIGN), b_row_dot, LOG)
 
 
 SOFTMAX_FWD = runtime.TunedKernel("softmax", "softmax_fwd", _softmax_fwd_kernel,
@@ -346,16 +346,20 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
     max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
 
     def launch(counters, phase):
+        # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
         SOFTMAX_SPLIT_FWD.launch(
-            lambda meta: (n_rows * n_chunks,), x_rows, out_rows, stats, counters, n_cols,
-            n_chunks, x_rows.stride(0), out_rows.stride(0), log, phase, max_chunks,
+            lambda meta: (n_rows * n_chunks,),
+            x_rows, out_rows, stats, counters,
+            n_cols, n_chunks,
+            x_rows.stride(0), out_rows.stride(0),
+            log, phase, max_chunks,
             shape=(n_rows, n_cols))
 
     # the one-launch form waits on the row's other pieces: all of them must be resident at
     # once, which one program per SM guarantees
     if runtime.INTERPRETER or n_chunks > runtime.multiprocessor_count(x_rows.device.index or 0):
-        launch(stats, phase=1)  # no counters in the two-launch form
-        launch(stats, phase=2)
+        launch(None, phase=1)  # no counters in the two-launch form
+        launch(None, phase=2)
     else:
         launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
 
@@ -377,7 +381,7 @@ def _from_last(t: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """Kernel path: x's dtype in KERNEL_DTYPES, on the kernel device; returns a new tensor."""
+    """Kernel path: x of a kernel dtype, on the kernel device; returns a new tensor."""
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
     out = torch.empty_like(moved, dtype=out_dtype, memory_format=torch.contiguous_format)
     n_cols = moved.shape[-1]
@@ -428,10 +432,7 @@ def log_softmax_backward_reference(grad, y, dim=-1):
 
 
 def _check(function: str, x, dim) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{function}: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{function}: x must be a floating-point tensor, got {x.dtype}")
+    checks.float_tensor(function, "x", x)
     # torch's rule and words: an int that is not a bool, or a 0-d integer tensor
     return _normalize_dim(function, x, checks.as_int(function, "dim", dim))
 
@@ -451,7 +452,7 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
     dim = _check("gemslib.softmax", x, dim)
     if runtime.wants_custom_op(x):
-        return runtime.differentiable_call(_softmax_op, _SoftmaxFunction, x, dim, False)
+        return _softmax_op(x, dim, False)
     return _softmax_any(x, dim, log=False)
 
 
@@ -459,7 +460,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
     dim = _check("gemslib.log_softmax", x, dim)
     if runtime.wants_custom_op(x):
-        return runtime.differentiable_call(_softmax_op, _SoftmaxFunction, x, dim, True)
+        return _softmax_op(x, dim, True)
     return _softmax_any(x, dim, log=True)
 
 
@@ -481,38 +482,23 @@ def _softmax_backward_impl(grad: torch.Tensor, y: torch.Tensor, dim: int,
     return _backward_any(grad, y, dim, log, y.dtype).contiguous()
 
 
-_softmax_op = torch.library.custom_op("gemslib::softmax", _softmax_impl, mutates_args=())
-_softmax_backward_op = torch.library.custom_op("gemslib::softmax_backward", _softmax_backward_impl,
-                                               mutates_args=())
-
-
-@_softmax_op.register_fake
-def _(x, dim, log):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@_softmax_backward_op.register_fake
-def _(grad, y, dim, log):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-# One setup and backward for the custom op (torch.compile) and the eager autograd.Function.
-
 def _softmax_setup(ctx, inputs, output):
     ctx.dim, ctx.log = inputs[1], inputs[2]
     ctx.save_for_backward(output)
 
 
-def _softmax_grad_via(backward):
-    def softmax_grad(ctx, grad):
-        (y,) = ctx.saved_tensors
-        return backward(grad, y, ctx.dim, ctx.log), None, None
-    return softmax_grad
+def _softmax_grad(ctx, grad, ops):
+    (y,) = ctx.saved_tensors
+    return ops.softmax_backward(grad, y, ctx.dim, ctx.log), None, None
 
 
-_softmax_op.register_autograd(_softmax_grad_via(_softmax_backward_op), setup_context=_softmax_setup)
-_SoftmaxFunction = runtime.eager_autograd("SoftmaxFunction", _softmax_impl, _softmax_setup,
-                                          _softmax_grad_via(_softmax_backward_impl))
+_softmax_backward_op = runtime.CustomOp(
+    "softmax_backward", _softmax_backward_impl,
+    fake=lambda grad, y, dim, log: torch.empty_like(y, memory_format=torch.contiguous_format))
+_softmax_op = runtime.CustomOp(
+    "softmax", _softmax_impl,
+    fake=lambda x, dim, log: torch.empty_like(x, memory_format=torch.contiguous_format),
+    setup_context=_softmax_setup, backward=_softmax_grad, uses=(_softmax_backward_op,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,7 +513,7 @@ def _not_last_dim(t: torch.Tensor, dim: int) -> bool:
 
 
 def _why_not_forward(self, dim, half_to_float, out=None):
-    if self.dtype not in KERNEL_DTYPES:
+    if self.dtype not in runtime.KERNEL_DTYPES:
         return f"dtype {self.dtype}"
     if _not_last_dim(self, dim):
         return "reduction over a non-last dim"
@@ -543,11 +529,11 @@ def _why_not_forward(self, dim, half_to_float, out=None):
 
 
 def _why_not_backward(grad_output, output, dim, input_dtype, out=None):
-    if grad_output.dtype not in KERNEL_DTYPES or grad_output.dtype != output.dtype:
+    if grad_output.dtype not in runtime.KERNEL_DTYPES or grad_output.dtype != output.dtype:
         return f"dtypes {grad_output.dtype}, {output.dtype}"
     if _not_last_dim(output, dim):
         return "reduction over a non-last dim"
-    if input_dtype not in KERNEL_DTYPES or grad_output.shape != output.shape:
+    if input_dtype not in runtime.KERNEL_DTYPES or grad_output.shape != output.shape:
         return f"input dtype {input_dtype} or shapes differ"
     if input_dtype != grad_output.dtype and grad_output.device.type == "cpu":
         return "a half_to_float backward on a CPU tensor (torch raises)"

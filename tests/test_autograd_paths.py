@@ -26,7 +26,7 @@ PATHS = {
     "silu_and_mul": (gemslib.silu_and_mul, torch.ops.gemslib.silu_and_mul, [(3, 38)],
                      "SiluAndMulFunction"),
     "rms_norm": (gemslib.rms_norm, lambda x, w: torch.ops.gemslib.rms_norm_forward(x, w, 1e-6)[0],
-                 [(3, 37), (37,)], "RmsNormFunction"),
+                 [(3, 37), (37,)], "RmsNormForwardFunction"),
     "add_rms_norm": (lambda x, r, w: gemslib.add_rms_norm(x, r, w)[0],
                      lambda x, r, w: torch.ops.gemslib.add_rms_norm(x, r, w, 1e-6)[0],
                      [(3, 37), (3, 37), (37,)], "AddRmsNormFunction"),
@@ -75,7 +75,7 @@ def test_eager_function_and_custom_op_give_the_same_gradients(name):
 def test_second_derivatives_raise_where_the_backward_is_not_differentiable():
     x = random_tensor((3, 37), torch.float32).requires_grad_()
     weight = random_tensor((37,), torch.float32).requires_grad_()
-    with pytest.raises(RuntimeError, match="RmsNormFunction has no second derivative"):
+    with pytest.raises(RuntimeError, match="RmsNormForwardFunction has no second derivative"):
         torch.autograd.grad(gemslib.rms_norm(x, weight).sum(), x, create_graph=True)
     (dx,) = torch.autograd.grad(gemslib.rms_norm(x, weight).sum(), x)  # first order is fine
     assert dx.shape == x.shape

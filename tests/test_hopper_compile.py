@@ -277,7 +277,7 @@ _SAMPLES = {
     "attention.attention_bwd_dq": lambda t, s: _grads(
         lambda q, k, v: gemslib.attention(q, k, v, causal=True),
         t(1, 2, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"])),
-    "attention.decode": lambda t, s: gemslib.decode_attention(
+    "decode_attention.decode_attention": lambda t, s: gemslib.decode_attention(
         t(2, 4, s["head_dim"]), t(2, 1, s["seq_kv"], s["head_dim"]),
         t(2, 1, s["seq_kv"], s["head_dim"]), torch.tensor([s["seq_kv"], 1])),
     "rms_norm_linear_silu.rms_norm_linear_silu": lambda t, s: gemslib.rms_norm_linear_silu(
@@ -398,12 +398,40 @@ def test_off_alignment_rows_load_and_store_full_vectors():
 
 
 _GLUON_COMPILER = r"""
-import json, torch
+import json, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
 from gemslib.fused import _attention_hopper as hopper
+
+
+def compile_for_sm90(dtype, causal, backward):
+    # the forward kernel, or the backward's dK/dV kernel, with the launchers' constexprs
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    q_layout, kv_layout = hopper.shared_layouts(dtype)
+    constexprs = {"CAUSAL": causal, "STAGES": hopper.BWD_STAGES if backward else hopper.STAGES,
+                  "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
+    block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {hopper.HEAD_DIM}],{q_layout!r}>"
+    if backward:
+        kernel = hopper._attention_bwd_dkdv_hopper
+        signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
+                     "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
+                     "dv_ptr": f"*{name}", "seq_q": "i32", "seq_kv": "i32", "n_kv_heads": "i32",
+                     "group_size": "i32", "scale": "fp32", "scale_log2": "fp32"}
+    else:
+        kernel = hopper._attention_fwd_hopper
+        kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {hopper.HEAD_DIM}],{kv_layout!r}>"
+        signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
+                     "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
+                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32"}
+    signature.update({key: "constexpr" for key in constexprs})
+    source = GluonASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal, backward in ((False, False), (True, False), (False, True), (True, True)):
-        compiled = hopper.compile_for_sm90(dtype, causal, backward)
+        compiled = compile_for_sm90(dtype, causal, backward)
         ptx = compiled.asm["ptx"]
         report[f"{dtype} {causal} {backward}"] = {"shared": compiled.metadata.shared,
                                        "cubin": bool(compiled.asm["cubin"]),
@@ -435,18 +463,29 @@ _FUSED_COMPILER = r"""
 import json, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
 report = {}
 for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-    compiled = hopper.compile_for_sm90(dtype)
+    a_layout, b_layout = hopper._shared_layouts(dtype)
+    signature = {"xg_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],"
+                            f"{a_layout!r}>",
+                 "weight_desc": f"tensordesc<{name}[{hopper.BLOCK_N}, {hopper.BLOCK_K}],"
+                                f"{b_layout!r}>",
+                 "out_ptr": f"*{name}", "rstd_ptr": "*fp32", "bias_ptr": f"*{name}",
+                 "n_rows": "i32", "n_out": "i32", "n_in": "i32",
+                 "GROUP_M": "constexpr", "STAGES": "constexpr"}
+    source = GluonASTSource(hopper._matmul_epilogue, signature,
+                            {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
     report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
     signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
-                 "rstd_ptr": "*fp32", "n_in": "i32", "x_row_stride": "i32", "eps": "fp32",
-                 "BLOCK": "constexpr"}
+                 "rstd_ptr": "*fp32", "n_in": "i32", "stride_x_row": "i32", "eps": "fp32",
+                 "BLOCK_K": "constexpr"}
     source = ASTSource(fn=hopper._scale_rows_kernel, signature=signature,
-                       constexprs={"BLOCK": hopper.SCALE_BLOCK})
+                       constexprs={"BLOCK_K": hopper.SCALE_BLOCK})
     prepass = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     report[f"pre-pass {name}"] = {"shared": prepass.metadata.shared, "cubin": bool(prepass.asm["cubin"]),
                                   "wgmma": None, "setmaxnreg": None}

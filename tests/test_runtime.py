@@ -4,9 +4,11 @@ import textwrap
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import gemslib
-from conftest import random_tensor
+from conftest import DEVICE, random_tensor
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import silu as silu_ops
@@ -80,7 +82,7 @@ def test_environment_variable_selects_the_file_and_buckets_apply(config_file):
     index, bucket = silu_ops.SILU_FWD.select((100,))
     assert index == 0 and bucket.configs[0].meta_dict == {"BLOCK": 32}
     index, bucket = silu_ops.SILU_FWD.select((101,))
-    assert index == 1 and bucket.configs[0].as_dict() == {"BLOCK": 128, "num_warps": 2,
+    assert index == 1 and bucket.configs[0].launch_kwargs == {"BLOCK": 128, "num_warps": 2,
                                                          "num_stages": 2}
     # kernels the file leaves out come from default.yaml
     default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
@@ -222,6 +224,42 @@ def test_forced_config_checks_its_parameters():
 
 
 
+@triton.jit
+def _scale_kernel(x_ptr, n_elements, factor, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * factor, mask=mask)
+
+
+def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
+    """A config key declared as a launcher knob is the launcher's alone: grid(meta) sees it, the
+    kernel (which has no such parameter) is launched without it, and forced() still checks
+    that a config holds it; the shapes launched inside forced() are collected in order."""
+    kernel = runtime.TunedKernel("test_runtime", "scale", _scale_kernel, tunables=("BLOCK",),
+                                 launcher_knobs=("WAVES",), shape_keys=("numel",))
+    try:
+        x = torch.ones(100, device=DEVICE)
+        seen = []
+
+        def grid(meta):
+            seen.append(meta["WAVES"])
+            return (meta["WAVES"] * runtime.cdiv(x.numel(), meta["BLOCK"] * meta["WAVES"]),)
+        for waves in (1, 2):
+            config = runtime.LaunchConfig((("BLOCK", 16), ("WAVES", waves)), 1, 1)
+            assert kernel.kernel_kwargs(config) == {"BLOCK": 16, "num_warps": 1, "num_stages": 1}
+            with kernel.forced(config) as shapes:
+                kernel.launch(grid, x, x.numel(), 2.0, shape=(x.numel(),))
+                kernel.planned_config((7,))
+            assert shapes == [(100,), (7,)]
+        assert seen == [1, 2]
+        assert torch.equal(x.cpu(), torch.full((100,), 4.0))
+        with pytest.raises(ValueError, match="do not match"):
+            with kernel.forced(runtime.LaunchConfig((("BLOCK", 16),))):
+                pass
+    finally:
+        del runtime.KERNELS["test_runtime.scale"]
+
+
 def test_a_zero_bound_admits_only_zero(tmp_path):
     """A shape key that is a flag (0 or 1) can be bounded by 0: that bucket is for the 0s."""
     path = tmp_path / "flags.yaml"
@@ -260,3 +298,18 @@ def test_interpreted_launches_leak_no_numpy_warnings():
     leaked = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
               if issubclass(w.category, (RuntimeWarning, DeprecationWarning))]
     assert not leaked, leaked
+
+
+def test_a_kernel_path_is_switched_off_only_inside_its_block():
+    """KernelPath: on by default, off inside (nested) switched_off() blocks, on again after,
+    also when a block raises."""
+    path = runtime.KernelPath("op", "a path")
+    assert path.on
+    with path.switched_off():
+        with path.switched_off():
+            assert not path.on
+        assert not path.on
+    assert path.on
+    with pytest.raises(ZeroDivisionError), path.switched_off():
+        1 / 0
+    assert path.on

@@ -270,9 +270,7 @@ def test_every_declared_problem_lands_in_its_own_bucket(monkeypatch):
         monkeypatch.setattr(torch, name, like)
     for op, space in tune.tune_spaces():
         for index, bucket in enumerate(space.buckets):
-            space.kernel.last_shape = None
-            bucket.make(torch.device(DEVICE))()
-            shape = space.kernel.last_shape
+            shape = tune.problem_shape(space, bucket.make(torch.device(DEVICE)))
             assert shape is not None, (op, space.kernel.name, bucket.label)
             assert tune._bucket_index(space, shape) == index, (op, space.kernel.name,
                                                                bucket.label, shape)

@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import gemslib
-from benchmark.bench_attention import (DECODE_DIM, DECODE_HEADS, DECODE_KV_HEADS, DTYPE,
-                                       EXTRA_DECODE, QUICK_DECODE)
+from benchmark.bench_decode_attention import (DECODE_DIM, DECODE_HEADS, DECODE_KV_HEADS, DTYPE,
+                                              EXTRA_DECODE, QUICK_DECODE)
 from benchmark.experiments.host_overhead import host_us
 from benchmark.harness import median_ms
-from gemslib.fused import attention as attention_ops
+from gemslib.fused import decode_attention as decode_ops
 
 
 def without_replay(fn):
     """``fn`` with decode launching through Triton's full path, as before TunedKernel.replay."""
     def call():
-        kernel = attention_ops.DECODE
+        kernel = decode_ops.DECODE
         kernel.replay = lambda key, config, grid, args: kernel.run(config, lambda meta: grid,
                                                                    args)
         try:

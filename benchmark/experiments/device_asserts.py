@@ -14,7 +14,7 @@ import torch
 import triton.testing
 
 import gemslib
-from gemslib.fused import attention as attention_ops
+from gemslib.fused import decode_attention as decode_ops
 from gemslib.ops import rotary as rotary_ops
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     positions = torch.randint(0, 8192, (1, 4096), device=device)
     cases = {
-        "decode B16 L4096 (seqlens)": (attention_ops.DECODE,
+        "decode B16 L4096 (seqlens)": (decode_ops.DECODE,
                                        lambda: gemslib.decode_attention(q, cache, cache, lengths)),
         "rotary B1 S4096 (positions)": (rotary_ops.ROTARY, lambda: gemslib.apply_rotary(
             rq, rk, cos, sin, positions=positions, inplace=True)),
@@ -45,7 +45,7 @@ def main() -> None:
             for asserts in (True, False):
                 kernel.options = {"debug": True, "sanitize_overflow": False} if asserts else {}
                 kernel.clear_cache()
-                attention_ops._decode_layouts.clear()
+                decode_ops._decode_layouts.clear()
                 call()
                 torch.cuda.synchronize()
                 timings[asserts].append(_time(call))

@@ -39,8 +39,9 @@ def gluon_matmul(a, b, row_scale, bias, block_n=256, block_k=64, stages=3, group
     b_desc = TensorDescriptor.from_tensor(b, [block_n, block_k], b_layout)
     tiles = -(-M // (2 * TILE_ROWS)) * -(-N // block_n)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    _matmul_epilogue[(min(sms, tiles),)](a_desc, b_desc, c, row_scale, bias, 1, M, N, K,
-                                         GROUP_M=group_m, STAGES=stages, num_warps=4)
+    _matmul_epilogue[(min(sms, tiles),)](
+        xg_desc=a_desc, weight_desc=b_desc, out_ptr=c, rstd_ptr=row_scale, bias_ptr=bias,
+        n_rows=M, n_out=N, n_in=K, GROUP_M=group_m, STAGES=stages, num_warps=4)
     return c
 
 
@@ -50,10 +51,11 @@ def compile_for_sm90(block_n=256, block_k=64, stages=3):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     a_layout, b_layout = _layouts(block_n, block_k, torch.bfloat16)
-    signature = {"a_desc": f"tensordesc<bf16[{TILE_ROWS}, {block_k}],{a_layout!r}>",
-                 "b_desc": f"tensordesc<bf16[{block_n}, {block_k}],{b_layout!r}>",
-                 "out_ptr": "*bf16", "rstd_ptr": "*fp32", "bias_ptr": "*bf16", "has_bias": "i32",
-                 "M": "i32", "N": "i32", "K": "i32", "GROUP_M": "constexpr", "STAGES": "constexpr"}
+    signature = {"xg_desc": f"tensordesc<bf16[{TILE_ROWS}, {block_k}],{a_layout!r}>",
+                 "weight_desc": f"tensordesc<bf16[{block_n}, {block_k}],{b_layout!r}>",
+                 "out_ptr": "*bf16", "rstd_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "n_rows": "i32", "n_out": "i32", "n_in": "i32", "GROUP_M": "constexpr",
+                 "STAGES": "constexpr"}
     source = GluonASTSource(_matmul_epilogue, signature, {"GROUP_M": 8, "STAGES": stages})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 

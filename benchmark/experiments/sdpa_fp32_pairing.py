@@ -10,8 +10,11 @@ against float64, and the forwards' own errors (out, lse) against float64, so the
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from gemslib.fused import _attention_sdpa as sdpa
 from gemslib.fused import attention as attention_ops
 
 
@@ -29,10 +32,11 @@ def _reference(q, k, v, causal, grad_out):
 def _grads(q, k, v, causal, grad_out, forward_in_gemslib: bool, backward_in_gemslib: bool):
     """(dq, dk, dv) through the efficient backend's aten forward and backward, each either
     torch's kernel or gemslib's implementation of it (what enable() would run)."""
-    forward = attention_ops._aten_efficient if forward_in_gemslib else \
-        torch.ops.aten._scaled_dot_product_efficient_attention
-    backward = attention_ops._aten_efficient_backward if backward_in_gemslib else \
-        torch.ops.aten._scaled_dot_product_efficient_attention_backward
+    forward = (partial(sdpa._aten_efficient, attention_ops._launch_forward) if forward_in_gemslib
+               else torch.ops.aten._scaled_dot_product_efficient_attention)
+    backward = (partial(sdpa._aten_efficient_backward, attention_ops._launch_backward)
+                if backward_in_gemslib
+                else torch.ops.aten._scaled_dot_product_efficient_attention_backward)
     out, lse, seed, offset = forward(q, k, v, None, True, 0.0, causal)
     return backward(grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False],
                     causal)[:3]

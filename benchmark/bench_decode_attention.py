@@ -1,0 +1,43 @@
+"""decode_attention (bf16) against SDPA with one query row per sequence.
+
+    python -m benchmark --ops decode_attention
+
+Reports the bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from benchmark.harness import Case, outputs_close
+from gemslib.fused import decode_attention as decode_ops
+
+# the Case names cases() yields (python -m benchmark --ops selects among them)
+OPS = ("decode_attention",)
+DTYPE = torch.bfloat16
+# (batch, cache length)
+QUICK_DECODE = [(1, 8192), (16, 32768)]
+EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
+
+
+def cases(quick: bool = False, backward: bool = False):
+    for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
+        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+                                        device="cuda", dtype=DTYPE) for _ in range(2))
+        impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
+                 "SDPA default": lambda: F.scaled_dot_product_attention(
+                     q[:, :, None], k_cache, v_cache, enable_gqa=True)}
+        bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
+        yield Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
+                   f"L{cache_len} D{DECODE_DIM}", "bf16", bytes_moved, impls,
+                   outputs_agree=outputs_close(
+                       lambda: gemslib.decode_attention(q, k_cache, v_cache),
+                       lambda: decode_ops.decode_attention_reference(
+                           q.float(), k_cache.float(), v_cache.float())))
+        del q, k_cache, v_cache
+
+

@@ -1,0 +1,68 @@
+"""What attention.py and decode_attention.py share: input checks, SDPA's default scale, which
+calls the kernels take, and the plain PyTorch reference both are tested against.
+
+    attention_reference(q, k, v)[b, h, i] = sum_j p_ij v[b, g(h), j],
+    p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  (causal: over the keys j <= i)
+
+with g(h) = h // (Hq / Hkv), computed by the definition in whatever dtype it is given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gemslib import checks, runtime
+
+
+def default_scale(head_dim: int) -> float:
+    """SDPA's default scale 1 / sqrt(D). With D = 0 every score is an empty sum, 0, whatever
+    the scale (torch gives uniform weights), so any finite scale serves."""
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+
+
+def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        checks.tensor(name, arg, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: {arg} must be (B, H, S, D), got shape {tuple(t.shape)}")
+        checks.float_tensor(name, arg, t, expected="floating-point")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"{name}: k and v must be {q.dtype} on {q.device} like q, got "
+                         f"{k.dtype} on {k.device} and {v.dtype} on {v.device}")
+    if k.shape[0] != q.shape[0] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
+                         f"{tuple(v.shape)} must share the batch, and k and v their heads and "
+                         "sequence length")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{name}: k's head dim {k.shape[3]} must equal q's {q.shape[3]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of k and v's "
+                         f"{k.shape[1]} (grouped-query attention)")
+    checks.as_float(name, "scale", scale, optional=True)
+
+
+def _kernels_take(q, k, v, *others) -> bool:
+    """The attention kernels take these (else torch): head dims 1 to 256, kernel dtypes on the
+    kernel device (and not bf16 under the interpreter)."""
+    return runtime.dot_kernel_runs(q, k, v, *others) and 0 < min(q.shape[-1], v.shape[-1]) \
+        and max(q.shape[-1], v.shape[-1]) <= 256
+
+
+def attention_reference(q, k, v, causal=False, scale=None):
+    """(o, lse) by the definition, K/V repeated over each group of query heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, -float("inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ v, lse
+
+
+# bf16 tl.dot is wrong in Triton 3.6's interpreter, so the CPU run checks fp16 and fp32
+_CHECK_DTYPES = (torch.float16, torch.float32) if runtime.INTERPRETER else \
+    (torch.float16, torch.bfloat16, torch.float32)
