@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
-from gemslib.layout import LOG2E
+from gemslib.layout import LN2, LOG2E
 
 ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program has two
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
@@ -181,7 +181,7 @@ def _consumer(i_half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     b_acc, _ = warpgroup_mma_wait(0, deps=[acc_token, v_tile])
 
     m_m = o_m < seq_q
-    gl.store(p_lse + o_m, (b_row_max + gl.log2(b_row_sum)) * 0.6931471805599453, mask=m_m)
+    gl.store(p_lse + o_m, (b_row_max + gl.log2(b_row_sum)) * LN2, mask=m_m)
     b_out = (b_acc / gl.convert_layout(b_row_sum, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(DTYPE)
     o_m_out = first_query + i_half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
