@@ -41,8 +41,8 @@ import pkgutil
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -87,6 +87,27 @@ class SelfCheck:
 
 
 @dataclass(frozen=True)
+class GraphPattern:
+    """One form a model writes that an operator computes.
+
+    ``search(*inputs, **scalars)`` is written the way models write it and ``replace`` (same
+    signature) calls the operator; both are traced by inductor's pattern matcher with
+    ``example_inputs()`` (tensors only) and ``scalars`` (a value for each scalar argument, which
+    then matches any value: an epsilon, a scale). A traced pattern keeps node targets and
+    structure, but not every constant (a dtype, a dim, an exponent may become a wildcard), so
+    ``check(match)`` must prove the matched site is this computation (dtypes, dims, shapes,
+    constants); a site it refuses is left to inductor.
+    """
+
+    fusion: str  # the name fusion_report() counts it under
+    search: Callable
+    replace: Callable
+    example_inputs: Callable[[], Sequence[Any]]
+    check: Callable[[Any], bool]
+    scalars: Mapping[str, float | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class TuneBucket:
     """One bucket of a kernel's tune-config entry, for ``python -m gemslib.tune``: the calls
     whose shape keys are all <= ``max`` (``None``: the last bucket, every other call), and a
@@ -119,6 +140,7 @@ class Operator:
     overrides: tuple[AtenOverride, ...]
     self_checks: tuple[SelfCheck, ...]
     tuning: tuple[TuneSpace, ...] = ()
+    graph_patterns: tuple[GraphPattern, ...] = ()
 
 
 _OPERATOR_PACKAGES = ("gemslib.ops", "gemslib.fused")
@@ -141,7 +163,8 @@ def operators() -> Mapping[str, Operator]:
                     overrides=tuple(o for o in getattr(module, "ATEN_OVERRIDES", ())
                                     if runtime.dispatch_key() in o.dispatch_keys),
                     self_checks=tuple(getattr(module, "SELF_CHECKS", ())),
-                    tuning=tuple(getattr(module, "TUNING", ())))
+                    tuning=tuple(getattr(module, "TUNING", ())),
+                    graph_patterns=tuple(getattr(module, "GRAPH_PATTERNS", ())))
         _operators = found
     return _operators
 

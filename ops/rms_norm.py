@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import AtenOverride, GraphPattern, SelfCheck, TuneBucket, TuneSpace
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,6 +572,59 @@ ATEN_OVERRIDES = (
     AtenOverride("aten::_fused_rms_norm_backward", _aten_fused_rms_norm_backward,
                  _why_not_fused_rms_norm_backward, fallback=_fused_rms_norm_backward_in_torch),
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Graph patterns (torch.compile(backend="gemslib")): RMSNorm the way models write it
+# --------------------------------------------------------------------------------------------
+
+
+def _transformers_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm (Qwen2, Mistral and most others copy it): statistics in fp32,
+    the normalised rows rounded back to x's dtype, then scaled by the weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rms_norm_replacement(x, weight, eps):
+    return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
+
+
+def _is_transformers_rms_norm(match) -> bool:
+    """The matched site is _transformers_rms_norm exactly: pattern tracing keeps the graph's
+    shape but not its constants, so the exponent, the reduced dim and both casts are checked
+    here, and the weight must be one row of x's width and dtype (the result's dtype and shape
+    are then x's, as the kernel gives them)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    x, weight = match.kwargs["x"].meta["val"], match.kwargs["weight"].meta["val"]
+    if not isinstance(match.kwargs["eps"], (int, float)) or x.dtype not in runtime.KERNEL_DTYPES:
+        return False
+    if weight.dtype != x.dtype or weight.dim() != 1 or x.dim() < 1 or not statically_known_true(
+            weight.shape[0] == x.shape[-1]):
+        return False
+    aten, prims = torch.ops.aten, torch.ops.prims
+    for node in match.nodes:
+        if node.target is aten.pow.Tensor_Scalar and node.args[1] != 2:
+            return False
+        if node.target is aten.mean.dim and (
+                [d % x.dim() for d in node.args[1]] != [x.dim() - 1] or node.args[2] is not True):
+            return False
+        if node.target is prims.convert_element_type.default:
+            upcast = node.args[0] is match.kwargs["x"]
+            if node.args[1] != (torch.float32 if upcast else x.dtype):
+                return False
+    return True
+
+
+GRAPH_PATTERNS = tuple(
+    GraphPattern("rms_norm", _transformers_rms_norm, _rms_norm_replacement,
+                 lambda dtype=dtype: (torch.empty(2, 8, dtype=dtype), torch.empty(8, dtype=dtype)),
+                 check=_is_transformers_rms_norm, scalars={"eps": 1e-6})
+    # 16-bit x: the casts are in the graph; fp32 x: they trace away, a different pattern
+    for dtype in (torch.float16, torch.float32))
 
 
 # --------------------------------------------------------------------------------------------

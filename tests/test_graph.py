@@ -1,0 +1,98 @@
+"""Graph passes: torch.compile(backend="gemslib") replaces the forms models write with
+gemslib's operators, only where the matched site is that computation."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemslib
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama(dtype, layers=2, eps=1e-5):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112,
+                                      num_hidden_layers=layers, num_attention_heads=4,
+                                      num_key_value_heads=2, rms_norm_eps=eps)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    for module in model.modules():  # weights away from 1, so a dropped weight would show
+        if isinstance(module, transformers.models.llama.modeling_llama.LlamaRMSNorm):
+            module.weight.data.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_llama_rms_norms_become_gemslib_rms_norm(dtype):
+    """Every RMSNorm of a tiny Llama (two per layer and the final one) is replaced, and the
+    logits stay those of eager within the dtype's rounding."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(dtype)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids).logits.float()
+    assert gemslib.fusion_report().get("rms_norm") == 2 * 2 + 1
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(logits, expected, atol=tolerance * expected.abs().max(), rtol=0)
+
+
+class _LookAlikeNorms(torch.nn.Module):
+    """Forms that trace like transformers' RMSNorm but compute something else."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.row = torch.nn.Parameter(torch.rand(1, width) + 0.5)
+
+    def forward(self, x):
+        def norm(h, weight, dim=-1, power=2):
+            dtype = h.dtype
+            h = h.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(power).mean(dim, keepdim=True) + 1e-6)
+            return weight * h.to(dtype)
+        gemma = norm(x, 1 + self.weight)              # (1 + w): another weight, a 1-d one
+        columns = norm(x, self.weight[0], dim=0)      # over the other dim
+        fourth = norm(x, self.weight, power=4)        # another exponent
+        broadcast = norm(x, self.row)                 # a (1, N) weight
+        upcast = norm(x, self.weight.float())         # an fp32 weight: an fp32 result
+        return gemma, columns, fourth, broadcast, upcast
+
+
+def test_look_alike_forms_are_left_alone():
+    """Only the (1 + w) form is one row of x's dtype and is the same computation with another
+    weight, so it is the only one replaced; every result stays eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _LookAlikeNorms(24).to(DEVICE, torch.float16)
+    x = torch.randn(5, 24, device=DEVICE, dtype=torch.float16)
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    assert gemslib.fusion_report().get("rms_norm", 0) == 1
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+
+
+def test_the_backend_is_found_by_name_without_importing_gemslib():
+    script = ("import sys, torch\n"
+              "f = torch.compile(lambda x: x * 2, backend='gemslib')\n"
+              "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
+              "print('gemslib' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd="/", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_mode_and_options_are_inductor_s():
+    with pytest.raises(RuntimeError, match="either mode or options"):
+        gemslib.graph.backend(None, [], mode="max-autotune", options={"a": 1})
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
