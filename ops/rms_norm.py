@@ -588,18 +588,29 @@ def _transformers_rms_norm(x, weight, eps):
     return weight * h.to(dtype)
 
 
+def _transformers_add_rms_norm(x, residual, weight, eps):
+    """A decoder layer's ``hidden = residual + x`` followed by its RMSNorm; both are used."""
+    total = residual + x
+    return _transformers_rms_norm(total, weight, eps), total
+
+
 def _rms_norm_replacement(x, weight, eps):
     return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
 
 
-def _is_transformers_rms_norm(match) -> bool:
-    """The matched site is _transformers_rms_norm exactly: pattern tracing keeps the graph's
-    shape but not its constants, so the exponent, the reduced dim and both casts are checked
-    here, and the weight must be one row of x's width and dtype (the result's dtype and shape
-    are then x's, as the kernel gives them)."""
+def _add_rms_norm_replacement(x, residual, weight, eps):
+    normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
+    return normed, total
+
+
+def _is_rms_norm_of(match, x) -> bool:
+    """The matched nodes compute _transformers_rms_norm of ``x`` (a FakeTensor) exactly:
+    pattern tracing keeps the graph's shape but not its constants, so the exponent, the reduced
+    dim and both casts are checked here, and the weight must be one row of x's width and dtype
+    (the result's dtype and shape are then x's, as the kernel gives them)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    x, weight = match.kwargs["x"].meta["val"], match.kwargs["weight"].meta["val"]
+    weight = match.kwargs["weight"].meta["val"]
     if not isinstance(match.kwargs["eps"], (int, float)) or x.dtype not in runtime.KERNEL_DTYPES:
         return False
     if weight.dtype != x.dtype or weight.dim() != 1 or x.dim() < 1 or not statically_known_true(
@@ -613,17 +624,42 @@ def _is_transformers_rms_norm(match) -> bool:
                 [d % x.dim() for d in node.args[1]] != [x.dim() - 1] or node.args[2] is not True):
             return False
         if node.target is prims.convert_element_type.default:
-            upcast = node.args[0] is match.kwargs["x"]
-            if node.args[1] != (torch.float32 if upcast else x.dtype):
+            # up to fp32 for the statistics, back to x's dtype before the weight
+            source = node.args[0].meta["val"].dtype
+            if node.args[1] != (torch.float32 if source == x.dtype else x.dtype):
                 return False
     return True
 
 
+def _is_transformers_rms_norm(match) -> bool:
+    return _is_rms_norm_of(match, match.kwargs["x"].meta["val"])
+
+
+def _is_transformers_add_rms_norm(match) -> bool:
+    """The norm of x + residual, with x and residual of one shape and dtype (no broadcast)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    x, residual = match.kwargs["x"].meta["val"], match.kwargs["residual"].meta["val"]
+    if x.dtype != residual.dtype or x.dim() != residual.dim() or not all(
+            statically_known_true(a == b) for a, b in zip(x.shape, residual.shape)):
+        return False
+    return _is_rms_norm_of(match, x)
+
+
+def _pattern_inputs(dtype, n_tensors):
+    return lambda: (*(torch.empty(2, 8, dtype=dtype) for _ in range(n_tensors - 1)),
+                    torch.empty(8, dtype=dtype))
+
+
+# add_rms_norm first: its norm is an rms_norm site too, and the larger match must win. Each for
+# 16-bit x (the casts are in the graph) and fp32 x (they trace away: another pattern).
 GRAPH_PATTERNS = tuple(
+    GraphPattern("add_rms_norm", _transformers_add_rms_norm, _add_rms_norm_replacement,
+                 _pattern_inputs(dtype, 3), check=_is_transformers_add_rms_norm,
+                 scalars={"eps": 1e-6})
+    for dtype in (torch.float16, torch.float32)) + tuple(
     GraphPattern("rms_norm", _transformers_rms_norm, _rms_norm_replacement,
-                 lambda dtype=dtype: (torch.empty(2, 8, dtype=dtype), torch.empty(8, dtype=dtype)),
-                 check=_is_transformers_rms_norm, scalars={"eps": 1e-6})
-    # 16-bit x: the casts are in the graph; fp32 x: they trace away, a different pattern
+                 _pattern_inputs(dtype, 2), check=_is_transformers_rms_norm, scalars={"eps": 1e-6})
     for dtype in (torch.float16, torch.float32))
 
 
