@@ -43,7 +43,8 @@ def test_llama_rms_norms_become_gemslib_rms_norm(dtype):
     assert gemslib.fusion_report() == {"rms_norm": 1, "add_rms_norm": 2 * 2}, \
         gemslib.fusion_report()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    assert torch.allclose(logits, expected, atol=tolerance * expected.abs().max(), rtol=0)
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
 
 
 class _LookAlikeNorms(torch.nn.Module):
