@@ -594,8 +594,28 @@ def _transformers_add_rms_norm(x, residual, weight, eps):
     return _transformers_rms_norm(total, weight, eps), total
 
 
+def _functional_rms_norm(x, weight, eps):
+    """``F.rms_norm`` over the last dim, in the form torch decomposes it to (written out: the
+    pattern tracer does not functionalise the decomposition's in-place add, and the
+    decomposition names the dim from the front): the weight is applied in fp32, before the one
+    rounding to x's dtype, as the kernel does."""
+    h = x.to(torch.float32)
+    h = h * torch.ops.aten.add.Scalar(h.pow(2).mean(x.dim() - 1, keepdim=True), eps).rsqrt()
+    return (h * weight).to(x.dtype)
+
+
+def _functional_rms_norm_unweighted(x, eps):
+    h = x.to(torch.float32)
+    h = h * torch.ops.aten.add.Scalar(h.pow(2).mean(x.dim() - 1, keepdim=True), eps).rsqrt()
+    return h.to(x.dtype)
+
+
 def _rms_norm_replacement(x, weight, eps):
     return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
+
+
+def _unweighted_rms_norm_replacement(x, eps):
+    return torch.ops.gemslib.rms_norm_forward(x, None, eps)[0]
 
 
 def _add_rms_norm_replacement(x, residual, weight, eps):
@@ -604,19 +624,25 @@ def _add_rms_norm_replacement(x, residual, weight, eps):
 
 
 def _is_rms_norm_of(match, x) -> bool:
-    """The matched nodes compute _transformers_rms_norm of ``x`` (a FakeTensor) exactly:
-    pattern tracing keeps the graph's shape but not its constants, so the exponent, the reduced
-    dim and both casts are checked here, and the weight must be one row of x's width and dtype
-    (the result's dtype and shape are then x's, as the kernel gives them)."""
+    """The matched nodes compute an RMSNorm of ``x`` (a FakeTensor) over its last dim exactly:
+    the exponent, the reduced dim and both casts (the matcher compares them too), statistics
+    in fp32, and a weight of one row of x's width and dtype (the result's dtype and shape are
+    then x's, as the kernel gives them)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    weight = match.kwargs["weight"].meta["val"]
     if not isinstance(match.kwargs["eps"], (int, float)) or x.dtype not in runtime.KERNEL_DTYPES:
         return False
-    if weight.dtype != x.dtype or weight.dim() != 1 or x.dim() < 1 or not statically_known_true(
-            weight.shape[0] == x.shape[-1]):
+    if x.dim() < 1:
         return False
+    if "weight" in match.kwargs:
+        weight = match.kwargs["weight"].meta["val"]
+        if weight.dtype != x.dtype or weight.dim() != 1 or not statically_known_true(
+                weight.shape[0] == x.shape[-1]):
+            return False
     aten, prims = torch.ops.aten, torch.ops.prims
+    casts = [node for node in match.nodes if node.target is prims.convert_element_type.default]
+    if not casts and x.dtype != torch.float32:  # 16-bit statistics: not what the kernel computes
+        return False
     for node in match.nodes:
         if node.target is aten.pow.Tensor_Scalar and node.args[1] != 2:
             return False
@@ -631,7 +657,7 @@ def _is_rms_norm_of(match, x) -> bool:
     return True
 
 
-def _is_transformers_rms_norm(match) -> bool:
+def _is_rms_norm(match) -> bool:
     return _is_rms_norm_of(match, match.kwargs["x"].meta["val"])
 
 
@@ -646,21 +672,28 @@ def _is_transformers_add_rms_norm(match) -> bool:
     return _is_rms_norm_of(match, x)
 
 
-def _pattern_inputs(dtype, n_tensors):
-    return lambda: (*(torch.empty(2, 8, dtype=dtype) for _ in range(n_tensors - 1)),
-                    torch.empty(8, dtype=dtype))
+def _pattern_inputs(dtype, n_rows_tensors, weighted=True):
+    """Example inputs for tracing a pattern: (2, 8) tensors, then an (8,) weight."""
+    return lambda: (*(torch.empty(2, 8, dtype=dtype) for _ in range(n_rows_tensors)),
+                    *((torch.empty(8, dtype=dtype),) if weighted else ()))
 
 
 # add_rms_norm first: its norm is an rms_norm site too, and the larger match must win. Each for
 # 16-bit x (the casts are in the graph) and fp32 x (they trace away: another pattern).
 GRAPH_PATTERNS = tuple(
-    GraphPattern("add_rms_norm", _transformers_add_rms_norm, _add_rms_norm_replacement,
-                 _pattern_inputs(dtype, 3), check=_is_transformers_add_rms_norm,
-                 scalars={"eps": 1e-6})
-    for dtype in (torch.float16, torch.float32)) + tuple(
-    GraphPattern("rms_norm", _transformers_rms_norm, _rms_norm_replacement,
-                 _pattern_inputs(dtype, 2), check=_is_transformers_rms_norm, scalars={"eps": 1e-6})
-    for dtype in (torch.float16, torch.float32))
+    pattern for dtype in (torch.float16, torch.float32) for pattern in (
+        GraphPattern("add_rms_norm", _transformers_add_rms_norm, _add_rms_norm_replacement,
+                     _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("rms_norm", _transformers_rms_norm, _rms_norm_replacement,
+                     _pattern_inputs(dtype, 1), check=_is_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("rms_norm", _functional_rms_norm, _rms_norm_replacement,
+                     _pattern_inputs(dtype, 1), check=_is_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("rms_norm", _functional_rms_norm_unweighted, _unweighted_rms_norm_replacement,
+                     _pattern_inputs(dtype, 1, weighted=False), check=_is_rms_norm,
+                     scalars={"eps": 1e-6})))
 
 
 # --------------------------------------------------------------------------------------------

@@ -117,3 +117,34 @@ def test_a_training_graph_keeps_its_gradients():
     torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
     for got, want in zip((p.grad for p in model.parameters()), expected):
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+class _FunctionalNorms(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        F = torch.nn.functional
+        return (F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5),
+                F.rms_norm(x, (x.shape[-1],), None, None),
+                F.rms_norm(x, x.shape[-2:], None, 1e-5),                 # two dims: left alone
+                x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * x)   # 16-bit statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_functional_rms_norm_with_and_without_weight(dtype):
+    """F.rms_norm over the last dim, with a weight or none and any eps, becomes rms_norm; over
+    two dims it does not, nor does a norm computed without the fp32 upcast in 16 bits."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalNorms(24).to(DEVICE, dtype)
+    x = torch.randn(3, 5, 24, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
+    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
