@@ -182,13 +182,13 @@ class CustomOp:
         self.eager_function: type[torch.autograd.Function] | None = None
         if backward is None:
             return
-        def eager_call(operator: CustomOp) -> Callable:
-            differentiable = operator is self or operator.eager_function is not None
-            return operator._apply if differentiable_backward and differentiable else operator.impl
-
         operators = (self, *uses)
         traced = _OpCalls({o.name: o.op for o in operators})
-        eager = _OpCalls({o.name: eager_call(o) for o in operators})
+        # eager: a differentiable backward calls differentiable operators (this one's Function
+        # exists once __init__ returns, hence _apply); any other calls the bare implementations
+        eager = _OpCalls({
+            o.name: o._apply if differentiable_backward and (o is self or o.eager_function)
+            else o.impl for o in operators})
         self.op.register_autograd(functools.partial(backward, ops=traced),
                                   setup_context=setup_context)
         self.eager_function = _eager_function(
