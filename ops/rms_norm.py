@@ -630,16 +630,21 @@ def _is_rms_norm_of(match, x) -> bool:
     then x's, as the kernel gives them)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    if not isinstance(match.kwargs["eps"], (int, float)) or x.dtype not in runtime.KERNEL_DTYPES:
+    if x.dtype not in runtime.KERNEL_DTYPES or x.dim() < 1:
         return False
-    if x.dim() < 1:
+    aten, prims = torch.ops.aten, torch.ops.prims
+    # eps is read from the graph: torch 2.11 hands the check the re-traced match, in which eps
+    # is a constant, not a keyword
+    eps = [node.args[1] for node in match.nodes
+           if node.target in (aten.add.Scalar, aten.add.Tensor)
+           and any(user.target is aten.rsqrt.default for user in node.users)]
+    if len(eps) != 1 or not isinstance(eps[0], (int, float)):
         return False
     if "weight" in match.kwargs:
         weight = match.kwargs["weight"].meta["val"]
         if weight.dtype != x.dtype or weight.dim() != 1 or not statically_known_true(
                 weight.shape[0] == x.shape[-1]):
             return False
-    aten, prims = torch.ops.aten, torch.ops.prims
     casts = [node for node in match.nodes if node.target is prims.convert_element_type.default]
     if not casts and x.dtype != torch.float32:  # 16-bit statistics: not what the kernel computes
         return False
