@@ -15,9 +15,10 @@ itself, for an inductor config of one's own:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -25,6 +26,9 @@ log = logging.getLogger("gemslib.graph")
 
 
 _report: dict[str, int] = {}
+# the real tensors the backend's graph is being compiled for (its parameters among them)
+_compiling_inputs: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar(
+    "gemslib_compiling_inputs", default=None)
 
 
 def fusion_report() -> dict[str, int]:
@@ -68,16 +72,63 @@ def _pattern_pass():
     return matcher
 
 
+def _rewrites():
+    from gemslib import registry
+    return [rewrite for operator in registry.operators().values()
+            for rewrite in operator.graph_rewrites]
+
+
+def _real_values(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], Any]:
+    """placeholder -> the real tensor the backend compiles ``graph`` for, or None: known only
+    for the graph whose inputs are the backend's own, one to one (an inference graph, or a
+    training graph's forward), and checked input by input against the traced metadata."""
+    inputs = _compiling_inputs.get()
+    placeholders = graph.find_nodes(op="placeholder")
+    known: dict[torch.fx.Node, torch.Tensor] = {}
+    if inputs is not None and len(inputs) == len(placeholders):
+        from torch._subclasses.fake_tensor import FakeTensor
+        for node, value in zip(placeholders, inputs):
+            traced = node.meta.get("val")
+            if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+                continue
+            if not isinstance(traced, torch.Tensor) or traced.dtype != value.dtype or \
+                    traced.dim() != value.dim() or any(
+                        isinstance(a, int) and a != b for a, b in zip(traced.shape, value.shape)):
+                known.clear()  # the inputs are not the graph's, one to one
+                break
+            known[node] = value
+    return known.get
+
+
+def _apply_rewrites(graph: torch.fx.Graph) -> int:
+    real_value, fused = _real_values(graph), 0
+    for _ in range(8):  # each round may enable another rewrite's site; a few suffice
+        round_fused = 0
+        for rewrite in _rewrites():
+            for site in rewrite.rewrite(graph, real_value):
+                _report[rewrite.fusion] = _report.get(rewrite.fusion, 0) + 1
+                log.debug("gemslib %s: %s", rewrite.fusion, site)
+                round_fused += 1
+        if not round_fused:
+            break
+        fused += round_fused
+    return fused
+
+
 def _passes_base():
     from torch._inductor.custom_graph_pass import CustomGraphPass
     return CustomGraphPass
 
 
 class GemslibPasses(_passes_base()):
-    """The inductor post-grad pass that applies every operator's ``GRAPH_PATTERNS``."""
+    """The inductor post-grad pass: every operator's ``GRAPH_REWRITES``, then its
+    ``GRAPH_PATTERNS``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        replaced = _pattern_pass().apply(graph)
+        replaced = _apply_rewrites(graph)
+        if replaced:
+            graph.eliminate_dead_code()
+        replaced += _pattern_pass().apply(graph)
         if replaced:
             graph.eliminate_dead_code()
             log.debug("gemslib: %d sites replaced in one graph", replaced)
@@ -108,4 +159,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                          "where gemslib's passes go; install gemslib.graph.PASSES in your own "
                          "pass instead")
     patches["post_grad_custom_post_pass"] = PASSES
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    token = _compiling_inputs.set(list(example_inputs))
+    try:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    finally:
+        _compiling_inputs.reset(token)

@@ -108,6 +108,21 @@ class GraphPattern:
 
 
 @dataclass(frozen=True)
+class GraphRewrite:
+    """A fusion that is not one fixed pattern (a varying number of projections of one input,
+    parameters merged once): ``rewrite(graph, real_value)`` edits an inductor post-grad
+    ``torch.fx.Graph`` in place and returns one description per site it fused.
+    ``real_value(placeholder)`` is the real tensor the compiled graph was called with for that
+    input (a parameter), or None where it is not known; a rewrite that needs one must leave the
+    site alone without it. Rewrites run before the patterns, repeatedly until none fuses
+    anything more, so one may build on another's output.
+    """
+
+    fusion: str  # the name fusion_report() counts it under
+    rewrite: Callable[[Any, Callable[[Any], Any]], Sequence[str]]
+
+
+@dataclass(frozen=True)
 class TuneBucket:
     """One bucket of a kernel's tune-config entry, for ``python -m gemslib.tune``: the calls
     whose shape keys are all <= ``max`` (``None``: the last bucket, every other call), and a
@@ -141,6 +156,7 @@ class Operator:
     self_checks: tuple[SelfCheck, ...]
     tuning: tuple[TuneSpace, ...] = ()
     graph_patterns: tuple[GraphPattern, ...] = ()
+    graph_rewrites: tuple[GraphRewrite, ...] = ()
 
 
 _OPERATOR_PACKAGES = ("gemslib.ops", "gemslib.fused")
@@ -164,7 +180,8 @@ def operators() -> Mapping[str, Operator]:
                                     if runtime.dispatch_key() in o.dispatch_keys),
                     self_checks=tuple(getattr(module, "SELF_CHECKS", ())),
                     tuning=tuple(getattr(module, "TUNING", ())),
-                    graph_patterns=tuple(getattr(module, "GRAPH_PATTERNS", ())))
+                    graph_patterns=tuple(getattr(module, "GRAPH_PATTERNS", ())),
+                    graph_rewrites=tuple(getattr(module, "GRAPH_REWRITES", ())))
         _operators = found
     return _operators
 

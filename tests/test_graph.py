@@ -13,38 +13,61 @@ from conftest import DEVICE
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_llama(dtype, layers=2, eps=1e-5):
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112,
-                                      num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=2, rms_norm_eps=eps)
+_FAMILIES = {  # transformers' config and model classes, by family
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),       # q, k, v with biases
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def _tiny_model(dtype, family="llama", layers=2, eps=1e-5):
+    config_name, model_name = _FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=eps)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
-    for module in model.modules():  # weights away from 1, so a dropped weight would show
-        if isinstance(module, transformers.models.llama.modeling_llama.LlamaRMSNorm):
-            module.weight.data.uniform_(0.5, 1.5)
+    model = getattr(transformers, model_name)(config).to(DEVICE, dtype).eval()
+    for name, parameter in model.named_parameters():  # norm weights away from 1, so a dropped
+        if "norm" in name:                            # weight would show; biases not zero
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
     return model
 
 
+def _tiny_llama(dtype, layers=2, eps=1e-5):
+    return _tiny_model(dtype, "llama", layers, eps)
+
+
+def _decoder_fusions(layers):
+    """What the decoder layers of these families fuse: each layer's q/k/v and gate/up
+    projections (two merged_linear) and silu_and_mul; the attention's residual add with the
+    MLP's norm in each layer, and the next layer's input norm (or the final norm) with the
+    MLP's residual add; the first layer's input norm, with no add before it, alone."""
+    return {"rms_norm": 1, "add_rms_norm": 2 * layers, "merged_linear": 2 * layers,
+            "silu_and_mul": layers}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_llama_rms_norms_become_gemslib_rms_norm(dtype):
-    """Every RMSNorm of a tiny Llama (two per layer and the final one) is replaced, with the
-    residual add before it where there is one, and the logits stay eager's within the
-    dtype's rounding."""
+def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
+    """Every fusion at every layer of a tiny Llama, Qwen2 and Mistral, and logits that stay
+    eager's within the dtype's rounding; the eager model, on its merged parameters after the
+    compile, gives exactly what it gave before."""
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
-    model = _tiny_llama(dtype)
+    model = _tiny_model(dtype, family)
     ids = torch.randint(0, 96, (2, 11), device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits.float()
         compiled = torch.compile(model, backend="gemslib", fullgraph=True)
         logits = compiled(ids).logits.float()
-    # per layer: the input norm, and the attention's residual add with the MLP's norm; the
-    # first layer's input norm has no add before it, the others follow the MLP's residual add
-    assert gemslib.fusion_report() == {"rms_norm": 1, "add_rms_norm": 2 * 2}, \
-        gemslib.fusion_report()
+        again = model(ids).logits.float()
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
     assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(again, expected)
 
 
 class _LookAlikeNorms(torch.nn.Module):
