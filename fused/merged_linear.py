@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from gemslib.graph import call_node
 from gemslib.registry import GraphRewrite, SelfCheck
 
 
@@ -160,19 +161,13 @@ def _merge_projections(graph: torch.fx.Graph, real_value) -> list[str]:
         first, x2d = members[0][0], members[0][1]
         weight_nodes = [w for _, _, _, w, _ in members]
         bias_nodes = [b for _, _, _, _, b in members]
-        fake_mode = x2d.meta["val"].fake_mode
         with graph.inserting_before(first):
-            merged = graph.call_function(torch.ops.gemslib.merged_linear.default,
-                                         (x2d, weight_nodes, bias_nodes))
-            with fake_mode:
-                merged.meta["val"] = _merged_linear_fake(
-                    x2d.meta["val"], [w.meta["val"] for w in weight_nodes], None)
+            merged = call_node(graph, torch.ops.gemslib.merged_linear.default, x2d,
+                               weight_nodes, bias_nodes)
             start = 0
             for mm, *_ in members:
                 width = mm.meta["val"].shape[-1]
-                part = graph.call_function(_aten.slice.Tensor, (merged, 1, start, start + width))
-                with fake_mode:
-                    part.meta["val"] = merged.meta["val"][:, start:start + width]
+                part = call_node(graph, _aten.slice.Tensor, merged, 1, start, start + width)
                 start += width
                 mm.replace_all_uses_with(part)
         for mm, *_ in members:  # outside the insertion point: the first of them is that point

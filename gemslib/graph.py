@@ -72,6 +72,18 @@ def _pattern_pass():
     return matcher
 
 
+def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A new ``target(*args)`` node at the graph's insertion point, with the ``meta["val"]``
+    (a fake tensor) that later passes and inductor read, computed from its inputs' values."""
+    node = graph.call_function(target, args)
+    values = torch.fx.map_arg(args, lambda a: a.meta["val"])
+    fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
+                     if hasattr(v, "fake_mode"))
+    with fake_mode:
+        node.meta["val"] = target(*values)
+    return node
+
+
 def _rewrites():
     from gemslib import registry
     return [rewrite for operator in registry.operators().values()

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
+from gemslib.graph import call_node
 from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
@@ -500,16 +501,10 @@ def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
             if whole.meta["val"].dtype not in runtime.KERNEL_DTYPES or \
                     mul.meta["val"].dtype != whole.meta["val"].dtype:
                 continue
-            fake_mode = whole.meta["val"].fake_mode
             with graph.inserting_before(mul):
-                fused = graph.call_function(torch.ops.gemslib.silu_and_mul.default, (whole,))
-                with fake_mode:
-                    fused.meta["val"] = _silu_and_mul_fake(whole.meta["val"])
+                fused = call_node(graph, torch.ops.gemslib.silu_and_mul.default, whole)
                 if gate[2] is not None:
-                    fused = graph.call_function(_aten.reshape.default, (fused, gate[2]))
-                    with fake_mode:
-                        fused.meta["val"] = fused.args[0].meta["val"].reshape(
-                            mul.meta["val"].shape)
+                    fused = call_node(graph, _aten.reshape.default, fused, gate[2])
             mul.replace_all_uses_with(fused)
             graph.erase_node(mul)
             sites.append(f"{mul.name} over {whole.name}")

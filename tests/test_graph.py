@@ -41,11 +41,11 @@ def _tiny_llama(dtype, layers=2, eps=1e-5):
 
 def _decoder_fusions(layers):
     """What the decoder layers of these families fuse: each layer's q/k/v and gate/up
-    projections (two merged_linear) and silu_and_mul; the attention's residual add with the
+    projections (two merged_linear), silu_and_mul and attention (its causal mask proven); the attention's residual add with the
     MLP's norm in each layer, and the next layer's input norm (or the final norm) with the
     MLP's residual add; the first layer's input norm, with no add before it, alone."""
     return {"rms_norm": 1, "add_rms_norm": 2 * layers, "merged_linear": 2 * layers,
-            "silu_and_mul": layers}
+            "silu_and_mul": layers, "attention": layers}
 
 
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
@@ -68,6 +68,26 @@ def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
     assert error <= tolerance, f"max error {error:.2e} of the largest logit"
     assert torch.equal(again, expected)
+
+
+def test_attention_under_a_window_or_padding_is_left_to_inductor():
+    """A sliding window that hides keys (Mistral's, shorter than the sequence) and a padding
+    mask are not the kernel's causal mask: their SDPA stays inductor's, and the logits eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(torch.float32, "mistral")
+    model.config.sliding_window = 4
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0  # the first sequence left-padded
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": padding}):
+            expected = model(ids, **kwargs).logits
+            torch._dynamo.reset()
+            logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids, **kwargs).logits
+            assert torch.allclose(logits[:, 3:], expected[:, 3:], atol=1e-4), kwargs
+    assert "attention" not in gemslib.fusion_report(), gemslib.fusion_report()
+    assert gemslib.fusion_report()["merged_linear"] == 2 * 2 * 2
 
 
 class _LookAlikeNorms(torch.nn.Module):
