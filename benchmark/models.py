@@ -320,6 +320,7 @@ def run_way(job: dict) -> dict:
     started = time.perf_counter()
     model = build_model(spec, device, torch.bfloat16)
     result["build_s"] = time.perf_counter() - started
+    _free(device)  # the float32 build's memory back, the peak counter from here
     try:
         model, context, note = _prepare_way(job["way"], model)
     except _NotInstalled as missing:
