@@ -529,6 +529,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True) 
                                        stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 returncode = process.wait(timeout=max(timeout, 1))
+                _kill_group(process)  # what it left behind (inductor's compile workers)
             except subprocess.TimeoutExpired:
                 _kill_group(process)
                 returncode, status = None, f"timeout after {timeout:.0f} s"
@@ -568,7 +569,7 @@ def _kill_group(process: subprocess.Popen) -> None:
     """End the worker and what it started (its session's process group, by its id)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # the group is gone already
         pass
     process.wait()
 
