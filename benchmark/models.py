@@ -742,6 +742,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if importlib.util.find_spec("transformers") is None:
+        print("python -m benchmark --models: needs transformers (pip install -e '.[models]'); "
+              "nothing was run.", file=sys.stderr)
+        return 1
     gpu = _has_gpu()
     if not gpu and not args.tiny:
         print("python -m benchmark --models: needs a CUDA GPU at real sizes and there is none "
