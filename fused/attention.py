@@ -725,6 +725,52 @@ def _visible_band(mask):
     return (None if lo is None else shift + lo), (None if hi is None else shift + hi)
 
 
+class _NotConstant(Exception):
+    pass
+
+
+def _evaluated(node, values: dict):
+    """The value of ``node`` when it depends on no graph input (the mask transformers builds
+    from positions it computes itself, under static shapes), computed now; else raises."""
+    if node in values:
+        return values[node]
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
+            torch.Tag.nondeterministic_seeded in node.target.tags:
+        raise _NotConstant(node)
+    args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: _evaluated(a, values))
+    if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+        raise _NotConstant(node)
+    values[node] = node.target(*args, **kwargs)
+    return values[node]
+
+
+def _evaluated_band(mask, seq_q, seq_kv):
+    """(lo, hi) as :func:`_visible_band` gives them, for a mask computed from no graph input
+    that is exactly causal (0, None) or full (None, None) for every batch and head; else
+    None. Decides masks whose arithmetic the band does not read (transformers' packed-sequence
+    test of a single sequence's positions)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not (isinstance(seq_q, int) and isinstance(seq_kv, int)) or seq_q * seq_kv > 1 << 26:
+        return None
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            value = _evaluated(mask, {})
+            if value.dtype != torch.bool:
+                if not bool(((value == 0) | (value == float("-inf"))).all()):
+                    return None
+                value = value == 0
+            value = value.expand(*value.shape[:-2], seq_q, seq_kv).reshape(-1, seq_q, seq_kv)
+            causal = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=value.device).tril()
+            if bool((value == causal).all()):
+                return None, 0
+            if bool(value.all()):
+                return None, None
+    except (_NotConstant, RuntimeError):
+        return None
+    return None
+
+
 def _is_full(node, value) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is _aten.full.default and \
         list(node.args[0]) == [] and node.args[1] == value
@@ -772,7 +818,8 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             if mask is None:
                 causal = bool(args.get("is_causal"))
             else:
-                band = None if args.get("is_causal") else _visible_band(mask)
+                band = None if args.get("is_causal") else (
+                    _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv))
                 if band is None:
                     continue
                 lo, hi = band

@@ -70,6 +70,21 @@ def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
     assert torch.equal(again, expected)
 
 
+def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
+    """For one sequence transformers adds a packed-sequence test of its positions to the
+    causal mask (a cumsum over position steps); computed at compile time it is causal."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (1, 13), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids, logits_to_keep=1).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids, logits_to_keep=1).logits
+    assert gemslib.fusion_report()["attention"] == 2, gemslib.fusion_report()
+    assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+
+
 def test_attention_under_a_window_or_padding_is_left_to_inductor():
     """A sliding window that hides keys (Mistral's, shorter than the sequence) and a padding
     mask are not the kernel's causal mask: their SDPA stays inductor's, and the logits eager's."""
