@@ -60,16 +60,17 @@ def _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
 
 @triton.jit
 def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
-                 b_cos, b_sin, n_pairs, head_dim,
+                 b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
                  INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Store the rotated (x_a, x_b) of BLOCK_H heads; with COPY_REST the features past rot_dim
-    are copied from x (out of place with partial rotary)."""
+    """Store the rotated (x_a, x_b) of BLOCK_H heads, out_a = x_a * cos_a - x_b * sin_a and
+    out_b = x_b * cos_b + x_a * sin_b (cos_a = cos_b, sin_a = sin_b with a half table); with
+    COPY_REST the features past rot_dim are copied from x (out of place with partial rotary)."""
     p_a, p_b, m_x = _head_block(out_ptr, stride_out_h, head_start, n_heads, n_pairs,
                                 INTERLEAVED, BLOCK_H, BLOCK_R)
     dtype = out_ptr.dtype.element_ty
-    tl.store(p_a, (b_xa * b_cos - b_xb * b_sin).to(dtype), mask=m_x)
-    tl.store(p_b, (b_xb * b_cos + b_xa * b_sin).to(dtype), mask=m_x)
+    tl.store(p_a, (b_xa * b_cos_a - b_xb * b_sin_a).to(dtype), mask=m_x)
+    tl.store(p_b, (b_xb * b_cos_b + b_xa * b_sin_b).to(dtype), mask=m_x)
     if COPY_REST:
         o_h = head_start + tl.arange(0, BLOCK_H)[:, None]
         o_rest = 2 * n_pairs + tl.arange(0, BLOCK_REST)[None, :]
@@ -80,16 +81,17 @@ def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_cos, b_sin,
-    n_pairs, head_dim,
+    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads,
+    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
     b_xa, b_xb = _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs, INTERLEAVED,
                              BLOCK_H, BLOCK_R)
-    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb, b_cos,
-                 b_sin, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
+                 b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST,
+                 BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
 @triton.heuristics({"BLOCK_HK": lambda args: min(args["BLOCK_H"],
@@ -102,8 +104,9 @@ def _rotary_kernel(
     stride_k_b, stride_k_s, stride_k_h,
     stride_q_out_b, stride_q_out_s, stride_q_out_h,
     stride_k_out_b, stride_k_out_s, stride_k_out_h,
-    stride_cos_pos, stride_sin_pos, stride_positions_b, stride_positions_s, n_positions,
-    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+    stride_positions_b, stride_positions_s, n_positions,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
@@ -111,31 +114,52 @@ def _rotary_kernel(
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
     loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
     k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
-    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head."""
+    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head.
+
+    The angles: with FULL_TABLE, row (i_b, i_s) of a (B | 1, S, rot_dim) table (stride_cos_b
+    0 for a batch of 1), read at both features of each pair (cos_a, cos_b, sin_a, sin_b);
+    otherwise row positions[i_b, i_s] (or i_s) of a (max_position, rot_dim / 2) table, one
+    angle per pair (cos_a = cos_b, sin_a = sin_b). INVERSE applies the transposed rotation
+    (the backward): per pair [[cos_a, -sin_a], [sin_b, cos_b]] becomes
+    [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a)."""
     i_t = tl.program_id(0)
     i_b = (i_t // seq_len).to(tl.int64)
     i_s = (i_t % seq_len).to(tl.int64)
     o_r = tl.arange(0, BLOCK_R)[None, :]
-    if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
-        b_pos = tl.load(positions_ptr + i_b * stride_positions_b
-                        + i_s * stride_positions_s).to(tl.int64)
-        # a position outside the table: a device-side assert (compiled in, see ROTARY), and
-        # never a read outside cos/sin (NaN angles where asserts are off)
-        m_pos = (b_pos >= 0) & (b_pos < n_positions)
-        tl.device_assert(m_pos, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
-        b_pos = tl.where(m_pos, b_pos, 0)
-        m_r = (o_r < n_pairs) & m_pos
-        b_cos = tl.load(cos_ptr + b_pos * stride_cos_pos + o_r, mask=m_r).to(tl.float32)
-        b_sin = tl.load(sin_ptr + b_pos * stride_sin_pos + o_r, mask=m_r).to(tl.float32)
-        b_cos = tl.where(o_r < n_pairs, tl.where(m_pos, b_cos, float("nan")), 1.0)
-        b_sin = tl.where(o_r < n_pairs, tl.where(m_pos, b_sin, float("nan")), 0.0)
+    m_r = o_r < n_pairs
+    if FULL_TABLE:
+        if INTERLEAVED:
+            o_a, o_b = 2 * o_r, 2 * o_r + 1
+        else:
+            o_a, o_b = o_r, o_r + n_pairs
+        p_cos = cos_ptr + i_b * stride_cos_b + i_s * stride_cos_s
+        p_sin = sin_ptr + i_b * stride_sin_b + i_s * stride_sin_s
+        b_cos_a = tl.load(p_cos + o_a, mask=m_r, other=1.0).to(tl.float32)
+        b_cos_b = tl.load(p_cos + o_b, mask=m_r, other=1.0).to(tl.float32)
+        b_sin_a = tl.load(p_sin + o_a, mask=m_r, other=0.0).to(tl.float32)
+        b_sin_b = tl.load(p_sin + o_b, mask=m_r, other=0.0).to(tl.float32)
     else:
-        b_cos = tl.load(cos_ptr + i_s * stride_cos_pos + o_r, mask=o_r < n_pairs, other=1.0)
-        b_sin = tl.load(sin_ptr + i_s * stride_sin_pos + o_r, mask=o_r < n_pairs, other=0.0)
-        b_cos = b_cos.to(tl.float32)
-        b_sin = b_sin.to(tl.float32)
+        if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
+            b_pos = tl.load(positions_ptr + i_b * stride_positions_b
+                            + i_s * stride_positions_s).to(tl.int64)
+            # a position outside the table: a device-side assert (compiled in, see ROTARY),
+            # and never a read outside cos/sin (NaN angles where asserts are off)
+            m_pos = (b_pos >= 0) & (b_pos < n_positions)
+            tl.device_assert(m_pos, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
+            b_pos = tl.where(m_pos, b_pos, 0)
+            m_rp = m_r & m_pos
+            b_cos = tl.load(cos_ptr + b_pos * stride_cos_s + o_r, mask=m_rp).to(tl.float32)
+            b_sin = tl.load(sin_ptr + b_pos * stride_sin_s + o_r, mask=m_rp).to(tl.float32)
+            b_cos = tl.where(m_r, tl.where(m_pos, b_cos, float("nan")), 1.0)
+            b_sin = tl.where(m_r, tl.where(m_pos, b_sin, float("nan")), 0.0)
+        else:
+            b_cos = tl.load(cos_ptr + i_s * stride_cos_s + o_r, mask=m_r, other=1.0)
+            b_sin = tl.load(sin_ptr + i_s * stride_sin_s + o_r, mask=m_r, other=0.0)
+            b_cos = b_cos.to(tl.float32)
+            b_sin = b_sin.to(tl.float32)
+        b_cos_a, b_cos_b, b_sin_a, b_sin_b = b_cos, b_cos, b_sin, b_sin
     if INVERSE:
-        b_sin = -b_sin
+        b_sin_a, b_sin_b = -b_sin_b, -b_sin_a
     p_q = q_ptr + i_b * stride_q_b + i_s * stride_q_s
     p_q_out = q_out_ptr + i_b * stride_q_out_b + i_s * stride_q_out_s
     p_k = k_ptr + i_b * stride_k_b + i_s * stride_k_s
@@ -149,21 +173,24 @@ def _rotary_kernel(
             b_ka, b_kb = _load_heads(p_k, stride_k_h, i_h * BLOCK_HK, n_k_heads, n_pairs,
                                      INTERLEAVED, BLOCK_HK, BLOCK_R)
             _store_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
-                         i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos, b_sin, n_pairs, head_dim,
+                         i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
+                         n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
             _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos, b_sin, n_pairs, head_dim,
+                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
+                         n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_HK, BLOCK_R, BLOCK_REST)
     else:
         i_h = tl.program_id(1)
         if i_h < n_q_blocks:
             _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
-                          i_h * BLOCK_H, n_q_heads, b_cos, b_sin, n_pairs, head_dim, INTERLEAVED,
-                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          i_h * BLOCK_H, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs,
+                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
             _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos, b_sin, n_pairs,
-                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos_a, b_sin_a, b_cos_b,
+                          b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R,
+                          BLOCK_REST)
 
 
 ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
@@ -183,7 +210,8 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     batch, seq_len, n_q_heads, head_dim = q4.shape
     n_k_heads = k4.shape[2]
-    half = cos.shape[1]
+    full_table = cos.dim() == 3  # (B | 1, S, rot_dim), else (max_position, rot_dim / 2)
+    half = cos.shape[2] // 2 if full_table else cos.shape[1]
     n_tokens = batch * seq_len
     if n_tokens == 0 or (n_q_heads + n_k_heads) == 0 or head_dim == 0:
         return
@@ -196,6 +224,11 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_r = runtime.next_power_of_2(half)
     block_rest = runtime.next_power_of_2(head_dim - 2 * half)
     strides = [*q4.stride()[:3], *k4.stride()[:3], *q_out4.stride()[:3], *k_out4.stride()[:3]]
+    if full_table:  # a batch of 1 serves every sequence
+        table_strides = [t.stride(0) if t.shape[0] > 1 else 0 for t in (cos, sin)]
+        table_strides = [table_strides[0], cos.stride(1), table_strides[1], sin.stride(1)]
+    else:
+        table_strides = [0, cos.stride(0), 0, sin.stride(0)]
 
     def grid(meta):
         if meta["LOOP_HEADS"]:
@@ -208,8 +241,8 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
         q4, k4, q_out4, k_out4, cos, sin, positions,
         seq_len, n_q_heads, n_k_heads, half, head_dim,
         *strides,
-        cos.stride(0), sin.stride(0), *position_strides, cos.shape[0],
-        interleaved, inverse, copy_rest, block_r, block_rest,
+        *table_strides, *position_strides, cos.shape[0],
+        interleaved, inverse, full_table, copy_rest, block_r, block_rest,
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
 
