@@ -1,19 +1,32 @@
 """Rotary position embedding for q and k in one launch, forward and backward.
 
-For each token at position p and each head, the first ``rot_dim`` features are rotated in
-``rot_dim / 2`` planes by the angles whose cosines and sines are ``cos[p]`` and ``sin[p]``
-(each (rot_dim / 2,)); features past ``rot_dim`` pass through (partial rotary):
+For each token and each head, the first ``rot_dim`` features are rotated in ``rot_dim / 2``
+planes; features past ``rot_dim`` pass through (partial rotary). The angles come from one of
+two tables:
 
-    out_a = x_a * cos - x_b * sin
-    out_b = x_b * cos + x_a * sin
+* a half table (max_position, rot_dim / 2), looked up at each token's position p (one angle
+  per pair, the vLLM / FlashInfer layout):
 
-with (x_a, x_b) = (x[i], x[i + rot_dim/2]) in the NeoX/Llama layout (``interleaved=False``)
-and (x[2i], x[2i + 1]) in the GPT-J layout (``interleaved=True``). The backward is the inverse
-rotation (sin -> -sin) of the incoming gradients.
+      out_a = x_a * cos[p] - x_b * sin[p]
+      out_b = x_b * cos[p] + x_a * sin[p]
+
+* a full per-token table (B or 1, S, rot_dim), as transformers' models compute it (the
+  halves of a NeoX row are usually, but not necessarily, equal), read at both features:
+
+      out_a = x_a * cos[b, s, a] - x_b * sin[b, s, a]
+      out_b = x_b * cos[b, s, b] + x_a * sin[b, s, b]
+
+  which is exactly transformers' ``x * cos + rotate_half(x) * sin`` for any table.
+
+(x_a, x_b) = (x[i], x[i + rot_dim/2]) in the NeoX/Llama layout (``interleaved=False``) and
+(x[2i], x[2i + 1]) in the GPT-J layout (``interleaved=True``). The backward is the transposed
+rotation of the incoming gradients (per pair [[cos_a, -sin_a], [sin_b, cos_b]]^T: sin_a and
+sin_b swap and change sign; with a half table, the inverse rotation sin -> -sin).
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks, tuning.
+kernel, launcher, reference, public function and custom ops, self-checks, tuning, graph
+patterns (torch.compile(backend="gemslib")).
 """
 
 from __future__ import annotations
@@ -252,24 +265,41 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
 # --------------------------------------------------------------------------------------------
 
 
-def _angles(x, cos, sin, positions):
-    """cos/sin gathered per token, shaped to broadcast over heads: (..., 1, half)."""
+def _pair_halves(t, interleaved):
+    """The (first, second) features of each rotation pair along the last dim of ``t``."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
+def _angles(x, cos, sin, positions, interleaved):
+    """(cos_a, sin_a, cos_b, sin_b) per token, shaped to broadcast over heads: (..., 1, half)."""
+    if cos.dim() == 3:  # per-token full table (B | 1, S, rot_dim); (1, T, rot_dim) for (T, H, D)
+        if x.dim() == 3:
+            cos, sin = cos[0], sin[0]
+        cos_a, cos_b = _pair_halves(cos.unsqueeze(-2), interleaved)
+        sin_a, sin_b = _pair_halves(sin.unsqueeze(-2), interleaved)
+        return cos_a, sin_a, cos_b, sin_b
     seq_len = x.shape[-3]
     if positions is None:
         positions = torch.arange(seq_len, device=x.device)
-    return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+    cos_t, sin_t = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+    return cos_t, sin_t, cos_t, sin_t
 
 
-def rotary_reference(q, k, cos, sin, positions=None, interleaved=False):
+def rotary_reference(q, k, cos, sin, positions=None, interleaved=False, inverse=False):
+    """out_a = x_a * cos_a - x_b * sin_a, out_b = x_b * cos_b + x_a * sin_b for q and k; with
+    ``inverse`` the transposed rotation, out_a = x_a * cos_a + x_b * sin_b and
+    out_b = x_b * cos_b - x_a * sin_a (the backward; the inverse rotation for a half table)."""
     def rotate(x):
-        cos_t, sin_t = _angles(x, cos, sin, positions)
-        half = cos.shape[1]
-        rotated, rest = x[..., : 2 * half], x[..., 2 * half:]
-        if interleaved:
-            x_a, x_b = rotated[..., 0::2], rotated[..., 1::2]
-        else:
-            x_a, x_b = rotated[..., :half], rotated[..., half:]
-        out_a, out_b = x_a * cos_t - x_b * sin_t, x_b * cos_t + x_a * sin_t
+        cos_a, sin_a, cos_b, sin_b = _angles(x, cos, sin, positions, interleaved)
+        if inverse:
+            sin_a, sin_b = -sin_b, -sin_a
+        rot_dim = 2 * cos_a.shape[-1]
+        rotated, rest = x[..., :rot_dim], x[..., rot_dim:]
+        x_a, x_b = _pair_halves(rotated, interleaved)
+        out_a, out_b = x_a * cos_a - x_b * sin_a, x_b * cos_b + x_a * sin_b
         if interleaved:
             out = torch.stack([out_a, out_b], dim=-1).flatten(-2)
         else:
@@ -295,14 +325,17 @@ def _check(q, k, cos, sin, positions) -> None:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on the "
                          "token dims and the head dim")
     checks.like(name, "k", k, q, "q")
-    if cos.dim() != 2 or cos.shape != sin.shape:
-        raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3) or cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2) or "
+                         f"(B or 1, S, rot_dim), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"{name}: cos and sin must be on {q.device}, got {cos.device} and {sin.device}")
+    if cos.dim() == 3:
+        _check_full_table(name, q, cos, positions)
+        return
     if 2 * cos.shape[1] > q.shape[-1]:
         raise ValueError(f"{name}: rot_dim = 2 * cos.shape[1] = {2 * cos.shape[1]} exceeds the head "
                          f"dim {q.shape[-1]}")
-    if cos.device != q.device or sin.device != q.device:
-        raise ValueError(f"{name}: cos and sin must be on {q.device}, got {cos.device} and {sin.device}")
     if positions is not None:
         if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or \
                 positions.dtype == torch.bool:
@@ -317,6 +350,22 @@ def _check(q, k, cos, sin, positions) -> None:
     elif q.shape[-3] > cos.shape[0]:
         raise ValueError(f"{name}: {q.shape[-3]} positions need cos/sin with at least that many "
                          f"rows, got {cos.shape[0]}")
+
+
+def _check_full_table(name, q, cos, positions) -> None:
+    """A per-token table (B or 1, S, rot_dim) for q (B, S, H, D), (1, T, rot_dim) for (T, H, D)."""
+    batch, seq_len = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    if positions is not None:
+        raise ValueError(f"{name}: positions index a (max_position, rot_dim // 2) table; cos and "
+                         f"sin of shape {tuple(cos.shape)} are a per-token (B or 1, S, rot_dim) "
+                         "table already, so positions must be None")
+    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(f"{name}: a per-token cos/sin table for q {tuple(q.shape)} must be "
+                         f"({batch} or 1, {seq_len}, rot_dim), got {tuple(cos.shape)}")
+    rot_dim = cos.shape[2]
+    if rot_dim % 2 or rot_dim > q.shape[-1]:
+        raise ValueError(f"{name}: rot_dim = cos.shape[2] must be even and at most the head dim "
+                         f"{q.shape[-1]}, got {rot_dim}")
 
 
 def _check_writes_alias_nothing(q, k, cos, sin, positions) -> None:
@@ -360,10 +409,9 @@ def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
     if q_out is q:  # in place (the check reads data pointers: here, not where compile traces)
         _check_writes_alias_nothing(q, k, cos, sin, positions)
     if not _kernel_runs(q, k, cos, sin):
-        sign = -1 if inverse else 1
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_rot, k_rot = rotary_reference(q.to(work), k.to(work), cos.to(work), sign * sin.to(work),
-                                        positions, interleaved)
+        q_rot, k_rot = rotary_reference(q.to(work), k.to(work), cos.to(work), sin.to(work),
+                                        positions, interleaved, inverse)
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)
         return q_out, k_out
@@ -377,9 +425,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the angles of their tokens' positions; returns (q_rot, k_rot).
 
-    q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; cos, sin (max_position, rot_dim/2);
-    positions (B, S) or (T,) integers, default arange(S) for every sequence. With
-    ``inplace=True`` q and k are overwritten and returned. Differentiable when not in place.
+    q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; any strides with a unit last
+    stride (a (B, H, S, D) tensor is passed as ``x.transpose(1, 2)``, no copy). cos and sin
+    (one shape, any strides with a unit last stride) are either
+
+    * a half table (max_position, rot_dim / 2), one angle per pair, looked up at positions
+      (B, S) or (T,) integers (default arange(S) for every sequence):
+      out_a = x_a * cos - x_b * sin, out_b = x_b * cos + x_a * sin; or
+    * a full per-token table (B or 1, S, rot_dim), as transformers computes it ((1, T, rot_dim)
+      for (T, H, D) q; positions must be None), read at both features of each pair:
+      out_a = x_a * cos[a] - x_b * sin[a], out_b = x_b * cos[b] + x_a * sin[b], which is
+      ``x * cos + rotate_half(x) * sin`` for any table (its halves need not be equal).
+
+    (a, b) = (i, i + rot_dim/2) (NeoX/Llama, ``interleaved=False``) or (2i, 2i + 1) (GPT-J);
+    features past rot_dim pass through. With ``inplace=True`` q and k are overwritten and
+    returned. Differentiable in q and k when not in place (the backward is the transposed
+    rotation, one launch).
     Positions outside [0, max_position) raise IndexError for CPU tensors; on a GPU the kernel
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
@@ -407,7 +468,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor | None, interleaved: bool,
                  inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotation (inverse=True: by the negated angles, the backward) into new tensors."""
+    """Rotation (inverse=True: the transposed rotation, the backward) into new tensors."""
     return _rotary(q, k, cos, sin, positions, interleaved, inverse, torch.empty_like(q),
                    torch.empty_like(k))
 
@@ -419,7 +480,8 @@ def _rotary_setup(ctx, inputs, output):
 
 
 def _rotary_grad(ctx, grad_q, grad_k, ops):
-    """The inverse rotation, through this same operator: differentiable too."""
+    """The transposed rotation (the inverse one for a half table), through this same
+    operator: differentiable too."""
     cos, sin, positions = ctx.saved_tensors
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
