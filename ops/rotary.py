@@ -25,8 +25,8 @@ sin_b swap and change sign; with a half table, the inverse rotation sin -> -sin)
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks, tuning, graph
-patterns (torch.compile(backend="gemslib")).
+kernel, launcher, reference, public function and custom ops, graph patterns
+(torch.compile(backend="gemslib")), self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import GraphPattern, SelfCheck, TuneBucket, TuneSpace
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,6 +506,122 @@ def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
 
 _rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_args=("q", "k"),
                                      fake=lambda q, k, cos, sin, positions, interleaved: None)
+
+
+# --------------------------------------------------------------------------------------------
+# Graph patterns (torch.compile(backend="gemslib")): rotary the way models write it
+# --------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    """transformers' rotate_half: (-x2, x1) for the halves (x1, x2) of the last dim."""
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _transformers_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (Llama, Qwen2, Mistral and most others copy it) after
+    its ``cos.unsqueeze(1)``: q (B, Hq, S, D), k (B, Hk, S, D), cos and sin (B or 1, 1, S, D)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotary_replacement(q, k, cos, sin):
+    # the op takes (B, S, H, D): the head-major tensors as transposed views (no copy), the
+    # per-token tables without their head dim
+    q_rot, k_rot = torch.ops.gemslib.rotary(q.transpose(1, 2), k.transpose(1, 2),
+                                            cos.select(1, 0), sin.select(1, 0), None, False,
+                                            False)
+    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+
+
+def _slice_bounds(node, size: int):
+    """(dim, start, end, step) of an ``aten.slice.Tensor`` node on a 4-d tensor whose sliced dim
+    has ``size`` elements, normalised as torch does (None/negative bounds, ends past the size)."""
+    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+    dim, start, end, step = (node.kwargs.get(name, value) for name, value in
+                             zip(("dim", "start", "end", "step"), args))
+    dim, step = (0 if dim is None else dim), (1 if step is None else step)
+    start, end = (0 if start is None else start), (size if end is None else end)
+    if not all(isinstance(v, int) for v in (dim, start, end, step)):
+        return None
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    return dim % 4, min(max(start, 0), size), min(max(end, 0), size), step
+
+
+def _is_rotate_half_of(cat, x_node, head_dim: int) -> bool:
+    """``cat`` is ``cat((-x[..., D/2:], x[..., :D/2]), -1)`` of ``x_node`` (D = head_dim)."""
+    aten = torch.ops.aten
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % 4 != 3 or len(parts) != 2:
+        return False
+    negated, first_half = parts
+    if negated.target is not aten.neg.default or first_half.target is not aten.slice.Tensor:
+        return False
+    second_half = negated.args[0]
+    if second_half.target is not aten.slice.Tensor:
+        return False
+    if second_half.args[0] is not x_node or first_half.args[0] is not x_node:
+        return False
+    half = head_dim // 2
+    return (_slice_bounds(second_half, head_dim) == (3, half, head_dim, 1)
+            and _slice_bounds(first_half, head_dim) == (3, 0, half, 1))
+
+
+def _is_transformers_rotary(match) -> bool:
+    """The matched site is the rotary of q and k by one full table, as the op computes it:
+    q (B, Hq, S, D) and k (B, Hk, S, D) of one kernel dtype, D even; cos and sin of that dtype
+    and shape (B or 1, 1, S, D) (broadcasting over heads only: the results have q's and k's
+    shapes and dtype); and in each branch the slices split the last dim at exactly D/2, the
+    negated one is the second half and comes first in a cat over the last dim. The matcher
+    compares node targets and structure, not the dims and bounds: those are read from the
+    graph here (torch 2.11 hands the check the re-traced match, whose kwargs are tensors)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def equal(a, b) -> bool:
+        return statically_known_true(a == b)
+
+    aten = torch.ops.aten
+    nodes = {name: match.kwargs[name] for name in ("q", "k", "cos", "sin")}
+    q, k, cos, sin = (nodes[name].meta["val"] for name in ("q", "k", "cos", "sin"))
+    if q.dtype not in runtime.KERNEL_DTYPES or any(t.dtype != q.dtype for t in (k, cos, sin)):
+        return False
+    if any(t.dim() != 4 for t in (q, k, cos, sin)) or not runtime.on_kernel_device(q):
+        return False
+    batch, _, seq_len, head_dim = q.shape
+    if not isinstance(head_dim, int) or head_dim % 2 or head_dim == 0:
+        return False
+    if not (equal(k.shape[0], batch) and equal(k.shape[2], seq_len)
+            and equal(k.shape[3], head_dim)):
+        return False
+    for table in (cos, sin):
+        if not ((equal(table.shape[0], 1) or equal(table.shape[0], batch))
+                and equal(table.shape[1], 1) and equal(table.shape[2], seq_len)
+                and equal(table.shape[3], head_dim)):
+            return False
+    cats = [node for node in match.nodes if node.target is aten.cat.default]
+    if len(cats) != 2:
+        return False
+    # each cat is the rotate_half of its branch's tensor: one of q, one of k
+    sources = set()
+    for cat in cats:
+        source = cat.args[0][1].args[0] if len(cat.args[0]) == 2 else None
+        if source not in (nodes["q"], nodes["k"]) or not _is_rotate_half_of(cat, source, head_dim):
+            return False
+        sources.add(source)
+    return len(sources) == 2
+
+
+def _pattern_inputs():
+    """q (2, 4, 3, 8), k (2, 2, 3, 8), cos and sin (2, 1, 3, 8) for tracing the pattern."""
+    return (torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8), torch.empty(2, 1, 3, 8),
+            torch.empty(2, 1, 3, 8))
+
+
+# one pattern for every dtype: the casts of cos and sin to q's dtype come before it
+GRAPH_PATTERNS = (
+    GraphPattern("rotary", _transformers_rotary, _rotary_replacement, _pattern_inputs,
+                 check=_is_transformers_rotary),
+)
 
 
 # --------------------------------------------------------------------------------------------

@@ -393,3 +393,162 @@ def test_full_table_custom_op_passes_opcheck():
             torch.library.opcheck(torch.ops.gemslib.rotary,
                                   (q.requires_grad_(), k.requires_grad_(), cos, sin, None,
                                    interleaved, False))
+
+
+# --------------------------------------------------------------------------------------------
+# Graph pattern: torch.compile(backend="gemslib") turns transformers' rotary into the op
+# --------------------------------------------------------------------------------------------
+
+_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),           # q, k, v projection biases
+           "mistral": ("MistralConfig", "MistralForCausalLM", {})}
+
+
+def _tiny_model(kind, dtype, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class, extra = _MODELS[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).to(DEVICE, dtype).eval()
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("llama", torch.float16),
+                                        ("qwen2", torch.float16), ("mistral", torch.float32)])
+def test_every_layer_s_rotary_becomes_one_launch(kind, dtype):
+    """The rotary of q and k of every decoder layer is replaced (one op for both), and the
+    logits stay eager's within the dtype's rounding."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    layers = 2
+    model = _tiny_model(kind, dtype, layers)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+    assert gemslib.fusion_report().get("rotary") == layers, gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit (tolerance {tolerance})"
+
+
+def _rotate_half(x, dim=-1, split=None, form="model"):
+    """Indexed as transformers writes it (``x[..., :half]``): the graph then holds the same
+    slice bounds as the pattern's trace."""
+    split = x.shape[dim] // 2 if split is None else split
+    lead = (...,) if dim == -1 else (slice(None),) * dim
+    x1, x2 = x[(*lead, slice(None, split))], x[(*lead, slice(split, None))]
+    if form == "model":
+        return torch.cat((-x2, x1), dim=dim)
+    if form == "first half negated":       # (-x1, x2): the pattern's structure, other slices
+        return torch.cat((-x1, x2), dim=dim)
+    if form == "sign on the other half":   # (x2, -x1): the inverse rotation
+        return torch.cat((x2, -x1), dim=dim)
+    raise ValueError(form)
+
+
+def _rope_unsqueezed(q, k, cos, sin, **rotate):
+    """transformers' rotary after its cos.unsqueeze(1): cos and sin (B or 1, 1, S, D)."""
+    return (q * cos + _rotate_half(q, **rotate) * sin, k * cos + _rotate_half(k, **rotate) * sin)
+
+
+def _rope(q, k, cos, sin, **rotate):
+    return _rope_unsqueezed(q, k, cos.unsqueeze(1), sin.unsqueeze(1), **rotate)
+
+
+def _look_alikes(q, k, cos, sin, wide_cos, wide_sin):
+    """q (B, 4, S, D), k (B, 2, S, D), cos and sin (B, S, D) whose halves differ."""
+    half = q.shape[-1] // 2
+    partial_q, partial_k = _rope(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
+    return {
+        # computed exactly by the op: replaced
+        "halves that differ": _rope(q, k, cos, sin),
+        "partial rotary": (torch.cat((partial_q, q[..., half:]), -1),
+                           torch.cat((partial_k, k[..., half:]), -1)),
+        # another computation: left alone
+        "first half negated": _rope(q, k, cos, sin, form="first half negated"),
+        "sign on the other half": _rope(q, k, cos, sin, form="sign on the other half"),
+        "another split": _rope(q, k, cos, sin, split=half - 3),
+        "over dim 2": _rope(q, k, cos, sin, dim=2),
+        "fp32 cos and sin": _rope(q, k, wide_cos, wide_sin),           # an fp32 result
+        "one angle for all tokens": (q * cos[:, None, :1] + _rotate_half(q) * sin[:, None, :1],
+                                     k * cos[:, None, :1] + _rotate_half(k) * sin[:, None, :1]),
+    }
+
+
+def test_look_alike_rotaries_are_left_alone_or_computed_exactly():
+    """Only the forms the op computes exactly (a table whose halves differ; a rotary over the
+    first half of D, the rest passed through) are replaced; every result stays eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    dtype = torch.float16
+    q = random_tensor((2, 4, 6, 16), dtype, scale=1.0)
+    k = random_tensor((2, 2, 6, 16), dtype, scale=1.0)
+    angles = torch.rand(2, 6, 16, device=DEVICE) * 6.3     # no duplicated halves
+    wide_cos, wide_sin = angles.cos(), angles.sin()
+    cos, sin = wide_cos.to(dtype), wide_sin.to(dtype)
+    with torch.no_grad():
+        expected = _look_alikes(q, k, cos, sin, wide_cos, wide_sin)
+        results = torch.compile(_look_alikes, backend="gemslib", fullgraph=True)(
+            q, k, cos, sin, wide_cos, wide_sin)
+    assert gemslib.fusion_report() == {"rotary": 2}, gemslib.fusion_report()
+    for name, want in expected.items():
+        for got, wanted in zip(results[name], want):
+            assert got.dtype == wanted.dtype and got.shape == wanted.shape, name
+            error = ((got.float() - wanted.float()).abs().max() / wanted.float().abs().max()).item()
+            assert error <= 2e-3, f"{name}: max error {error:.2e}"
+
+
+def test_a_training_graph_of_rotary_keeps_its_gradients():
+    """With gradients on, the forward graph's rotary is replaced; the backward (inductor's,
+    from the joint graph) gives eager's gradients."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model("llama", torch.float32, layers=1)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+def _check_on_trace(q, k, cos, sin, k_is_q=False, **rotate):
+    """The pattern's check on the whole trace of the rotary of q and k (``rotate``: the form
+    of rotate_half), as if the matcher had matched it: what the check proves on its own,
+    whatever the matcher's re-trace compares before it."""
+    from types import SimpleNamespace
+
+    from torch._inductor.pattern_matcher import fwd_only
+
+    def traced(q, k, cos, sin):
+        return _rope_unsqueezed(q, q if k_is_q else k, cos, sin, **rotate)
+
+    graph = fwd_only(traced, [q, k, cos, sin]).graph
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
+                            nodes=[node for node in graph.nodes if node.op == "call_function"])
+    return rotary_ops._is_transformers_rotary(match)
+
+
+def test_the_check_alone_refuses_every_other_computation():
+    half = torch.float16
+    q, k = random_tensor((2, 4, 6, 16), half), random_tensor((2, 2, 6, 16), half)
+    cos, sin = random_tensor((2, 1, 6, 16), half), random_tensor((1, 1, 6, 16), half)
+    assert _check_on_trace(q, k, cos, sin)
+    assert _check_on_trace(q.float(), k.float(), cos.float(), sin.float())
+    for form in ({"form": "first half negated"}, {"form": "sign on the other half"},
+                 {"split": 5}, {"dim": 2}):
+        assert not _check_on_trace(q, k, cos, sin, **form), form
+    # tables that do not broadcast as (B or 1, 1, S, D) over heads only, or of another dtype
+    wider = random_tensor((3, 1, 6, 16), half)
+    for q_, k_, cos_ in ((q, k, cos[:, :, :1]),                  # one angle for every token
+                         (q[:, :2], k, random_tensor((2, 2, 6, 16), half)),  # per head
+                         (q, k, cos.float()),                     # fp32: an fp32 result
+                         (q[:1], k[:1], wider)):                  # a batch q does not have
+        assert not _check_on_trace(q_, k_, cos_, sin), tuple(cos_.shape)
+    assert not _check_on_trace(q, k.float(), cos, sin)        # q and k of two dtypes
+    assert not _check_on_trace(q, k, cos, sin, k_is_q=True)   # one tensor matched twice
