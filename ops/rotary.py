@@ -572,9 +572,11 @@ def _is_transformers_rotary(match) -> bool:
     q (B, Hq, S, D) and k (B, Hk, S, D) of one kernel dtype, D even; cos and sin of that dtype
     and shape (B or 1, 1, S, D) (broadcasting over heads only: the results have q's and k's
     shapes and dtype); and in each branch the slices split the last dim at exactly D/2, the
-    negated one is the second half and comes first in a cat over the last dim. The matcher
-    compares node targets and structure, not the dims and bounds: those are read from the
-    graph here (torch 2.11 hands the check the re-traced match, whose kwargs are tensors)."""
+    negated one is the second half and comes first in a cat over the last dim; q and k are two
+    tensors (the matcher can map both outputs onto one branch). The matcher compares node
+    targets and structure, not the dims and bounds (its re-trace compares them, but this check
+    does not rely on it): they are read from the graph here (torch 2.11 hands the check the
+    re-traced match, whose kwargs are the tensor inputs only)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     def equal(a, b) -> bool:
@@ -637,7 +639,24 @@ def _rotary_inputs(device, dtype, rows):
     return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _full_table_inputs(device, dtype, rows):
+    """(B, S, H, D) q and k with a per-token (B, S, D) table whose halves differ."""
+    q, k, _, _ = _rotary_inputs(device, dtype, rows)
+    angles = torch.randn(q.shape[0], q.shape[1], q.shape[-1], device=device) * 3
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _transformers_formula(q, k, cos, sin):
+    """What transformers computes on (B, H, S, D) views: x * cos + rotate_half(x) * sin."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_embed, k_embed = _transformers_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return torch.cat([q_embed.transpose(1, 2).flatten(), k_embed.transpose(1, 2).flatten()])
+
+
 SELF_CHECKS = (
+    SelfCheck("apply_rotary_full_table", _full_table_inputs,
+              run=lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply_rotary(q, k, cos, sin)]),
+              reference=_transformers_formula, torch_peer=_transformers_formula),
     SelfCheck("apply_rotary", _rotary_inputs,
               run=lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply_rotary(q, k, cos, sin)]),
               reference=lambda q, k, cos, sin: torch.cat(
