@@ -142,6 +142,11 @@ class GemslibPasses(_passes_base()):
             graph.eliminate_dead_code()
         replaced += _pattern_pass().apply(graph)
         if replaced:
+            # a replacement of several outputs goes before the first of them, which may come
+            # before the producers of the other outputs' inputs (rotary: k's projection follows
+            # q's rotary); sort before eliminate_dead_code lints the graph
+            from torch._inductor.pattern_matcher import stable_topological_sort
+            stable_topological_sort(graph)
             graph.eliminate_dead_code()
             log.debug("gemslib: %d sites replaced in one graph", replaced)
 

@@ -41,11 +41,12 @@ def _tiny_llama(dtype, layers=2, eps=1e-5):
 
 def _decoder_fusions(layers):
     """What the decoder layers of these families fuse: each layer's q/k/v and gate/up
-    projections (two merged_linear), silu_and_mul and attention (its causal mask proven); the attention's residual add with the
+    projections (two merged_linear), silu_and_mul, the rotary of q and k, and attention (its
+    causal mask proven); the attention's residual add with the
     MLP's norm in each layer, and the next layer's input norm (or the final norm) with the
     MLP's residual add; the first layer's input norm, with no add before it, alone."""
     return {"rms_norm": 1, "add_rms_norm": 2 * layers, "merged_linear": 2 * layers,
-            "silu_and_mul": layers, "attention": layers}
+            "silu_and_mul": layers, "attention": layers, "rotary": layers}
 
 
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
