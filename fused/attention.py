@@ -684,12 +684,12 @@ _FLIPPED = {_aten.le.Tensor: _aten.ge.Tensor, _aten.lt.Tensor: _aten.gt.Tensor,
 def _visible_band(mask):
     """(lo, hi) when ``mask`` lets query i see exactly the keys j with lo <= j - i <= hi (None:
     unbounded), as transformers' causal and sliding-window masks trace under torch.compile:
-    ``where(condition, 0, -inf)`` or the boolean condition itself, a conjunction of
+    ``where(condition, 0, -inf or the dtype's lowest)`` or the boolean condition itself, a conjunction of
     comparisons of key and query indices (``iota`` plus constants) broadcast over batch and
     heads. None for any other mask."""
     if mask.target is _aten.where.self:
         condition, visible, hidden = mask.args
-        if not (_is_full(visible, 0.0) and _is_full(hidden, float("-inf"))):
+        if not (_is_full(visible, 0.0) and _hides(hidden)):
             return None
         mask = condition
     if not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype != torch.bool:
@@ -757,7 +757,8 @@ def _evaluated_band(mask, seq_q, seq_kv):
         with unset_fake_temporarily(), torch.no_grad():
             value = _evaluated(mask, {})
             if value.dtype != torch.bool:
-                if not bool(((value == 0) | (value == float("-inf"))).all()):
+                hidden = (value == float("-inf")) | (value == torch.finfo(value.dtype).min)
+                if not bool(((value == 0) | hidden).all()):
                     return None
                 value = value == 0
             value = value.expand(*value.shape[:-2], seq_q, seq_kv).reshape(-1, seq_q, seq_kv)
@@ -769,6 +770,19 @@ def _evaluated_band(mask, seq_q, seq_kv):
     except (_NotConstant, RuntimeError):
         return None
     return None
+
+
+def _hides(node) -> bool:
+    """``node`` is the value a mask adds to hidden scores: -inf, or the dtype's lowest number
+    (torch turns boolean masks into that for 16-bit cuDNN attention). Causal and full masks
+    leave every row a visible key, so the lowest number gives hidden keys zero weight too,
+    unless a hidden score exceeds the row's visible maximum by about that number (fp16:
+    65504; not a score a model reaches)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is _aten.full.default):
+        return False
+    dtype = node.kwargs.get("dtype") or torch.float32
+    return list(node.args[0]) == [] and dtype.is_floating_point and \
+        node.args[1] in (float("-inf"), torch.finfo(dtype).min)
 
 
 def _is_full(node, value) -> bool:

@@ -715,9 +715,9 @@ class _MaskedAttention(torch.nn.Module):
     key j visible to query i when ``j <= i + shift`` (and ``j > i + shift - window``), or
     under ``compare`` instead of ``<=``."""
 
-    def __init__(self, shift=0, window=None, compare=torch.le):
+    def __init__(self, shift=0, window=None, compare=torch.le, hidden=None):
         super().__init__()
-        self.shift, self.window, self.compare = shift, window, compare
+        self.shift, self.window, self.compare, self.hidden = shift, window, compare, hidden
 
     def forward(self, q, k, v):
         keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
@@ -725,6 +725,8 @@ class _MaskedAttention(torch.nn.Module):
         visible = self.compare(keys, queries + self.shift)
         if self.window is not None:
             visible = visible & (keys > queries + self.shift - self.window)
+        if self.hidden is not None:  # an additive mask: 0 where visible
+            visible = torch.where(visible, 0.0, self.hidden).to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
 
 
@@ -753,6 +755,20 @@ def test_sdpa_masks_that_are_proven_causal_or_full_are_fused(seq_q, seq_kv, shif
     finite = expected.isfinite()  # a row that sees no key is NaN either way
     assert torch.equal(finite, got.isfinite())
     assert torch.allclose(got[finite], expected[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden, fused", [(float("-inf"), True), (-3.4028234663852886e38, True),
+                                           (-1e4, False)])
+def test_additive_causal_masks_hide_with_minus_inf_or_the_lowest_number(hidden, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _MaskedAttention(hidden=hidden)
+    q, k, v = (random_tensor((1, 2, 7, 16), torch.float32, scale=1.0) for _ in range(3))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5)
 
 
 def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():

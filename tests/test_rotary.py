@@ -369,16 +369,16 @@ def test_full_table_bad_input_names_the_argument():
     q, k, cos, sin = _full_table_inputs((2, 5, 4, 16), 2, 16, "B", torch.float32)
     with pytest.raises(ValueError, match=r"per-token cos/sin table for q \(2, 5, 4, 16\) must be "
                                          r"\(2 or 1, 5, rot_dim\), got \(3, 5, 16\)"):
-        gemslib.apply_rotary(q, k, torch.ones(3, 5, 16), torch.ones(3, 5, 16))
+        gemslib.apply_rotary(q, k, *(torch.ones(3, 5, 16, device=q.device),) * 2)
     with pytest.raises(ValueError, match=r"must be \(2 or 1, 5, rot_dim\), got \(2, 4, 16\)"):
         gemslib.apply_rotary(q, k, cos[:, :4], sin[:, :4])
     with pytest.raises(ValueError, match="rot_dim = cos.shape\\[2\\] must be even and at most "
                                          "the head dim 16, got 7"):
         gemslib.apply_rotary(q, k, cos[..., :7], sin[..., :7])
     with pytest.raises(ValueError, match="got 18"):
-        gemslib.apply_rotary(q, k, torch.ones(2, 5, 18), torch.ones(2, 5, 18))
+        gemslib.apply_rotary(q, k, *(torch.ones(2, 5, 18, device=q.device),) * 2)
     with pytest.raises(ValueError, match="so positions must be None"):
-        gemslib.apply_rotary(q, k, cos, sin, torch.zeros(2, 5, dtype=torch.long))
+        gemslib.apply_rotary(q, k, cos, sin, torch.zeros(2, 5, dtype=torch.long, device=q.device))
     with pytest.raises(ValueError, match=r"cos and sin must both be \(max_position, rot_dim // 2\) "
                                          r"or \(B or 1, S, rot_dim\), got \(2, 5, 16\) and \(5, 16\)"):
         gemslib.apply_rotary(q, k, cos, sin[0])
