@@ -757,7 +757,7 @@ def _evaluated_band(mask, seq_q, seq_kv):
         with unset_fake_temporarily(), torch.no_grad():
             value = _evaluated(mask, {})
             if value.dtype != torch.bool:
-                hidden = (value == float("-inf")) | (value == torch.finfo(value.dtype).min)
+                hidden = value <= _HIDDEN
                 if not bool(((value == 0) | hidden).all()):
                     return None
                 value = value == 0
@@ -772,17 +772,20 @@ def _evaluated_band(mask, seq_q, seq_kv):
     return None
 
 
+_HIDDEN = -65504.0  # torch's value for hidden keys in 16-bit cuDNN masks (bf16: -65536)
+
+
 def _hides(node) -> bool:
-    """``node`` is the value a mask adds to hidden scores: -inf, or the dtype's lowest number
-    (torch turns boolean masks into that for 16-bit cuDNN attention). Causal and full masks
-    leave every row a visible key, so the lowest number gives hidden keys zero weight too,
-    unless a hidden score exceeds the row's visible maximum by about that number (fp16:
-    65504; not a score a model reaches)."""
+    """``node`` is the value a mask adds to hidden scores: -inf, or a number at most -65504
+    (torch turns boolean masks into -65504 for 16-bit cuDNN attention, -65536 in bf16).
+    Causal and full masks leave every row a visible key, so such a number gives hidden keys
+    zero weight too, unless a hidden score exceeds the row's visible maximum by about 65400
+    (not a score a model reaches)."""
     if not (isinstance(node, torch.fx.Node) and node.target is _aten.full.default):
         return False
     dtype = node.kwargs.get("dtype") or torch.float32
     return list(node.args[0]) == [] and dtype.is_floating_point and \
-        node.args[1] in (float("-inf"), torch.finfo(dtype).min)
+        isinstance(node.args[1], float) and node.args[1] <= _HIDDEN
 
 
 def _is_full(node, value) -> bool:

@@ -758,7 +758,7 @@ def test_sdpa_masks_that_are_proven_causal_or_full_are_fused(seq_q, seq_kv, shif
 
 
 @pytest.mark.parametrize("hidden, fused", [(float("-inf"), True), (-3.4028234663852886e38, True),
-                                           (-1e4, False)])
+                                           (-65536.0, True), (-1e4, False)])
 def test_additive_causal_masks_hide_with_minus_inf_or_the_lowest_number(hidden, fused):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
