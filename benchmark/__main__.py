@@ -1,5 +1,9 @@
 """Run the benchmark suite: ``python -m benchmark [--quick] [--ops NAME ...] [--forward-only]``.
 
+``python -m benchmark --models [...]`` runs the real-model prefill benchmark instead
+(transformers models at real sizes, each way in its own process; ``benchmark/models.py``,
+``python -m benchmark --models --help`` lists its options).
+
 Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
 importable peer on the same inputs, forward and backward kernels, prints one table, writes
 ``<out>/results.json``, ``<out>/results.md`` (the README's tables, see ``benchmark.readme``)
@@ -40,11 +44,21 @@ def module_ops() -> dict[str, tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     from gemslib.__main__ import doc_summary
 
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if "--models" in arguments:  # the real-model benchmark has its own options
+        from benchmark import models
+
+        arguments.remove("--models")
+        return models.main(arguments)
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmark", description=doc_summary(__doc__),
         epilog="exit codes: 0 every case ran; 1 not done: no CUDA GPU here (nothing run), or "
                "gemslib failed on a case (reported); 2 bad arguments")
     parser.add_argument("--quick", action="store_true", help="only the headline shapes (minutes)")
+    parser.add_argument("--models", action="store_true",
+                        help="the real-model prefill benchmark instead (benchmark/models.py; "
+                             "--models --help lists its options)")
     direction = parser.add_mutually_exclusive_group()
     direction.add_argument("--forward-only", action="store_true",
                            help="skip the backward kernels (timed by default)")

@@ -19,6 +19,7 @@ On Hopper (sm_90), 16-bit inputs with head dim 128 take the warp-specialised Glu
 
 from __future__ import annotations
 
+import operator
 from functools import partial
 from typing import Optional
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import checks, layout, runtime
@@ -34,7 +36,8 @@ from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_tak
                                               attention_reference, default_scale)
 from gemslib.fused.decode_attention import _launch_decode
 from gemslib.layout import LN2, LOG2E
-from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
+from gemslib.graph import call_node
+from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _attention_hopper
@@ -616,6 +619,253 @@ ATEN_OVERRIDES = (
                    sdpa._aten_efficient_backward, sdpa._why_not_efficient_backward, "CUDA"),
 )
 
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite (torch.compile(backend="gemslib")): SDPA -> attention
+# --------------------------------------------------------------------------------------------
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+# the SDPA backend operators a post-grad graph holds, and where their mask argument is
+_SDPA_MASK_ARG = {
+    _aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    _aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    _aten._scaled_dot_product_flash_attention.default: None,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+}
+_VIEWS = (_aten.unsqueeze.default, _aten.expand.default)
+
+
+def _arguments(node: torch.fx.Node) -> dict:
+    """``node``'s arguments by schema name, defaults included."""
+    schema = node.target._schema
+    bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+    bound.update(zip((arg.name for arg in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def _index(node):
+    """(axis, offset) when ``node`` is ``iota(n)`` plus or minus integers, only unsqueezed and
+    expanded, so that its value at position p of ``axis`` (counted from the end) is
+    ``p + offset`` and it has size 1 on every other axis (axis None: n is 1); else None."""
+    shape, offset = node.meta["val"].shape, 0
+    while True:
+        if node.target in _VIEWS:
+            node = node.args[0]
+        elif node.target in _SHIFTS and isinstance(node.args[1], int):
+            offset += node.args[1] * _SHIFTS[node.target]
+            node = node.args[0]
+        else:
+            break
+    if node.target is not _prims.iota.default or node.kwargs.get("step") != 1 or \
+            not isinstance(node.kwargs.get("start"), int):
+        return None
+    sized = [axis for axis in range(-len(shape), 0) if not _same(shape[axis], 1)]
+    if not sized and _same(node.args[0], 1):  # one index (one query row): any axis
+        return None, node.kwargs["start"] + offset
+    if len(sized) != 1 or not _same(shape[sized[0]], node.args[0]):
+        return None
+    return sized[0], node.kwargs["start"] + offset
+
+
+def _same(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+_SHIFTS = {_aten.add.Tensor: 1, _aten.add.Scalar: 1, _aten.sub.Tensor: -1, _aten.sub.Scalar: -1}
+# a comparison of key index j + a against query index i + b bounds d = j - i by b - a plus
+# these (lower, upper) shifts: j + a <= i + b  <=>  d <= b - a
+_COMPARISONS = {_aten.le.Tensor: (None, 0), _aten.lt.Tensor: (None, -1),
+                _aten.ge.Tensor: (0, None), _aten.gt.Tensor: (1, None)}
+_FLIPPED = {_aten.le.Tensor: _aten.ge.Tensor, _aten.lt.Tensor: _aten.gt.Tensor,
+            _aten.ge.Tensor: _aten.le.Tensor, _aten.gt.Tensor: _aten.lt.Tensor}
+
+
+def _visible_band(mask):
+    """(lo, hi) when ``mask`` lets query i see exactly the keys j with lo <= j - i <= hi (None:
+    unbounded), as transformers' causal and sliding-window masks trace under torch.compile:
+    ``where(condition, 0, -inf or the dtype's lowest)`` or the boolean condition itself, a conjunction of
+    comparisons of key and query indices (``iota`` plus constants) broadcast over batch and
+    heads. None for any other mask."""
+    if mask.target is _aten.where.self:
+        condition, visible, hidden = mask.args
+        if not (_is_full(visible, 0.0) and _hides(hidden)):
+            return None
+        mask = condition
+    if not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype != torch.bool:
+        return None
+    if mask.target is _aten.expand.default:
+        mask = mask.args[0]
+    if _is_full(mask, True):
+        return None, None
+    if mask.target is _aten.bitwise_and.Tensor:
+        bands = [_visible_band(term) if isinstance(term, torch.fx.Node) else None
+                 for term in mask.args]
+        if None in bands:
+            return None
+        (lo_a, hi_a), (lo_b, hi_b) = bands
+        return (max((b for b in (lo_a, lo_b) if b is not None), default=None),
+                min((b for b in (hi_a, hi_b) if b is not None), default=None))
+    comparison = mask.target
+    if comparison not in _COMPARISONS:
+        return None
+    left, right = (_index(a) if isinstance(a, torch.fx.Node) else None for a in mask.args)
+    if left is None or right is None:
+        return None
+    if left[0] is None and right[0] is not None:  # one index: the other operand's partner
+        left = (-1 if right[0] == -2 else -2), left[1]
+    if right[0] is None and left[0] is not None:
+        right = (-1 if left[0] == -2 else -2), right[1]
+    if (left[0], right[0]) == (-2, -1):  # query ? key: the flipped comparison of key ? query
+        left, right, comparison = right, left, _FLIPPED[comparison]
+    if (left[0], right[0]) != (-1, -2):
+        return None
+    shift = right[1] - left[1]
+    lo, hi = _COMPARISONS[comparison]
+    return (None if lo is None else shift + lo), (None if hi is None else shift + hi)
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _evaluated(node, values: dict):
+    """The value of ``node`` when it depends on no graph input (the mask transformers builds
+    from positions it computes itself, under static shapes), computed now; else raises."""
+    if node in values:
+        return values[node]
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
+            torch.Tag.nondeterministic_seeded in node.target.tags:
+        raise _NotConstant(node)
+    args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: _evaluated(a, values))
+    if any(isinstance(a, torch.SymInt) for a in torch.utils._pytree.tree_leaves((args, kwargs))):
+        raise _NotConstant(node)
+    values[node] = node.target(*args, **kwargs)
+    return values[node]
+
+
+def _evaluated_band(mask, seq_q, seq_kv):
+    """(lo, hi) as :func:`_visible_band` gives them, for a mask computed from no graph input
+    that is exactly causal (0, None) or full (None, None) for every batch and head; else
+    None. Decides masks whose arithmetic the band does not read (transformers' packed-sequence
+    test of a single sequence's positions)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not (isinstance(seq_q, int) and isinstance(seq_kv, int)) or seq_q * seq_kv > 1 << 26:
+        return None
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            value = _evaluated(mask, {})
+            if value.dtype != torch.bool:
+                hidden = value <= _HIDDEN
+                if not bool(((value == 0) | hidden).all()):
+                    return None
+                value = value == 0
+            value = value.expand(*value.shape[:-2], seq_q, seq_kv).reshape(-1, seq_q, seq_kv)
+            causal = torch.ones(seq_q, seq_kv, dtype=torch.bool, device=value.device).tril()
+            if bool((value == causal).all()):
+                return None, 0
+            if bool(value.all()):
+                return None, None
+    except (_NotConstant, RuntimeError):
+        return None
+    return None
+
+
+_HIDDEN = -65504.0  # torch's value for hidden keys in 16-bit cuDNN masks (bf16: -65536)
+
+
+def _hides(node) -> bool:
+    """``node`` is the value a mask adds to hidden scores: -inf, or a number at most -65504
+    (torch turns boolean masks into -65504 for 16-bit cuDNN attention, -65536 in bf16).
+    Causal and full masks leave every row a visible key, so such a number gives hidden keys
+    zero weight too, unless a hidden score exceeds the row's visible maximum by about 65400
+    (not a score a model reaches)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is _aten.full.default):
+        return False
+    dtype = node.kwargs.get("dtype") or torch.float32
+    return list(node.args[0]) == [] and dtype.is_floating_point and \
+        isinstance(node.args[1], float) and node.args[1] <= _HIDDEN
+
+
+def _is_full(node, value) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is _aten.full.default and \
+        list(node.args[0]) == [] and node.args[1] == value
+
+
+def _unrepeated(kv: torch.fx.Node, n_q_heads):
+    """K or V before transformers' repeat_kv (``expand`` of a new dim 2, ``clone``,
+    ``reshape`` to (B, Hq, S, D)), which gemslib's attention does not need; else ``kv``."""
+    node = kv
+    if node.target is _aten.reshape.default:
+        node = node.args[0]
+        if node.target is _aten.clone.default:
+            node = node.args[0]
+    if node.target is _aten.expand.default and node.args[0].target is _aten.unsqueeze.default \
+            and node.args[0].args[1] == 2:
+        source = node.args[0].args[0]
+        source_shape, repeated = source.meta["val"].shape, node.meta["val"].shape
+        if len(source_shape) == 4 and len(repeated) == 5 and all(
+                _same(a, b) for a, b in zip(source_shape[:2], repeated[:2])) and all(
+                _same(a, b) for a, b in zip(source_shape[2:], repeated[3:])) and _same(
+                repeated[1] * repeated[2], n_q_heads):
+            return source
+    return kv
+
+
+def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
+    """SDPA whose mask is none, causal (``is_causal``, or transformers' causal mask proven from
+    its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
+    the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
+    mask, or a use of the log-sum-exp leaves the site to inductor."""
+    sites = []
+    for target, mask_arg in _SDPA_MASK_ARG.items():
+        for node in graph.find_nodes(op="call_function", target=target):
+            args = _arguments(node)
+            q, k, v = args["query"], args["key"], args["value"]
+            mask = args.get(mask_arg) if mask_arg else None
+            if args.get("dropout_p", 0.0) != 0.0 or any(
+                    user.target is not operator.getitem or user.args[1] != 0
+                    for user in node.users):
+                continue
+            q_val, k_val = q.meta["val"], k.meta["val"]
+            if q_val.dim() != 4 or q_val.dtype not in runtime.KERNEL_DTYPES:
+                continue
+            seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
+            if mask is None:
+                causal = bool(args.get("is_causal"))
+            else:
+                band = None if args.get("is_causal") else (
+                    _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv))
+                if band is None:
+                    continue
+                lo, hi = band
+                if lo is not None and not statically_known_true(lo <= 1 - seq_q):
+                    continue  # a window that hides keys: not what the kernel computes
+                if hi == 0:
+                    causal = True
+                elif hi is None or statically_known_true(hi >= seq_kv - 1):
+                    causal = False  # every key visible
+                else:
+                    continue
+            scale = args.get("scale")
+            scale = default_scale(q_val.shape[-1]) if scale is None else scale
+            if not isinstance(scale, float):
+                continue
+            k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
+            with graph.inserting_before(node):
+                fused = call_node(graph, torch.ops.gemslib.attention.default, q, k, v, causal,
+                                  scale)
+                out = call_node(graph, operator.getitem, fused, 0)
+            for user in list(node.users):
+                user.replace_all_uses_with(out)
+                graph.erase_node(user)
+            graph.erase_node(node)
+            sites.append(f"{node.name} ({'causal' if causal else 'full'}, {seq_q} x {seq_kv})")
+    return sites
+
+
+GRAPH_REWRITES = (GraphRewrite("attention", _fuse_sdpa),)
 
 # --------------------------------------------------------------------------------------------
 # Self-checks for `python -m gemslib`

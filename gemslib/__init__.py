@@ -38,6 +38,7 @@ def _map_source_checkout() -> None:
 _map_source_checkout()
 
 from gemslib.registry import disable, enable, is_enabled, registered_ops
+from gemslib.graph import fusion_report, reset_fusion_report
 from gemslib.runtime import TuneConfigError
 from gemslib.fused.attention import attention
 from gemslib.fused.decode_attention import decode_attention
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
+    "fusion_report", "reset_fusion_report",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
     "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
 ]

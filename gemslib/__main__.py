@@ -1,7 +1,8 @@
 """``python -m gemslib``: print the environment, check every operator, time it on a GPU.
 
-``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways (gemslib/demo.py;
-``python -m gemslib demo --help`` lists its options).
+``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways, then (with
+transformers installed) transformers' LlamaForCausalLM eager and compiled with the gemslib
+backend (gemslib/demo.py; ``python -m gemslib demo --help`` lists its options).
 
 Checks each operator's self-checks (declared in its file as ``SELF_CHECKS``) against a float64
 reference on fresh random inputs, in every dtype the check lists, and exits 1 on any mismatch.
@@ -136,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="python -m gemslib [-h] [--rows N] [--time-rows N] [--no-time]\n"
               "       python -m gemslib demo [-h] [demo options]",
         epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run four ways, checked "
-               "against each other\n        (python -m gemslib demo --help lists its options)\n\n"
+               "against each other,\n        and a transformers Llama through "
+               "backend=\"gemslib\"\n        (python -m gemslib demo --help lists its options)\n\n"
                "exit codes: 0 every check passed, 1 a check failed, 2 bad arguments",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=positive_int, default=61, metavar="N",

@@ -22,6 +22,15 @@ Prefill: B sequences of S tokens through the layers. Decode: one new token per s
 against a KV cache of ``kv_len`` tokens per layer; the gemslib decode step is also captured in
 a CUDA graph (positions live in a device tensor, so one graph serves every step). Outputs are
 checked against the eager layer in float64 (CPU) or float32 (GPU) on the same weights.
+
+When transformers is installed, a real model follows (``--part``: ``layers``, ``transformers``
+or ``all``, the default): transformers' ``LlamaForCausalLM`` at the same sizes (its random
+initialisation, seeded; vocabulary 128256, or 512 for the tiny shape), prefill of the same
+B x S computing the last position's logits, eager and ``torch.compile(model,
+backend="gemslib", fullgraph=True)``, each checked against the same model in float32 (GPU) or
+float64 (CPU). It prints the first call's time (the compile), the time per call and
+``gemslib.fusion_report()``: which fusions the graph passes made in the model's own code. Without
+transformers only the layers run (the part needs nothing beyond torch).
 """
 
 from __future__ import annotations
@@ -353,6 +362,97 @@ def _graphed_decode(x, layers, shape, cos, sin, positions, caches, seqlens) -> C
     return replay
 
 
+# ---- a transformers model (when transformers is installed) ----
+
+def have_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def transformers_llama(shape: LlamaShape, n_layers: int, vocab: int, device: torch.device,
+                       seed: int = 0):
+    """transformers' LlamaForCausalLM at ``shape``'s sizes, in float32 on ``device``, with
+    transformers' random initialisation from ``seed`` (sdpa attention, untied embeddings)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=n_layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, rms_norm_eps=shape.eps,
+        rope_theta=shape.rope_theta, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).eval()
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` with its parameters in ``dtype`` and its buffers (the rotary inv_freq) left
+    as they are, as ``from_pretrained(dtype=...)`` leaves them."""
+    buffers = dict(model.named_buffers())
+    model.to(dtype)
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, buffer)
+    return model
+
+
+def run_transformers(shape: LlamaShape, n_layers: int, prefill: tuple[int, int],
+                     device: torch.device, dtype: torch.dtype, time_it: bool,
+                     out=print) -> int:
+    """A transformers Llama, eager and compiled with the gemslib backend, checked against the
+    model in float32 (GPU) or float64 (CPU). Returns the number of disagreements."""
+    import copy
+
+    import gemslib
+
+    check_dtype = torch.float64 if device.type == "cpu" else torch.float32
+    tolerance = 2e-5 if dtype == torch.float32 else 3e-2
+    vocab = 128256 if shape.hidden >= 1024 else 512
+    built = transformers_llama(shape, n_layers, vocab, device)
+    reference_model = copy.deepcopy(built).to(check_dtype)
+    model = cast_parameters(built, dtype)
+    batch, seq = prefill
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+    problem = f"B{batch} S{seq}"
+    out(f"transformers LlamaForCausalLM, {n_layers} layer(s) of the same sizes, vocabulary "
+        f"{vocab}; {dtype} on {device}; error: last-position logits relative to the model in "
+        f"{check_dtype} (tolerance {tolerance:g})")
+    with torch.no_grad():
+        reference = reference_model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+    del reference_model
+
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+    ways = [("eager", model), ('compile(backend="gemslib", fullgraph)', compiled)]
+    failures, base_ms = 0, None
+    for name, runner in ways:
+        def forward(runner=runner):
+            return runner(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+        with torch.no_grad():
+            started = time.perf_counter()
+            logits = forward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - started
+            ms = _time_ms(forward, device) if time_it else None
+        error = _relative_error(logits, reference)
+        ok = bool(torch.isfinite(logits).all()) and error <= tolerance
+        failures += not ok
+        base_ms = base_ms or ms
+        timing = "" if ms is None else f"{ms:>10.3f} ms" + (
+            f"  {base_ms / ms:>5.2f}x eager" if base_ms else "")
+        out(f"  {'model':<8}{name + f' ({problem})':<48}{error:>10.1e}  "
+            f"{'ok' if ok else 'MISMATCH':<9}{timing}")
+        if runner is compiled:
+            fusions = ", ".join(f"{fusion} {sites}" for fusion, sites
+                                in sorted(gemslib.fusion_report().items()))
+            out(f"{'':10}first call (compile) {first_s:.1f} s; fusions: {fusions or 'none'}")
+    return failures
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gemslib.__main__ import doc_summary, positive_int, size_pair
 
@@ -368,12 +468,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=size_pair("BxKV"), default=None, metavar="BxKV",
                         help="B sequences with KV tokens cached (default 16x4096 GPU, 2x20 CPU)")
     parser.add_argument("--no-time", action="store_true", help="check only")
+    parser.add_argument("--part", choices=["all", "layers", "transformers"], default="all",
+                        help="the hand-written layers, transformers' LlamaForCausalLM compiled "
+                             "with the gemslib backend, or both (default: all; the transformers "
+                             "part is left out when transformers is not installed)")
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The demo's arguments; bad ones exit 2 with argparse's message naming the argument."""
-    return build_parser().parse_args(argv)
+    """The demo's arguments; bad ones exit 2 with argparse's message naming the argument
+    (``--part transformers`` without transformers installed is one)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.part == "transformers" and not have_transformers():
+        parser.error("--part transformers needs transformers (pip install transformers)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,12 +493,22 @@ def main(argv: list[str] | None = None) -> int:
     shape = {"llama3-8b": LLAMA3_8B, "tiny": TINY}[args.shape or ("llama3-8b" if gpu else "tiny")]
 
     started = time.perf_counter()
-    failures = run(shape, args.layers or (4 if gpu else 2),
-                   args.prefill or ((1, 4096) if gpu else (1, 24)),
-                   args.decode or ((16, 4096) if gpu else (2, 20)),
-                   torch.device(runtime.device_type()), torch.bfloat16 if gpu else torch.float32,
-                   time_it=gpu and not args.no_time,
-                   compile_backend="inductor" if gpu else "aot_eager")
+    n_layers = args.layers or (4 if gpu else 2)
+    prefill = args.prefill or ((1, 4096) if gpu else (1, 24))
+    device = torch.device(runtime.device_type())
+    dtype = torch.bfloat16 if gpu else torch.float32
+    failures = 0
+    if args.part in ("all", "layers"):
+        failures += run(shape, n_layers, prefill, args.decode or ((16, 4096) if gpu else (2, 20)),
+                        device, dtype, time_it=gpu and not args.no_time,
+                        compile_backend="inductor" if gpu else "aot_eager")
+    if args.part in ("all", "transformers"):
+        if have_transformers():
+            failures += run_transformers(shape, n_layers, prefill, device, dtype,
+                                         time_it=gpu and not args.no_time)
+        else:
+            print("transformers is not installed: the real-model part is left out "
+                  "(pip install transformers)")
     elapsed = time.perf_counter() - started
     print(f"{'all ways agree' if not failures else f'{failures} MISMATCH(ES)'} ({elapsed:.1f} s)")
     return 1 if failures else 0

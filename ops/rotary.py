@@ -1,19 +1,32 @@
 """Rotary position embedding for q and k in one launch, forward and backward.
 
-For each token at position p and each head, the first ``rot_dim`` features are rotated in
-``rot_dim / 2`` planes by the angles whose cosines and sines are ``cos[p]`` and ``sin[p]``
-(each (rot_dim / 2,)); features past ``rot_dim`` pass through (partial rotary):
+For each token and each head, the first ``rot_dim`` features are rotated in ``rot_dim / 2``
+planes; features past ``rot_dim`` pass through (partial rotary). The angles come from one of
+two tables:
 
-    out_a = x_a * cos - x_b * sin
-    out_b = x_b * cos + x_a * sin
+* a half table (max_position, rot_dim / 2), looked up at each token's position p (one angle
+  per pair, the vLLM / FlashInfer layout):
 
-with (x_a, x_b) = (x[i], x[i + rot_dim/2]) in the NeoX/Llama layout (``interleaved=False``)
-and (x[2i], x[2i + 1]) in the GPT-J layout (``interleaved=True``). The backward is the inverse
-rotation (sin -> -sin) of the incoming gradients.
+      out_a = x_a * cos[p] - x_b * sin[p]
+      out_b = x_b * cos[p] + x_a * sin[p]
+
+* a full per-token table (B or 1, S, rot_dim), as transformers' models compute it (the
+  halves of a NeoX row are usually, but not necessarily, equal), read at both features:
+
+      out_a = x_a * cos[b, s, a] - x_b * sin[b, s, a]
+      out_b = x_b * cos[b, s, b] + x_a * sin[b, s, b]
+
+  which is exactly transformers' ``x * cos + rotate_half(x) * sin`` for any table.
+
+(x_a, x_b) = (x[i], x[i + rot_dim/2]) in the NeoX/Llama layout (``interleaved=False``) and
+(x[2i], x[2i + 1]) in the GPT-J layout (``interleaved=True``). The backward is the transposed
+rotation of the incoming gradients (per pair [[cos_a, -sin_a], [sin_b, cos_b]]^T: sin_a and
+sin_b swap and change sign; with a half table, the inverse rotation sin -> -sin).
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
 stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, self-checks, tuning.
+kernel, launcher, reference, public function and custom ops, graph patterns
+(torch.compile(backend="gemslib")), self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import GraphPattern, SelfCheck, TuneBucket, TuneSpace
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,16 +73,17 @@ def _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
 
 @triton.jit
 def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
-                 b_cos, b_sin, n_pairs, head_dim,
+                 b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
                  INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr):
-    """Store the rotated (x_a, x_b) of BLOCK_H heads; with COPY_REST the features past rot_dim
-    are copied from x (out of place with partial rotary)."""
+    """Store the rotated (x_a, x_b) of BLOCK_H heads, out_a = x_a * cos_a - x_b * sin_a and
+    out_b = x_b * cos_b + x_a * sin_b (cos_a = cos_b, sin_a = sin_b with a half table); with
+    COPY_REST the features past rot_dim are copied from x (out of place with partial rotary)."""
     p_a, p_b, m_x = _head_block(out_ptr, stride_out_h, head_start, n_heads, n_pairs,
                                 INTERLEAVED, BLOCK_H, BLOCK_R)
     dtype = out_ptr.dtype.element_ty
-    tl.store(p_a, (b_xa * b_cos - b_xb * b_sin).to(dtype), mask=m_x)
-    tl.store(p_b, (b_xb * b_cos + b_xa * b_sin).to(dtype), mask=m_x)
+    tl.store(p_a, (b_xa * b_cos_a - b_xb * b_sin_a).to(dtype), mask=m_x)
+    tl.store(p_b, (b_xb * b_cos_b + b_xa * b_sin_b).to(dtype), mask=m_x)
     if COPY_REST:
         o_h = head_start + tl.arange(0, BLOCK_H)[:, None]
         o_rest = 2 * n_pairs + tl.arange(0, BLOCK_REST)[None, :]
@@ -80,16 +94,17 @@ def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_cos, b_sin,
-    n_pairs, head_dim,
+    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads,
+    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
     """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
     b_xa, b_xb = _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs, INTERLEAVED,
                              BLOCK_H, BLOCK_R)
-    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb, b_cos,
-                 b_sin, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
+                 b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST,
+                 BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
 @triton.heuristics({"BLOCK_HK": lambda args: min(args["BLOCK_H"],
@@ -102,8 +117,9 @@ def _rotary_kernel(
     stride_k_b, stride_k_s, stride_k_h,
     stride_q_out_b, stride_q_out_s, stride_q_out_h,
     stride_k_out_b, stride_k_out_s, stride_k_out_h,
-    stride_cos_pos, stride_sin_pos, stride_positions_b, stride_positions_s, n_positions,
-    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+    stride_positions_b, stride_positions_s, n_positions,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
@@ -111,31 +127,52 @@ def _rotary_kernel(
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
     loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
     k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
-    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head."""
+    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head.
+
+    The angles: with FULL_TABLE, row (i_b, i_s) of a (B | 1, S, rot_dim) table (stride_cos_b
+    0 for a batch of 1), read at both features of each pair (cos_a, cos_b, sin_a, sin_b);
+    otherwise row positions[i_b, i_s] (or i_s) of a (max_position, rot_dim / 2) table, one
+    angle per pair (cos_a = cos_b, sin_a = sin_b). INVERSE applies the transposed rotation
+    (the backward): per pair [[cos_a, -sin_a], [sin_b, cos_b]] becomes
+    [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a)."""
     i_t = tl.program_id(0)
     i_b = (i_t // seq_len).to(tl.int64)
     i_s = (i_t % seq_len).to(tl.int64)
     o_r = tl.arange(0, BLOCK_R)[None, :]
-    if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
-        b_pos = tl.load(positions_ptr + i_b * stride_positions_b
-                        + i_s * stride_positions_s).to(tl.int64)
-        # a position outside the table: a device-side assert (compiled in, see ROTARY), and
-        # never a read outside cos/sin (NaN angles where asserts are off)
-        m_pos = (b_pos >= 0) & (b_pos < n_positions)
-        tl.device_assert(m_pos, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
-        b_pos = tl.where(m_pos, b_pos, 0)
-        m_r = (o_r < n_pairs) & m_pos
-        b_cos = tl.load(cos_ptr + b_pos * stride_cos_pos + o_r, mask=m_r).to(tl.float32)
-        b_sin = tl.load(sin_ptr + b_pos * stride_sin_pos + o_r, mask=m_r).to(tl.float32)
-        b_cos = tl.where(o_r < n_pairs, tl.where(m_pos, b_cos, float("nan")), 1.0)
-        b_sin = tl.where(o_r < n_pairs, tl.where(m_pos, b_sin, float("nan")), 0.0)
+    m_r = o_r < n_pairs
+    if FULL_TABLE:
+        if INTERLEAVED:
+            o_a, o_b = 2 * o_r, 2 * o_r + 1
+        else:
+            o_a, o_b = o_r, o_r + n_pairs
+        p_cos = cos_ptr + i_b * stride_cos_b + i_s * stride_cos_s
+        p_sin = sin_ptr + i_b * stride_sin_b + i_s * stride_sin_s
+        b_cos_a = tl.load(p_cos + o_a, mask=m_r, other=1.0).to(tl.float32)
+        b_cos_b = tl.load(p_cos + o_b, mask=m_r, other=1.0).to(tl.float32)
+        b_sin_a = tl.load(p_sin + o_a, mask=m_r, other=0.0).to(tl.float32)
+        b_sin_b = tl.load(p_sin + o_b, mask=m_r, other=0.0).to(tl.float32)
     else:
-        b_cos = tl.load(cos_ptr + i_s * stride_cos_pos + o_r, mask=o_r < n_pairs, other=1.0)
-        b_sin = tl.load(sin_ptr + i_s * stride_sin_pos + o_r, mask=o_r < n_pairs, other=0.0)
-        b_cos = b_cos.to(tl.float32)
-        b_sin = b_sin.to(tl.float32)
+        if positions_ptr is not None:  # else token i_s of each sequence is at position i_s
+            b_pos = tl.load(positions_ptr + i_b * stride_positions_b
+                            + i_s * stride_positions_s).to(tl.int64)
+            # a position outside the table: a device-side assert (compiled in, see ROTARY),
+            # and never a read outside cos/sin (NaN angles where asserts are off)
+            m_pos = (b_pos >= 0) & (b_pos < n_positions)
+            tl.device_assert(m_pos, "gemslib.apply_rotary: positions must be in [0, cos.shape[0])")
+            b_pos = tl.where(m_pos, b_pos, 0)
+            m_rp = m_r & m_pos
+            b_cos = tl.load(cos_ptr + b_pos * stride_cos_s + o_r, mask=m_rp).to(tl.float32)
+            b_sin = tl.load(sin_ptr + b_pos * stride_sin_s + o_r, mask=m_rp).to(tl.float32)
+            b_cos = tl.where(m_r, tl.where(m_pos, b_cos, float("nan")), 1.0)
+            b_sin = tl.where(m_r, tl.where(m_pos, b_sin, float("nan")), 0.0)
+        else:
+            b_cos = tl.load(cos_ptr + i_s * stride_cos_s + o_r, mask=m_r, other=1.0)
+            b_sin = tl.load(sin_ptr + i_s * stride_sin_s + o_r, mask=m_r, other=0.0)
+            b_cos = b_cos.to(tl.float32)
+            b_sin = b_sin.to(tl.float32)
+        b_cos_a, b_cos_b, b_sin_a, b_sin_b = b_cos, b_cos, b_sin, b_sin
     if INVERSE:
-        b_sin = -b_sin
+        b_sin_a, b_sin_b = -b_sin_b, -b_sin_a
     p_q = q_ptr + i_b * stride_q_b + i_s * stride_q_s
     p_q_out = q_out_ptr + i_b * stride_q_out_b + i_s * stride_q_out_s
     p_k = k_ptr + i_b * stride_k_b + i_s * stride_k_s
@@ -149,21 +186,24 @@ def _rotary_kernel(
             b_ka, b_kb = _load_heads(p_k, stride_k_h, i_h * BLOCK_HK, n_k_heads, n_pairs,
                                      INTERLEAVED, BLOCK_HK, BLOCK_R)
             _store_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
-                         i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos, b_sin, n_pairs, head_dim,
+                         i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
+                         n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
             _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos, b_sin, n_pairs, head_dim,
+                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
+                         n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_HK, BLOCK_R, BLOCK_REST)
     else:
         i_h = tl.program_id(1)
         if i_h < n_q_blocks:
             _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
-                          i_h * BLOCK_H, n_q_heads, b_cos, b_sin, n_pairs, head_dim, INTERLEAVED,
-                          COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          i_h * BLOCK_H, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs,
+                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
             _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos, b_sin, n_pairs,
-                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos_a, b_sin_a, b_cos_b,
+                          b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R,
+                          BLOCK_REST)
 
 
 ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
@@ -183,7 +223,8 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     batch, seq_len, n_q_heads, head_dim = q4.shape
     n_k_heads = k4.shape[2]
-    half = cos.shape[1]
+    full_table = cos.dim() == 3  # (B | 1, S, rot_dim), else (max_position, rot_dim / 2)
+    half = cos.shape[2] // 2 if full_table else cos.shape[1]
     n_tokens = batch * seq_len
     if n_tokens == 0 or (n_q_heads + n_k_heads) == 0 or head_dim == 0:
         return
@@ -196,6 +237,11 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_r = runtime.next_power_of_2(half)
     block_rest = runtime.next_power_of_2(head_dim - 2 * half)
     strides = [*q4.stride()[:3], *k4.stride()[:3], *q_out4.stride()[:3], *k_out4.stride()[:3]]
+    if full_table:  # a batch of 1 serves every sequence
+        table_strides = [t.stride(0) if t.shape[0] > 1 else 0 for t in (cos, sin)]
+        table_strides = [table_strides[0], cos.stride(1), table_strides[1], sin.stride(1)]
+    else:
+        table_strides = [0, cos.stride(0), 0, sin.stride(0)]
 
     def grid(meta):
         if meta["LOOP_HEADS"]:
@@ -208,8 +254,8 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
         q4, k4, q_out4, k_out4, cos, sin, positions,
         seq_len, n_q_heads, n_k_heads, half, head_dim,
         *strides,
-        cos.stride(0), sin.stride(0), *position_strides, cos.shape[0],
-        interleaved, inverse, copy_rest, block_r, block_rest,
+        *table_strides, *position_strides, cos.shape[0],
+        interleaved, inverse, full_table, copy_rest, block_r, block_rest,
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
 
@@ -219,24 +265,41 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
 # --------------------------------------------------------------------------------------------
 
 
-def _angles(x, cos, sin, positions):
-    """cos/sin gathered per token, shaped to broadcast over heads: (..., 1, half)."""
+def _pair_halves(t, interleaved):
+    """The (first, second) features of each rotation pair along the last dim of ``t``."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
+def _angles(x, cos, sin, positions, interleaved):
+    """(cos_a, sin_a, cos_b, sin_b) per token, shaped to broadcast over heads: (..., 1, half)."""
+    if cos.dim() == 3:  # per-token full table (B | 1, S, rot_dim); (1, T, rot_dim) for (T, H, D)
+        if x.dim() == 3:
+            cos, sin = cos[0], sin[0]
+        cos_a, cos_b = _pair_halves(cos.unsqueeze(-2), interleaved)
+        sin_a, sin_b = _pair_halves(sin.unsqueeze(-2), interleaved)
+        return cos_a, sin_a, cos_b, sin_b
     seq_len = x.shape[-3]
     if positions is None:
         positions = torch.arange(seq_len, device=x.device)
-    return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+    cos_t, sin_t = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
+    return cos_t, sin_t, cos_t, sin_t
 
 
-def rotary_reference(q, k, cos, sin, positions=None, interleaved=False):
+def rotary_reference(q, k, cos, sin, positions=None, interleaved=False, inverse=False):
+    """out_a = x_a * cos_a - x_b * sin_a, out_b = x_b * cos_b + x_a * sin_b for q and k; with
+    ``inverse`` the transposed rotation, out_a = x_a * cos_a + x_b * sin_b and
+    out_b = x_b * cos_b - x_a * sin_a (the backward; the inverse rotation for a half table)."""
     def rotate(x):
-        cos_t, sin_t = _angles(x, cos, sin, positions)
-        half = cos.shape[1]
-        rotated, rest = x[..., : 2 * half], x[..., 2 * half:]
-        if interleaved:
-            x_a, x_b = rotated[..., 0::2], rotated[..., 1::2]
-        else:
-            x_a, x_b = rotated[..., :half], rotated[..., half:]
-        out_a, out_b = x_a * cos_t - x_b * sin_t, x_b * cos_t + x_a * sin_t
+        cos_a, sin_a, cos_b, sin_b = _angles(x, cos, sin, positions, interleaved)
+        if inverse:
+            sin_a, sin_b = -sin_b, -sin_a
+        rot_dim = 2 * cos_a.shape[-1]
+        rotated, rest = x[..., :rot_dim], x[..., rot_dim:]
+        x_a, x_b = _pair_halves(rotated, interleaved)
+        out_a, out_b = x_a * cos_a - x_b * sin_a, x_b * cos_b + x_a * sin_b
         if interleaved:
             out = torch.stack([out_a, out_b], dim=-1).flatten(-2)
         else:
@@ -262,14 +325,17 @@ def _check(q, k, cos, sin, positions) -> None:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on the "
                          "token dims and the head dim")
     checks.like(name, "k", k, q, "q")
-    if cos.dim() != 2 or cos.shape != sin.shape:
-        raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2), got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3) or cos.shape != sin.shape:
+        raise ValueError(f"{name}: cos and sin must both be (max_position, rot_dim // 2) or "
+                         f"(B or 1, S, rot_dim), got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"{name}: cos and sin must be on {q.device}, got {cos.device} and {sin.device}")
+    if cos.dim() == 3:
+        _check_full_table(name, q, cos, positions)
+        return
     if 2 * cos.shape[1] > q.shape[-1]:
         raise ValueError(f"{name}: rot_dim = 2 * cos.shape[1] = {2 * cos.shape[1]} exceeds the head "
                          f"dim {q.shape[-1]}")
-    if cos.device != q.device or sin.device != q.device:
-        raise ValueError(f"{name}: cos and sin must be on {q.device}, got {cos.device} and {sin.device}")
     if positions is not None:
         if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or \
                 positions.dtype == torch.bool:
@@ -284,6 +350,22 @@ def _check(q, k, cos, sin, positions) -> None:
     elif q.shape[-3] > cos.shape[0]:
         raise ValueError(f"{name}: {q.shape[-3]} positions need cos/sin with at least that many "
                          f"rows, got {cos.shape[0]}")
+
+
+def _check_full_table(name, q, cos, positions) -> None:
+    """A per-token table (B or 1, S, rot_dim) for q (B, S, H, D), (1, T, rot_dim) for (T, H, D)."""
+    batch, seq_len = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    if positions is not None:
+        raise ValueError(f"{name}: positions index a (max_position, rot_dim // 2) table; cos and "
+                         f"sin of shape {tuple(cos.shape)} are a per-token (B or 1, S, rot_dim) "
+                         "table already, so positions must be None")
+    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(f"{name}: a per-token cos/sin table for q {tuple(q.shape)} must be "
+                         f"({batch} or 1, {seq_len}, rot_dim), got {tuple(cos.shape)}")
+    rot_dim = cos.shape[2]
+    if rot_dim % 2 or rot_dim > q.shape[-1]:
+        raise ValueError(f"{name}: rot_dim = cos.shape[2] must be even and at most the head dim "
+                         f"{q.shape[-1]}, got {rot_dim}")
 
 
 def _check_writes_alias_nothing(q, k, cos, sin, positions) -> None:
@@ -327,10 +409,9 @@ def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
     if q_out is q:  # in place (the check reads data pointers: here, not where compile traces)
         _check_writes_alias_nothing(q, k, cos, sin, positions)
     if not _kernel_runs(q, k, cos, sin):
-        sign = -1 if inverse else 1
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_rot, k_rot = rotary_reference(q.to(work), k.to(work), cos.to(work), sign * sin.to(work),
-                                        positions, interleaved)
+        q_rot, k_rot = rotary_reference(q.to(work), k.to(work), cos.to(work), sin.to(work),
+                                        positions, interleaved, inverse)
         q_out.copy_(q_rot)
         k_out.copy_(k_rot)
         return q_out, k_out
@@ -344,9 +425,22 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by the angles of their tokens' positions; returns (q_rot, k_rot).
 
-    q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; cos, sin (max_position, rot_dim/2);
-    positions (B, S) or (T,) integers, default arange(S) for every sequence. With
-    ``inplace=True`` q and k are overwritten and returned. Differentiable when not in place.
+    q (B, S, Hq, D) or (T, Hq, D); k the same with Hk heads; any strides with a unit last
+    stride (a (B, H, S, D) tensor is passed as ``x.transpose(1, 2)``, no copy). cos and sin
+    (one shape, any strides with a unit last stride) are either
+
+    * a half table (max_position, rot_dim / 2), one angle per pair, looked up at positions
+      (B, S) or (T,) integers (default arange(S) for every sequence):
+      out_a = x_a * cos - x_b * sin, out_b = x_b * cos + x_a * sin; or
+    * a full per-token table (B or 1, S, rot_dim), as transformers computes it ((1, T, rot_dim)
+      for (T, H, D) q; positions must be None), read at both features of each pair:
+      out_a = x_a * cos[a] - x_b * sin[a], out_b = x_b * cos[b] + x_a * sin[b], which is
+      ``x * cos + rotate_half(x) * sin`` for any table (its halves need not be equal).
+
+    (a, b) = (i, i + rot_dim/2) (NeoX/Llama, ``interleaved=False``) or (2i, 2i + 1) (GPT-J);
+    features past rot_dim pass through. With ``inplace=True`` q and k are overwritten and
+    returned. Differentiable in q and k when not in place (the backward is the transposed
+    rotation, one launch).
     Positions outside [0, max_position) raise IndexError for CPU tensors; on a GPU the kernel
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
@@ -374,7 +468,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor | None, interleaved: bool,
                  inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotation (inverse=True: by the negated angles, the backward) into new tensors."""
+    """Rotation (inverse=True: the transposed rotation, the backward) into new tensors."""
     return _rotary(q, k, cos, sin, positions, interleaved, inverse, torch.empty_like(q),
                    torch.empty_like(k))
 
@@ -386,7 +480,8 @@ def _rotary_setup(ctx, inputs, output):
 
 
 def _rotary_grad(ctx, grad_q, grad_k, ops):
-    """The inverse rotation, through this same operator: differentiable too."""
+    """The transposed rotation (the inverse one for a half table), through this same
+    operator: differentiable too."""
     cos, sin, positions = ctx.saved_tensors
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise NotImplementedError("gemslib.apply_rotary: gradients for cos and sin are not "
@@ -414,6 +509,124 @@ _rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_a
 
 
 # --------------------------------------------------------------------------------------------
+# Graph patterns (torch.compile(backend="gemslib")): rotary the way models write it
+# --------------------------------------------------------------------------------------------
+
+
+def _rotate_half(x):
+    """transformers' rotate_half: (-x2, x1) for the halves (x1, x2) of the last dim."""
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _transformers_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (Llama, Qwen2, Mistral and most others copy it) after
+    its ``cos.unsqueeze(1)``: q (B, Hq, S, D), k (B, Hk, S, D), cos and sin (B or 1, 1, S, D)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotary_replacement(q, k, cos, sin):
+    # the op takes (B, S, H, D): the head-major tensors as transposed views (no copy), the
+    # per-token tables without their head dim
+    q_rot, k_rot = torch.ops.gemslib.rotary(q.transpose(1, 2), k.transpose(1, 2),
+                                            cos.select(1, 0), sin.select(1, 0), None, False,
+                                            False)
+    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+
+
+def _slice_bounds(node, size: int):
+    """(dim, start, end, step) of an ``aten.slice.Tensor`` node on a 4-d tensor whose sliced dim
+    has ``size`` elements, normalised as torch does (None/negative bounds, ends past the size)."""
+    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+    dim, start, end, step = (node.kwargs.get(name, value) for name, value in
+                             zip(("dim", "start", "end", "step"), args))
+    dim, step = (0 if dim is None else dim), (1 if step is None else step)
+    start, end = (0 if start is None else start), (size if end is None else end)
+    if not all(isinstance(v, int) for v in (dim, start, end, step)):
+        return None
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    return dim % 4, min(max(start, 0), size), min(max(end, 0), size), step
+
+
+def _is_rotate_half_of(cat, x_node, head_dim: int) -> bool:
+    """``cat`` is ``cat((-x[..., D/2:], x[..., :D/2]), -1)`` of ``x_node`` (D = head_dim)."""
+    aten = torch.ops.aten
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % 4 != 3 or len(parts) != 2:
+        return False
+    negated, first_half = parts
+    if negated.target is not aten.neg.default or first_half.target is not aten.slice.Tensor:
+        return False
+    second_half = negated.args[0]
+    if second_half.target is not aten.slice.Tensor:
+        return False
+    if second_half.args[0] is not x_node or first_half.args[0] is not x_node:
+        return False
+    half = head_dim // 2
+    return (_slice_bounds(second_half, head_dim) == (3, half, head_dim, 1)
+            and _slice_bounds(first_half, head_dim) == (3, 0, half, 1))
+
+
+def _is_transformers_rotary(match) -> bool:
+    """The matched site is the rotary of q and k by one full table, as the op computes it:
+    q (B, Hq, S, D) and k (B, Hk, S, D) of one kernel dtype, D even; cos and sin of that dtype
+    and shape (B or 1, 1, S, D) (broadcasting over heads only: the results have q's and k's
+    shapes and dtype); and in each branch the slices split the last dim at exactly D/2, the
+    negated one is the second half and comes first in a cat over the last dim; q and k are two
+    tensors (the matcher can map both outputs onto one branch). The matcher compares node
+    targets and structure, not the dims and bounds (its re-trace compares them, but this check
+    does not rely on it): they are read from the graph here (torch 2.11 hands the check the
+    re-traced match, whose kwargs are the tensor inputs only)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def equal(a, b) -> bool:
+        return statically_known_true(a == b)
+
+    aten = torch.ops.aten
+    nodes = {name: match.kwargs[name] for name in ("q", "k", "cos", "sin")}
+    q, k, cos, sin = (nodes[name].meta["val"] for name in ("q", "k", "cos", "sin"))
+    if q.dtype not in runtime.KERNEL_DTYPES or any(t.dtype != q.dtype for t in (k, cos, sin)):
+        return False
+    if any(t.dim() != 4 for t in (q, k, cos, sin)) or not runtime.on_kernel_device(q):
+        return False
+    batch, _, seq_len, head_dim = q.shape
+    if not isinstance(head_dim, int) or head_dim % 2 or head_dim == 0:
+        return False
+    if not (equal(k.shape[0], batch) and equal(k.shape[2], seq_len)
+            and equal(k.shape[3], head_dim)):
+        return False
+    for table in (cos, sin):
+        if not ((equal(table.shape[0], 1) or equal(table.shape[0], batch))
+                and equal(table.shape[1], 1) and equal(table.shape[2], seq_len)
+                and equal(table.shape[3], head_dim)):
+            return False
+    cats = [node for node in match.nodes if node.target is aten.cat.default]
+    if len(cats) != 2:
+        return False
+    # each cat is the rotate_half of its branch's tensor: one of q, one of k
+    sources = set()
+    for cat in cats:
+        source = cat.args[0][1].args[0] if len(cat.args[0]) == 2 else None
+        if source not in (nodes["q"], nodes["k"]) or not _is_rotate_half_of(cat, source, head_dim):
+            return False
+        sources.add(source)
+    return len(sources) == 2
+
+
+def _pattern_inputs():
+    """q (2, 4, 3, 8), k (2, 2, 3, 8), cos and sin (2, 1, 3, 8) for tracing the pattern."""
+    return (torch.empty(2, 4, 3, 8), torch.empty(2, 2, 3, 8), torch.empty(2, 1, 3, 8),
+            torch.empty(2, 1, 3, 8))
+
+
+# one pattern for every dtype: the casts of cos and sin to q's dtype come before it
+GRAPH_PATTERNS = (
+    GraphPattern("rotary", _transformers_rotary, _rotary_replacement, _pattern_inputs,
+                 check=_is_transformers_rotary),
+)
+
+
+# --------------------------------------------------------------------------------------------
 # Self-checks for `python -m gemslib`
 # --------------------------------------------------------------------------------------------
 
@@ -426,7 +639,24 @@ def _rotary_inputs(device, dtype, rows):
     return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _full_table_inputs(device, dtype, rows):
+    """(B, S, H, D) q and k with a per-token (B, S, D) table whose halves differ."""
+    q, k, _, _ = _rotary_inputs(device, dtype, rows)
+    angles = torch.randn(q.shape[0], q.shape[1], q.shape[-1], device=device) * 3
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _transformers_formula(q, k, cos, sin):
+    """What transformers computes on (B, H, S, D) views: x * cos + rotate_half(x) * sin."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_embed, k_embed = _transformers_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return torch.cat([q_embed.transpose(1, 2).flatten(), k_embed.transpose(1, 2).flatten()])
+
+
 SELF_CHECKS = (
+    SelfCheck("apply_rotary_full_table", _full_table_inputs,
+              run=lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply_rotary(q, k, cos, sin)]),
+              reference=_transformers_formula, torch_peer=_transformers_formula),
     SelfCheck("apply_rotary", _rotary_inputs,
               run=lambda q, k, cos, sin: torch.cat([t.flatten() for t in apply_rotary(q, k, cos, sin)]),
               reference=lambda q, k, cos, sin: torch.cat(

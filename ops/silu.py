@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
+from gemslib.graph import call_node
+from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
 
@@ -423,6 +424,95 @@ ATEN_OVERRIDES = (
     AtenOverride("aten::silu_backward", _silu_backward, _why_not_silu_backward),
 )
 
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite (torch.compile(backend="gemslib")): silu(gate) * up over the halves of one
+# tensor (the merged gate | up projection) -> silu_and_mul
+# --------------------------------------------------------------------------------------------
+
+_aten, _prims = torch.ops.aten, torch.ops.prims
+
+
+def _cast(node, dtype):
+    """The node that ``node`` converts to ``dtype``, or None."""
+    if isinstance(node, torch.fx.Node) and node.target is _prims.convert_element_type.default \
+            and node.args[1] == dtype:
+        return node.args[0]
+    return None
+
+
+def _silu_source(node):
+    """s when ``node`` computes silu(s) rounded once to s's dtype, as inductor decomposes
+    F.silu: ``s / (1 + exp(-s))``, for 16-bit s upcast to fp32 and the result cast back."""
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return None
+    dtype = node.meta["val"].dtype
+    inner = node if dtype == torch.float32 else _cast(node, dtype)
+    if not (isinstance(inner, torch.fx.Node) and inner.target is _aten.div.Tensor):
+        return None
+    numerator, denominator = inner.args
+    if not (isinstance(denominator, torch.fx.Node) and denominator.target is _aten.add.Tensor
+            and denominator.args[1] == 1 and isinstance(denominator.args[0], torch.fx.Node)
+            and denominator.args[0].target is _aten.exp.default):
+        return None
+    negated = denominator.args[0].args[0]
+    if not (isinstance(negated, torch.fx.Node) and negated.target is _aten.neg.default
+            and negated.args[0] is numerator):
+        return None
+    source = numerator if dtype == torch.float32 else _cast(numerator, torch.float32)
+    if not isinstance(source, torch.fx.Node) or source.meta["val"].dtype != dtype:
+        return None
+    return source
+
+
+def _half_of(node):
+    """(whole, half, shape) when ``node`` is ``reshape(slice(whole, last dim, a, b), shape)``
+    (or the slice alone, shape None) with half 0 for [0, n) and 1 for [n, 2n) of a last dim 2n."""
+    shape = None
+    if node.target in (_aten.reshape.default, _aten.view.default):
+        node, shape = node.args[0], node.args[1]
+    if not (isinstance(node, torch.fx.Node) and node.target is _aten.slice.Tensor
+            and len(node.args) == 4):
+        return None
+    whole, dim, start, end = node.args
+    width = whole.meta["val"].shape[-1]
+    if not isinstance(width, int) or dim % whole.meta["val"].dim() != whole.meta["val"].dim() - 1:
+        return None
+    if (start, end) == (0, width // 2) and width % 2 == 0:
+        return whole, 0, shape
+    if (start, end) == (width // 2, width) and width % 2 == 0:
+        return whole, 1, shape
+    return None
+
+
+def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
+    """``silu(x[..., :n]) * x[..., n:]`` (each half possibly reshaped alike) -> silu_and_mul."""
+    sites = []
+    for mul in graph.find_nodes(op="call_function", target=_aten.mul.Tensor):
+        for gated, other in (mul.args, mul.args[::-1]):
+            if not all(isinstance(a, torch.fx.Node) for a in (gated, other)):
+                continue
+            source = _silu_source(gated)
+            gate, up = source and _half_of(source), _half_of(other)
+            if not (gate and up and gate[0] is up[0] and (gate[1], up[1]) == (0, 1)
+                    and gate[2] == up[2]):
+                continue
+            whole = gate[0]
+            if whole.meta["val"].dtype not in runtime.KERNEL_DTYPES or \
+                    mul.meta["val"].dtype != whole.meta["val"].dtype:
+                continue
+            with graph.inserting_before(mul):
+                fused = call_node(graph, torch.ops.gemslib.silu_and_mul.default, whole)
+                if gate[2] is not None:
+                    fused = call_node(graph, _aten.reshape.default, fused, gate[2])
+            mul.replace_all_uses_with(fused)
+            graph.erase_node(mul)
+            sites.append(f"{mul.name} over {whole.name}")
+            break
+    return sites
+
+
+GRAPH_REWRITES = (GraphRewrite("silu_and_mul", _fuse_silu_and_mul),)
 
 # --------------------------------------------------------------------------------------------
 # Self-checks for `python -m gemslib`

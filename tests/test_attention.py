@@ -703,3 +703,81 @@ def test_bf16_calls_are_right_on_every_backend(caplog):
     else:
         assert sum(active.fallbacks.values()) == 1 and not active.calls
         assert "bf16 under the Triton interpreter" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite: torch.compile(backend="gemslib") puts SDPA on gemslib's attention
+# --------------------------------------------------------------------------------------------
+
+
+class _MaskedAttention(torch.nn.Module):
+    """SDPA under a mask built from index comparisons, the way transformers builds its own:
+    key j visible to query i when ``j <= i + shift`` (and ``j > i + shift - window``), or
+    under ``compare`` instead of ``<=``."""
+
+    def __init__(self, shift=0, window=None, compare=torch.le, hidden=None):
+        super().__init__()
+        self.shift, self.window, self.compare, self.hidden = shift, window, compare, hidden
+
+    def forward(self, q, k, v):
+        keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
+        queries = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
+        visible = self.compare(keys, queries + self.shift)
+        if self.window is not None:
+            visible = visible & (keys > queries + self.shift - self.window)
+        if self.hidden is not None:  # an additive mask: 0 where visible
+            visible = torch.where(visible, 0.0, self.hidden).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+@pytest.mark.parametrize("seq_q, seq_kv, shift, window, compare, fused", [
+    (9, 9, 0, None, torch.le, True),        # causal
+    (9, 9, 0, 9, torch.le, True),           # a window wider than the sequence hides nothing
+    (9, 9, 0, 4, torch.le, False),          # a window that hides keys
+    (9, 9, 1, None, torch.lt, True),        # j < i + 1: causal written another way
+    (9, 9, 0, None, torch.lt, False),       # j < i: the diagonal hidden
+    (9, 9, 0, None, torch.ge, False),       # anti-causal
+    (1, 9, 8, None, torch.le, True),        # one query that sees every key (decode)
+    (3, 9, 6, None, torch.le, False),       # bottom-right causal: not the kernel's alignment
+])
+def test_sdpa_masks_that_are_proven_causal_or_full_are_fused(seq_q, seq_kv, shift, window,
+                                                             compare, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _MaskedAttention(shift, window, compare)
+    torch.manual_seed(0)
+    q = random_tensor((2, 4, seq_q, 16), torch.float32, scale=1.0)
+    k, v = (random_tensor((2, 4, seq_kv, 16), torch.float32, scale=1.0) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    finite = expected.isfinite()  # a row that sees no key is NaN either way
+    assert torch.equal(finite, got.isfinite())
+    assert torch.allclose(got[finite], expected[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden, fused", [(float("-inf"), True), (-3.4028234663852886e38, True),
+                                           (-65536.0, True), (-1e4, False)])
+def test_additive_causal_masks_hide_with_minus_inf_or_the_lowest_number(hidden, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _MaskedAttention(hidden=hidden)
+    q, k, v = (random_tensor((1, 2, 7, 16), torch.float32, scale=1.0) for _ in range(3))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q, k, v = (random_tensor((1, 2, 5, 8), torch.float32, scale=1.0) for _ in range(3))
+    bias = random_tensor((5, 5), torch.float32, scale=1.0)
+    with torch.no_grad():
+        got = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, bias),
+                            backend="gemslib", fullgraph=True)(q, k, v)
+    assert "attention" not in gemslib.fusion_report()
+    assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, bias), atol=1e-5)

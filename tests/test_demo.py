@@ -1,9 +1,11 @@
-"""``python -m gemslib demo``: Llama-shaped layers four ways, checked against each other."""
+"""``python -m gemslib demo``: Llama-shaped layers four ways, checked against each other, and a
+transformers Llama eager and through the gemslib backend."""
 
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU
@@ -28,7 +30,32 @@ def test_demo_runs_every_way_and_they_agree(tmp_path):
     for line in overrides:
         assert "_fused_rms_norm" in line and "silu" in line and "attention" in line, line
         assert line.endswith("fell back: none"), line
+    # the transformers part (installed in the test environment): eager and the gemslib backend
+    # on LlamaForCausalLM, both checked against float64/float32, the fusions listed
+    for way in ("eager", 'compile(backend="gemslib", fullgraph)'):
+        matching = [line for line in lines if line.split()[:1] == ["model"] and
+                    line.split(None, 1)[1].startswith(way + " (")]
+        assert len(matching) == 1 and " ok" in matching[0], (way, result.stdout)
+    (fusions,) = [line for line in lines if "first call (compile)" in line]
+    assert "add_rms_norm 4" in fusions and "rms_norm 1" in fusions, fusions
     assert "all ways agree" in result.stdout
+
+
+def test_the_transformers_part_alone_and_without_transformers(monkeypatch, capsys):
+    """--part transformers runs only the model; without transformers the default leaves the
+    part out with a note, and asking for it is a usage error."""
+    lines = []
+    failures = demo.run_transformers(demo.TINY, 1, (1, 8), torch.device(DEVICE), torch.float32,
+                                     time_it=False, out=lines.append)
+    assert failures == 0, "\n".join(lines)
+    assert sum(" ok" in line for line in lines if line.startswith("  model")) == 2, lines
+    monkeypatch.setattr(demo, "have_transformers", lambda: False)
+    monkeypatch.setattr(demo, "run", lambda *args, **kwargs: 0)
+    assert demo.main(["--no-time", "--layers", "1"]) == 0
+    assert "transformers is not installed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as usage:
+        demo.parse_args(["--part", "transformers"])
+    assert usage.value.code == 2
 
 
 def test_a_wrong_layer_is_reported(monkeypatch):

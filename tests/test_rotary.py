@@ -248,3 +248,307 @@ def test_flags_must_be_bools_as_torch_requires(argument, value):
     q, k, cos, sin, _ = _inputs((1, 3, 2, 16), 1, 8, None, torch.float32)
     with pytest.raises(TypeError, match=f"argument '{argument}' must be bool"):
         gemslib.apply_rotary(q, k, cos, sin, **{argument: value})
+
+
+# --------------------------------------------------------------------------------------------
+# The full per-token table (B or 1, S, rot_dim), as transformers' models compute it
+# --------------------------------------------------------------------------------------------
+
+# (q shape, k heads, rot_dim, table batch); odd sizes, GQA, partial rotary, a batch-1 table
+FULL_CASES = [
+    ((3, 5, 4, 16), 2, 16, "B"),
+    ((3, 5, 4, 16), 2, 16, 1),
+    ((2, 7, 3, 10), 1, 6, "B"),         # partial rotary (6 of 10), MQA
+    ((1, 9, 5, 6), 5, 6, 1),
+    ((11, 3, 12), 2, 12, 1),            # (T, H, D) with a (1, T, rot_dim) table
+    ((0, 4, 2, 8), 2, 8, 1),            # empty
+]
+
+
+def _full_table_inputs(q_shape, k_heads, rot_dim, table_batch, dtype, strided=False):
+    """q, k and a full table whose halves differ (nothing duplicated): the kernel must read
+    the angle of each feature. ``strided``: the table is a slice of a wider buffer."""
+    q = random_tensor(q_shape, dtype, scale=1.0)
+    k = random_tensor((*q_shape[:-2], k_heads, q_shape[-1]), dtype, scale=1.0)
+    batch, seq = (q_shape[0], q_shape[1]) if len(q_shape) == 4 else (1, q_shape[0])
+    rows = batch if table_batch == "B" else 1
+    width = rot_dim + 5 if strided else rot_dim
+    angles = torch.rand(rows, seq, width, device=DEVICE) * 6.3
+    cos, sin = angles.cos().to(dtype)[..., :rot_dim], angles.sin().to(dtype)[..., 3:3 + rot_dim] \
+        if strided else angles.sin().to(dtype)
+    return q, k, cos, sin
+
+
+def _model_formula(x, cos, sin):
+    """transformers' q * cos + rotate_half(q) * sin on (B, H, S, D) in float64, cos (B|1, S, D)."""
+    x = x.double()
+    cos, sin = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_shape,k_heads,rot_dim,table_batch", FULL_CASES)
+def test_full_table_matches_reference(q_shape, k_heads, rot_dim, table_batch, dtype, interleaved):
+    q, k, cos, sin = _full_table_inputs(q_shape, k_heads, rot_dim, table_batch, dtype)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, interleaved=interleaved)
+    expected_q, expected_k = _reference(q, k, cos, sin, None, interleaved)
+    assert_close_to_reference(q_rot, expected_q, dtype, msg="q")
+    assert_close_to_reference(k_rot, expected_k, dtype, msg="k")
+    q_copy, k_copy = q.clone(), k.clone()
+    gemslib.apply_rotary(q_copy, k_copy, cos, sin, interleaved=interleaved, inplace=True)
+    torch.testing.assert_close(q_copy, q_rot, rtol=0, atol=0)
+    torch.testing.assert_close(k_copy, k_rot, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_full_table_is_the_model_formula_on_head_major_views(dtype):
+    """(B, H, S, D) q and k passed as transposed views, a strided batch-B table whose halves
+    differ: the result is transformers' formula, and keeps the views' layout."""
+    q = random_tensor((3, 7, 5, 12), dtype, scale=1.0).transpose(1, 2)   # (B, H, S, D) view
+    k = random_tensor((3, 7, 2, 12), dtype, scale=1.0).transpose(1, 2)
+    _, _, cos, sin = _full_table_inputs((3, 7, 5, 12), 2, 12, "B", dtype, strided=True)
+    assert cos.stride(-1) == 1 and not cos.is_contiguous() and not sin.is_contiguous()
+    q_rot, k_rot = gemslib.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    assert q_rot.transpose(1, 2).stride() == q.stride()
+    assert_close_to_reference(q_rot.transpose(1, 2), _model_formula(q, cos, sin), dtype, msg="q")
+    assert_close_to_reference(k_rot.transpose(1, 2), _model_formula(k, cos, sin), dtype, msg="k")
+
+
+@pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_full_table_in_both_program_layouts(loop_heads, interleaved):
+    q, k, cos, sin = _full_table_inputs((2, 4, 5, 12), 3, 8, "B", torch.float32)
+    config = runtime.LaunchConfig((("BLOCK_H", 2), ("LOOP_HEADS", loop_heads)), 2, 1)
+    with rotary_ops.ROTARY.forced(config):
+        q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, interleaved=interleaved)
+    expected_q, expected_k = _reference(q, k, cos, sin, None, interleaved)
+    assert_close_to_reference(q_rot, expected_q, torch.float32)
+    assert_close_to_reference(k_rot, expected_k, torch.float32)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("table_batch", ["B", 1])
+def test_full_table_gradients_are_the_transposed_rotation(table_batch, dtype, interleaved):
+    """With halves that differ the transpose is not the rotation by -sin: dq must be autograd's
+    of the float64 forward."""
+    q, k, cos, sin = _full_table_inputs((2, 5, 3, 14), 2, 10, table_batch, dtype)
+    q.requires_grad_()
+    k.requires_grad_()
+    grad_q, grad_k = random_tensor(q.shape, dtype), random_tensor(k.shape, dtype)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, interleaved=interleaved)
+    torch.autograd.backward([q_rot, k_rot], [grad_q, grad_k])
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    ref_q, ref_k = rotary_ops.rotary_reference(q64, k64, cos.double(), sin.double(), None,
+                                               interleaved)
+    torch.autograd.backward([ref_q, ref_k], [grad_q.double(), grad_k.double()])
+    assert_close_to_reference(q.grad, q64.grad, dtype, msg="dq")
+    assert_close_to_reference(k.grad, k64.grad, dtype, msg="dk")
+    # differentiable backward: dq is linear in grad_q, and its own backward (the transpose of
+    # the transpose) is the forward rotation
+    q2, grad_q2 = q.detach().requires_grad_(), grad_q.detach().requires_grad_()
+    q_rot2, _ = gemslib.apply_rotary(q2, k.detach(), cos, sin, interleaved=interleaved)
+    (dq,) = torch.autograd.grad(q_rot2, q2, grad_q2, create_graph=True)
+    vector = random_tensor(q.shape, dtype)
+    (again,) = torch.autograd.grad(dq, grad_q2, vector)
+    expected, _ = _reference(vector, k, cos, sin, None, interleaved)
+    assert_close_to_reference(again, expected, dtype, msg="second order")
+
+
+def test_full_table_float64_falls_back_to_torch():
+    q, k, cos, sin = _full_table_inputs((2, 3, 2, 8), 1, 8, "B", torch.float64)
+    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin)
+    torch.testing.assert_close(q_rot, _model_formula(q.transpose(1, 2), cos, sin).transpose(1, 2))
+    torch.testing.assert_close(k_rot, _model_formula(k.transpose(1, 2), cos, sin).transpose(1, 2))
+
+
+def test_full_table_bad_input_names_the_argument():
+    q, k, cos, sin = _full_table_inputs((2, 5, 4, 16), 2, 16, "B", torch.float32)
+    with pytest.raises(ValueError, match=r"per-token cos/sin table for q \(2, 5, 4, 16\) must be "
+                                         r"\(2 or 1, 5, rot_dim\), got \(3, 5, 16\)"):
+        gemslib.apply_rotary(q, k, *(torch.ones(3, 5, 16, device=q.device),) * 2)
+    with pytest.raises(ValueError, match=r"must be \(2 or 1, 5, rot_dim\), got \(2, 4, 16\)"):
+        gemslib.apply_rotary(q, k, cos[:, :4], sin[:, :4])
+    with pytest.raises(ValueError, match="rot_dim = cos.shape\\[2\\] must be even and at most "
+                                         "the head dim 16, got 7"):
+        gemslib.apply_rotary(q, k, cos[..., :7], sin[..., :7])
+    with pytest.raises(ValueError, match="got 18"):
+        gemslib.apply_rotary(q, k, *(torch.ones(2, 5, 18, device=q.device),) * 2)
+    with pytest.raises(ValueError, match="so positions must be None"):
+        gemslib.apply_rotary(q, k, cos, sin, torch.zeros(2, 5, dtype=torch.long, device=q.device))
+    with pytest.raises(ValueError, match=r"cos and sin must both be \(max_position, rot_dim // 2\) "
+                                         r"or \(B or 1, S, rot_dim\), got \(2, 5, 16\) and \(5, 16\)"):
+        gemslib.apply_rotary(q, k, cos, sin[0])
+    with pytest.raises(ValueError, match="cos and sin must both be"):
+        gemslib.apply_rotary(q, k, cos[None], sin[None])
+
+
+def test_full_table_custom_op_passes_opcheck():
+    for table_batch in ("B", 1):
+        q, k, cos, sin = _full_table_inputs((2, 5, 4, 16), 2, 12, table_batch, torch.float32)
+        for interleaved in (False, True):
+            torch.library.opcheck(torch.ops.gemslib.rotary,
+                                  (q.requires_grad_(), k.requires_grad_(), cos, sin, None,
+                                   interleaved, False))
+
+
+# --------------------------------------------------------------------------------------------
+# Graph pattern: torch.compile(backend="gemslib") turns transformers' rotary into the op
+# --------------------------------------------------------------------------------------------
+
+_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),           # q, k, v projection biases
+           "mistral": ("MistralConfig", "MistralForCausalLM", {})}
+
+
+def _tiny_model(kind, dtype, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class, extra = _MODELS[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).to(DEVICE, dtype).eval()
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("llama", torch.float16),
+                                        ("qwen2", torch.float16), ("mistral", torch.float32)])
+def test_every_layer_s_rotary_becomes_one_launch(kind, dtype):
+    """The rotary of q and k of every decoder layer is replaced (one op for both), and the
+    logits stay eager's within the dtype's rounding."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    layers = 2
+    model = _tiny_model(kind, dtype, layers)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+    assert gemslib.fusion_report().get("rotary") == layers, gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit (tolerance {tolerance})"
+
+
+def _rotate_half(x, dim=-1, split=None, form="model"):
+    """Indexed as transformers writes it (``x[..., :half]``): the graph then holds the same
+    slice bounds as the pattern's trace."""
+    split = x.shape[dim] // 2 if split is None else split
+    lead = (...,) if dim == -1 else (slice(None),) * dim
+    x1, x2 = x[(*lead, slice(None, split))], x[(*lead, slice(split, None))]
+    if form == "model":
+        return torch.cat((-x2, x1), dim=dim)
+    if form == "first half negated":       # (-x1, x2): the pattern's structure, other slices
+        return torch.cat((-x1, x2), dim=dim)
+    if form == "sign on the other half":   # (x2, -x1): the inverse rotation
+        return torch.cat((x2, -x1), dim=dim)
+    raise ValueError(form)
+
+
+def _rope_unsqueezed(q, k, cos, sin, **rotate):
+    """transformers' rotary after its cos.unsqueeze(1): cos and sin (B or 1, 1, S, D)."""
+    return (q * cos + _rotate_half(q, **rotate) * sin, k * cos + _rotate_half(k, **rotate) * sin)
+
+
+def _rope(q, k, cos, sin, **rotate):
+    return _rope_unsqueezed(q, k, cos.unsqueeze(1), sin.unsqueeze(1), **rotate)
+
+
+def _look_alikes(q, k, cos, sin, wide_cos, wide_sin):
+    """q (B, 4, S, D), k (B, 2, S, D), cos and sin (B, S, D) whose halves differ."""
+    half = q.shape[-1] // 2
+    partial_q, partial_k = _rope(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
+    return {
+        # computed exactly by the op: replaced
+        "halves that differ": _rope(q, k, cos, sin),
+        "partial rotary": (torch.cat((partial_q, q[..., half:]), -1),
+                           torch.cat((partial_k, k[..., half:]), -1)),
+        # another computation: left alone
+        "first half negated": _rope(q, k, cos, sin, form="first half negated"),
+        "sign on the other half": _rope(q, k, cos, sin, form="sign on the other half"),
+        "another split": _rope(q, k, cos, sin, split=half - 3),
+        "over dim 2": _rope(q, k, cos, sin, dim=2),
+        "fp32 cos and sin": _rope(q, k, wide_cos, wide_sin),           # an fp32 result
+        "one angle for all tokens": (q * cos[:, None, :1] + _rotate_half(q) * sin[:, None, :1],
+                                     k * cos[:, None, :1] + _rotate_half(k) * sin[:, None, :1]),
+    }
+
+
+def test_look_alike_rotaries_are_left_alone_or_computed_exactly():
+    """Only the forms the op computes exactly (a table whose halves differ; a rotary over the
+    first half of D, the rest passed through) are replaced; every result stays eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    dtype = torch.float16
+    q = random_tensor((2, 4, 6, 16), dtype, scale=1.0)
+    k = random_tensor((2, 2, 6, 16), dtype, scale=1.0)
+    angles = torch.rand(2, 6, 16, device=DEVICE) * 6.3     # no duplicated halves
+    wide_cos, wide_sin = angles.cos(), angles.sin()
+    cos, sin = wide_cos.to(dtype), wide_sin.to(dtype)
+    with torch.no_grad():
+        expected = _look_alikes(q, k, cos, sin, wide_cos, wide_sin)
+        results = torch.compile(_look_alikes, backend="gemslib", fullgraph=True)(
+            q, k, cos, sin, wide_cos, wide_sin)
+    assert gemslib.fusion_report() == {"rotary": 2}, gemslib.fusion_report()
+    for name, want in expected.items():
+        for got, wanted in zip(results[name], want):
+            assert got.dtype == wanted.dtype and got.shape == wanted.shape, name
+            error = ((got.float() - wanted.float()).abs().max() / wanted.float().abs().max()).item()
+            assert error <= 2e-3, f"{name}: max error {error:.2e}"
+
+
+def test_a_training_graph_of_rotary_keeps_its_gradients():
+    """With gradients on, the forward graph's rotary is replaced; the backward (inductor's,
+    from the joint graph) gives eager's gradients."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model("llama", torch.float32, layers=1)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+def _check_on_trace(q, k, cos, sin, k_is_q=False, **rotate):
+    """The pattern's check on the whole trace of the rotary of q and k (``rotate``: the form
+    of rotate_half), as if the matcher had matched it: what the check proves on its own,
+    whatever the matcher's re-trace compares before it."""
+    from types import SimpleNamespace
+
+    from torch._inductor.pattern_matcher import fwd_only
+
+    def traced(q, k, cos, sin):
+        return _rope_unsqueezed(q, q if k_is_q else k, cos, sin, **rotate)
+
+    graph = fwd_only(traced, [q, k, cos, sin]).graph
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
+                            nodes=[node for node in graph.nodes if node.op == "call_function"])
+    return rotary_ops._is_transformers_rotary(match)
+
+
+def test_the_check_alone_refuses_every_other_computation():
+    half = torch.float16
+    q, k = random_tensor((2, 4, 6, 16), half), random_tensor((2, 2, 6, 16), half)
+    cos, sin = random_tensor((2, 1, 6, 16), half), random_tensor((1, 1, 6, 16), half)
+    assert _check_on_trace(q, k, cos, sin)
+    assert _check_on_trace(q.float(), k.float(), cos.float(), sin.float())
+    for form in ({"form": "first half negated"}, {"form": "sign on the other half"},
+                 {"split": 5}, {"dim": 2}):
+        assert not _check_on_trace(q, k, cos, sin, **form), form
+    # tables that do not broadcast as (B or 1, 1, S, D) over heads only, or of another dtype
+    wider = random_tensor((3, 1, 6, 16), half)
+    for q_, k_, cos_ in ((q, k, cos[:, :, :1]),                  # one angle for every token
+                         (q[:, :2], k, random_tensor((2, 2, 6, 16), half)),  # per head
+                         (q, k, cos.float()),                     # fp32: an fp32 result
+                         (q[:1], k[:1], wider)):                  # a batch q does not have
+        assert not _check_on_trace(q_, k_, cos_, sin), tuple(cos_.shape)
+    assert not _check_on_trace(q, k.float(), cos, sin)        # q and k of two dtypes
+    assert not _check_on_trace(q, k, cos, sin, k_is_q=True)   # one tensor matched twice

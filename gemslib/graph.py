@@ -1,0 +1,183 @@
+"""Graph passes: ``torch.compile(model, backend="gemslib")`` is inductor with gemslib's
+pattern passes installed after its own post-grad passes.
+
+    model = torch.compile(model, backend="gemslib")                          # passes + inductor
+    model = torch.compile(model, backend="gemslib", mode="reduce-overhead")  # ... in CUDA graphs
+    gemslib.fusion_report()        # {fusion: sites replaced} over the graphs compiled so far
+
+Each operator file declares the patterns its op replaces as ``GRAPH_PATTERNS`` (a tuple of
+``registry.GraphPattern``); this module only collects them (through the registry), registers them
+with inductor's pattern matcher and counts what they replace. ``PASSES`` is the pass object
+itself, for an inductor config of one's own:
+
+    torch._inductor.config.post_grad_custom_post_pass = gemslib.graph.PASSES
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+log = logging.getLogger("gemslib.graph")
+
+
+_report: dict[str, int] = {}
+# the real tensors the backend's graph is being compiled for (its parameters among them)
+_compiling_inputs: contextvars.ContextVar[Sequence[Any] | None] = contextvars.ContextVar(
+    "gemslib_compiling_inputs", default=None)
+
+
+def fusion_report() -> dict[str, int]:
+    """{fusion name: sites replaced} for every graph compiled with the passes since the last
+    :func:`reset_fusion_report` (a recompilation counts its sites again)."""
+    return dict(_report)
+
+
+def reset_fusion_report() -> None:
+    _report.clear()
+
+
+def _counted(pattern: GraphPattern) -> Callable[[Any], bool]:
+    def check(match) -> bool:
+        try:
+            accepted = bool(pattern.check(match))
+        except Exception as err:  # a site the check cannot read is not proven equal
+            log.debug("gemslib %s: check failed on %s: %s", pattern.fusion, match.nodes[-1], err)
+            accepted = False
+        if accepted:
+            _report[pattern.fusion] = _report.get(pattern.fusion, 0) + 1
+            log.debug("gemslib %s: replacing %s", pattern.fusion,
+                      ", ".join(node.name for node in match.nodes))
+        return accepted
+    return check
+
+
+@functools.cache
+def _pattern_pass():
+    from torch._inductor import pattern_matcher
+
+    from gemslib import registry
+
+    matcher = pattern_matcher.PatternMatcherPass(pass_name="gemslib")
+    for operator in registry.operators().values():
+        for pattern in operator.graph_patterns:
+            pattern_matcher.register_replacement(
+                pattern.search, pattern.replace, list(pattern.example_inputs()),
+                pattern_matcher.fwd_only, matcher, extra_check=_counted(pattern),
+                scalar_workaround=dict(pattern.scalars) or None)
+    return matcher
+
+
+def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A new ``target(*args)`` node at the graph's insertion point, with the ``meta["val"]``
+    (a fake tensor) that later passes and inductor read, computed from its inputs' values."""
+    node = graph.call_function(target, args)
+    values = torch.fx.map_arg(args, lambda a: a.meta["val"])
+    fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
+                     if hasattr(v, "fake_mode"))
+    with fake_mode:
+        node.meta["val"] = target(*values)
+    return node
+
+
+def _rewrites():
+    from gemslib import registry
+    return [rewrite for operator in registry.operators().values()
+            for rewrite in operator.graph_rewrites]
+
+
+def _real_values(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], Any]:
+    """placeholder -> the real tensor the backend compiles ``graph`` for, or None: known only
+    for the graph whose inputs are the backend's own, one to one (an inference graph, or a
+    training graph's forward), and checked input by input against the traced metadata."""
+    inputs = _compiling_inputs.get()
+    placeholders = graph.find_nodes(op="placeholder")
+    known: dict[torch.fx.Node, torch.Tensor] = {}
+    if inputs is not None and len(inputs) == len(placeholders):
+        from torch._subclasses.fake_tensor import FakeTensor
+        for node, value in zip(placeholders, inputs):
+            traced = node.meta.get("val")
+            if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+                continue
+            if not isinstance(traced, torch.Tensor) or traced.dtype != value.dtype or \
+                    traced.dim() != value.dim() or any(
+                        isinstance(a, int) and a != b for a, b in zip(traced.shape, value.shape)):
+                known.clear()  # the inputs are not the graph's, one to one
+                break
+            known[node] = value
+    return known.get
+
+
+def _apply_rewrites(graph: torch.fx.Graph) -> int:
+    real_value, fused = _real_values(graph), 0
+    for _ in range(8):  # each round may enable another rewrite's site; a few suffice
+        round_fused = 0
+        for rewrite in _rewrites():
+            for site in rewrite.rewrite(graph, real_value):
+                _report[rewrite.fusion] = _report.get(rewrite.fusion, 0) + 1
+                log.debug("gemslib %s: %s", rewrite.fusion, site)
+                round_fused += 1
+        if not round_fused:
+            break
+        fused += round_fused
+    return fused
+
+
+def _passes_base():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    return CustomGraphPass
+
+
+class GemslibPasses(_passes_base()):
+    """The inductor post-grad pass: every operator's ``GRAPH_REWRITES``, then its
+    ``GRAPH_PATTERNS``."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        replaced = _apply_rewrites(graph)
+        if replaced:
+            graph.eliminate_dead_code()
+        replaced += _pattern_pass().apply(graph)
+        if replaced:
+            # a replacement of several outputs goes before the first of them, which may come
+            # before the producers of the other outputs' inputs (rotary: k's projection follows
+            # q's rotary); sort before eliminate_dead_code lints the graph
+            from torch._inductor.pattern_matcher import stable_topological_sort
+            stable_topological_sort(graph)
+            graph.eliminate_dead_code()
+            log.debug("gemslib: %d sites replaced in one graph", replaced)
+
+    def uuid(self) -> Any:
+        # None keeps inductor's FX graph cache out of graphs these passes see: a cached graph
+        # would skip the passes, and fusion_report() could not count what it holds
+        return None
+
+
+PASSES = GemslibPasses()
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+            options: Mapping[str, Any] | None = None):
+    """The ``"gemslib"`` torch.compile backend: inductor (with ``mode``'s or ``options``'
+    settings, as ``backend="inductor"`` takes them) plus gemslib's passes."""
+    import torch._inductor
+    from torch._inductor.compile_fx import compile_fx
+
+    if mode is not None and options:
+        raise RuntimeError("gemslib backend: either mode or options can be given, not both "
+                           "(as with inductor)")
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
+    patches.update(options or {})
+    if patches.get("post_grad_custom_post_pass") not in (None, PASSES):
+        raise ValueError("gemslib backend: options sets post_grad_custom_post_pass, which is "
+                         "where gemslib's passes go; install gemslib.graph.PASSES in your own "
+                         "pass instead")
+    patches["post_grad_custom_post_pass"] = PASSES
+    token = _compiling_inputs.set(list(example_inputs))
+    try:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    finally:
+        _compiling_inputs.reset(token)

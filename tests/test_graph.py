@@ -1,0 +1,209 @@
+"""Graph passes: torch.compile(backend="gemslib") replaces the forms models write with
+gemslib's operators, only where the matched site is that computation."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemslib
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+
+_FAMILIES = {  # transformers' config and model classes, by family
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),       # q, k, v with biases
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def _tiny_model(dtype, family="llama", layers=2, eps=1e-5):
+    config_name, model_name = _FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=eps)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(DEVICE, dtype).eval()
+    for name, parameter in model.named_parameters():  # norm weights away from 1, so a dropped
+        if "norm" in name:                            # weight would show; biases not zero
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def _tiny_llama(dtype, layers=2, eps=1e-5):
+    return _tiny_model(dtype, "llama", layers, eps)
+
+
+def _decoder_fusions(layers):
+    """What the decoder layers of these families fuse: each layer's q/k/v and gate/up
+    projections (two merged_linear), silu_and_mul, the rotary of q and k, and attention (its
+    causal mask proven); the attention's residual add with the
+    MLP's norm in each layer, and the next layer's input norm (or the final norm) with the
+    MLP's residual add; the first layer's input norm, with no add before it, alone."""
+    return {"rms_norm": 1, "add_rms_norm": 2 * layers, "merged_linear": 2 * layers,
+            "silu_and_mul": layers, "attention": layers, "rotary": layers}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
+    """Every fusion at every layer of a tiny Llama, Qwen2 and Mistral, and logits that stay
+    eager's within the dtype's rounding; the eager model, on its merged parameters after the
+    compile, gives exactly what it gave before."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(dtype, family)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids).logits.float()
+        again = model(ids).logits.float()
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(again, expected)
+
+
+def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
+    """For one sequence transformers adds a packed-sequence test of its positions to the
+    causal mask (a cumsum over position steps); computed at compile time it is causal."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (1, 13), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids, logits_to_keep=1).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids, logits_to_keep=1).logits
+    assert gemslib.fusion_report()["attention"] == 2, gemslib.fusion_report()
+    assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+
+
+def test_attention_under_a_window_or_padding_is_left_to_inductor():
+    """A sliding window that hides keys (Mistral's, shorter than the sequence) and a padding
+    mask are not the kernel's causal mask: their SDPA stays inductor's, and the logits eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(torch.float32, "mistral")
+    model.config.sliding_window = 4
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0  # the first sequence left-padded
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": padding}):
+            expected = model(ids, **kwargs).logits
+            torch._dynamo.reset()
+            logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids, **kwargs).logits
+            assert torch.allclose(logits[:, 3:], expected[:, 3:], atol=1e-4), kwargs
+    assert "attention" not in gemslib.fusion_report(), gemslib.fusion_report()
+    assert gemslib.fusion_report()["merged_linear"] == 2 * 2 * 2
+
+
+class _LookAlikeNorms(torch.nn.Module):
+    """Forms that trace like transformers' RMSNorm but compute something else."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.row = torch.nn.Parameter(torch.rand(1, width) + 0.5)
+
+    def forward(self, x):
+        def norm(h, weight, dim=-1, power=2):
+            dtype = h.dtype
+            h = h.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(power).mean(dim, keepdim=True) + 1e-6)
+            return weight * h.to(dtype)
+        gemma = norm(x, 1 + self.weight)              # (1 + w): another weight, a 1-d one
+        columns = norm(x, self.weight[0], dim=0)      # over the other dim
+        fourth = norm(x, self.weight, power=4)        # another exponent
+        broadcast = norm(x, self.row)                 # a (1, N) weight
+        upcast = norm(x, self.weight.float())         # an fp32 weight: an fp32 result
+        shifted = norm(self.row + x, self.weight)     # a broadcast add: the norm alone fuses
+        return gemma, columns, fourth, broadcast, upcast, shifted
+
+
+def test_look_alike_forms_are_left_alone():
+    """Only the (1 + w) form (the same computation with another weight) and the norm after a
+    broadcast add (the add itself is no add_rms_norm) are replaced; every result stays
+    eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _LookAlikeNorms(24).to(DEVICE, torch.float16)
+    x = torch.randn(5, 24, device=DEVICE, dtype=torch.float16)
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+
+
+def test_the_backend_is_found_by_name_without_importing_gemslib():
+    script = ("import sys, torch\n"
+              "f = torch.compile(lambda x: x * 2, backend='gemslib')\n"
+              "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
+              "print('gemslib' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd="/", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_mode_and_options_are_inductor_s():
+    with pytest.raises(RuntimeError, match="either mode or options"):
+        gemslib.graph.backend(None, [], mode="max-autotune", options={"a": 1})
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
+
+
+def test_a_training_graph_keeps_its_gradients():
+    """With gradients the forward's intermediates are saved for the backward, so a norm can
+    only be replaced where the backward does not read inside it; the gradients stay eager's."""
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32, layers=1)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+class _FunctionalNorms(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        F = torch.nn.functional
+        return (F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5),
+                F.rms_norm(x, (x.shape[-1],), None, None),
+                F.rms_norm(x, x.shape[-2:], None, 1e-5),                 # two dims: left alone
+                x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * x)   # 16-bit statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_functional_rms_norm_with_and_without_weight(dtype):
+    """F.rms_norm over the last dim, with a weight or none and any eps, becomes rms_norm; over
+    two dims it does not, nor does a norm computed without the fp32 upcast in 16 bits."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalNorms(24).to(DEVICE, dtype)
+    x = torch.randn(3, 5, 24, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
+    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
