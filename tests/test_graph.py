@@ -136,11 +136,17 @@ def test_look_alike_forms_are_left_alone():
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     module = _LookAlikeNorms(24).to(DEVICE, torch.float16)
-    x = torch.randn(5, 24, device=DEVICE, dtype=torch.float16)
+    _assert_compiled_is_eager_s(module, torch.randn(5, 24, device=DEVICE, dtype=torch.float16),
+                                fusions={"rms_norm": 2})
+
+
+def _assert_compiled_is_eager_s(module, x, fusions):
+    """The module compiled with the backend reports ``fusions`` and returns eager's results:
+    same dtypes and shapes, values within 16-bit rounding of the largest."""
     with torch.no_grad():
         expected = module(x)
         results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
-    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
+    assert gemslib.fusion_report() == fusions, gemslib.fusion_report()
     for got, want in zip(results, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
@@ -198,12 +204,6 @@ def test_functional_rms_norm_with_and_without_weight(dtype):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     module = _FunctionalNorms(24).to(DEVICE, dtype)
-    x = torch.randn(3, 5, 24, device=DEVICE, dtype=dtype)
-    with torch.no_grad():
-        expected = module(x)
-        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
     # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
-    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
-    for got, want in zip(results, expected):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+    _assert_compiled_is_eager_s(module, torch.randn(3, 5, 24, device=DEVICE, dtype=dtype),
+                                fusions={"rms_norm": 2})
