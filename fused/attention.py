@@ -818,7 +818,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
     mask, or a use of the log-sum-exp leaves the site to inductor."""
-    sites = []
+    sites, bands = [], {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
             args = _arguments(node)
@@ -835,8 +835,12 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             if mask is None:
                 causal = bool(args.get("is_causal"))
             else:
-                band = None if args.get("is_causal") else (
-                    _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv))
+                if args.get("is_causal"):
+                    continue
+                key = mask, str(seq_q), str(seq_kv)  # symbolic sizes do not hash
+                if key not in bands:
+                    bands[key] = _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv)
+                band = bands[key]
                 if band is None:
                     continue
                 lo, hi = band
