@@ -660,10 +660,13 @@ def _index(node):
     if node.target is not _prims.iota.default or node.kwargs.get("step") != 1 or \
             not isinstance(node.kwargs.get("start"), int):
         return None
+    length = node.args[0]
+    if isinstance(length, torch.fx.Node):  # a symbolic size, a graph input
+        length = length.meta["val"]
     sized = [axis for axis in range(-len(shape), 0) if not _same(shape[axis], 1)]
-    if not sized and _same(node.args[0], 1):  # one index (one query row): any axis
+    if not sized and _same(length, 1):  # one index (one query row): any axis
         return None, node.kwargs["start"] + offset
-    if len(sized) != 1 or not _same(shape[sized[0]], node.args[0]):
+    if len(sized) != 1 or not _same(shape[sized[0]], length):
         return None
     return sized[0], node.kwargs["start"] + offset
 

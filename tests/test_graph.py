@@ -71,6 +71,26 @@ def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
     assert torch.equal(again, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dynamic_shapes_keep_every_fusion(dtype):
+    """With ``dynamic=True`` one graph serves every sequence length (the causal mask is then
+    symbolic) and dynamo makes the norms' float epsilon a graph input: every fusion is still
+    made, once, and each length's logits are eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(dtype, "qwen2")
+    compiled = torch.compile(model, backend="gemslib", fullgraph=True, dynamic=True)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for length in (5, 9, 13):
+            ids = torch.randint(0, 96, (2, length), device=DEVICE)
+            expected = model(ids).logits.float()
+            logits = compiled(ids).logits.float()
+            error = ((logits - expected).abs().max() / expected.abs().max()).item()
+            assert error <= tolerance, f"length {length}: max error {error:.2e}"
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
 def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
     """For one sequence transformers adds a packed-sequence test of its positions to the
     causal mask (a cumsum over position steps); computed at compile time it is causal."""
