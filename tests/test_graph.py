@@ -91,6 +91,45 @@ def test_dynamic_shapes_keep_every_fusion(dtype):
     assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
 
 
+def test_generate_with_transformers_compile_config():
+    """transformers' ``CompileConfig(backend="gemslib")`` compiles generate()'s decode step on a
+    static cache (its default mode, reduce-overhead, puts it in CUDA graphs on a GPU): the
+    greedy tokens are eager's and the layers' fusions are made. (The decode step attends over
+    the whole cache under a mask of the cache positions, a graph input: left to inductor.)"""
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                  cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on GPUs only by default
+        model.generation_config.compile_config = config
+        gemslib.reset_fusion_report()
+        tokens = model.generate(ids, **kwargs)
+    assert torch.equal(tokens, expected)
+    fusions = gemslib.fusion_report()
+    assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
+        fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4, fusions
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_inductor_modes_keep_the_fusions(mode):
+    """The backend takes inductor's modes (reduce-overhead: CUDA graphs on a GPU)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True, mode=mode)
+        for _ in range(3):  # CUDA graphs record on a later call and replay after
+            logits = compiled(ids).logits.clone()
+            assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
 def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
     """For one sequence transformers adds a packed-sequence test of its positions to the
     causal mask (a cumsum over position steps); computed at compile time it is causal."""
