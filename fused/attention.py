@@ -660,10 +660,13 @@ def _index(node):
     if node.target is not _prims.iota.default or node.kwargs.get("step") != 1 or \
             not isinstance(node.kwargs.get("start"), int):
         return None
+    length = node.args[0]
+    if isinstance(length, torch.fx.Node):  # a symbolic size, a graph input
+        length = length.meta["val"]
     sized = [axis for axis in range(-len(shape), 0) if not _same(shape[axis], 1)]
-    if not sized and _same(node.args[0], 1):  # one index (one query row): any axis
+    if not sized and _same(length, 1):  # one index (one query row): any axis
         return None, node.kwargs["start"] + offset
-    if len(sized) != 1 or not _same(shape[sized[0]], node.args[0]):
+    if len(sized) != 1 or not _same(shape[sized[0]], length):
         return None
     return sized[0], node.kwargs["start"] + offset
 
@@ -818,7 +821,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
     mask, or a use of the log-sum-exp leaves the site to inductor."""
-    sites = []
+    sites, bands = [], {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
             args = _arguments(node)
@@ -835,8 +838,12 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             if mask is None:
                 causal = bool(args.get("is_causal"))
             else:
-                band = None if args.get("is_causal") else (
-                    _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv))
+                if args.get("is_causal"):
+                    continue
+                key = mask, str(seq_q), str(seq_kv)  # symbolic sizes do not hash
+                if key not in bands:
+                    bands[key] = _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv)
+                band = bands[key]
                 if band is None:
                     continue
                 lo, hi = band

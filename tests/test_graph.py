@@ -71,6 +71,65 @@ def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
     assert torch.equal(again, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dynamic_shapes_keep_every_fusion(dtype):
+    """With ``dynamic=True`` one graph serves every sequence length (the causal mask is then
+    symbolic) and dynamo makes the norms' float epsilon a graph input: every fusion is still
+    made, once, and each length's logits are eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(dtype, "qwen2")
+    compiled = torch.compile(model, backend="gemslib", fullgraph=True, dynamic=True)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for length in (5, 9, 13):
+            ids = torch.randint(0, 96, (2, length), device=DEVICE)
+            expected = model(ids).logits.float()
+            logits = compiled(ids).logits.float()
+            error = ((logits - expected).abs().max() / expected.abs().max()).item()
+            assert error <= tolerance, f"length {length}: max error {error:.2e}"
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
+def test_generate_with_transformers_compile_config():
+    """transformers' ``CompileConfig(backend="gemslib")`` compiles generate()'s decode step on a
+    static cache (its default mode, reduce-overhead, puts it in CUDA graphs on a GPU): the
+    greedy tokens are eager's and the layers' fusions are made. (The decode step attends over
+    the whole cache under a mask of the cache positions, a graph input: left to inductor.)"""
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                  cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on GPUs only by default
+        model.generation_config.compile_config = config
+        gemslib.reset_fusion_report()
+        tokens = model.generate(ids, **kwargs)
+    assert torch.equal(tokens, expected)
+    fusions = gemslib.fusion_report()
+    assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
+        fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4, fusions
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_inductor_modes_keep_the_fusions(mode):
+    """The backend takes inductor's modes (reduce-overhead: CUDA graphs on a GPU)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True, mode=mode)
+        for _ in range(3):  # CUDA graphs record on a later call and replay after
+            logits = compiled(ids).logits.clone()
+            assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
 def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
     """For one sequence transformers adds a packed-sequence test of its positions to the
     causal mask (a cumsum over position steps); computed at compile time it is causal."""
@@ -136,11 +195,17 @@ def test_look_alike_forms_are_left_alone():
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     module = _LookAlikeNorms(24).to(DEVICE, torch.float16)
-    x = torch.randn(5, 24, device=DEVICE, dtype=torch.float16)
+    _assert_compiled_is_eager_s(module, torch.randn(5, 24, device=DEVICE, dtype=torch.float16),
+                                fusions={"rms_norm": 2})
+
+
+def _assert_compiled_is_eager_s(module, x, fusions):
+    """The module compiled with the backend reports ``fusions`` and returns eager's results:
+    same dtypes and shapes, values within 16-bit rounding of the largest."""
     with torch.no_grad():
         expected = module(x)
         results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
-    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
+    assert gemslib.fusion_report() == fusions, gemslib.fusion_report()
     for got, want in zip(results, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
@@ -198,12 +263,6 @@ def test_functional_rms_norm_with_and_without_weight(dtype):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     module = _FunctionalNorms(24).to(DEVICE, dtype)
-    x = torch.randn(3, 5, 24, device=DEVICE, dtype=dtype)
-    with torch.no_grad():
-        expected = module(x)
-        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
     # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
-    assert gemslib.fusion_report() == {"rms_norm": 2}, gemslib.fusion_report()
-    for got, want in zip(results, expected):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+    _assert_compiled_is_eager_s(module, torch.randn(3, 5, 24, device=DEVICE, dtype=dtype),
+                                fusions={"rms_norm": 2})

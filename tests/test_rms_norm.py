@@ -309,6 +309,16 @@ def test_custom_ops_pass_opcheck(with_weight):
     grad = random_tensor((4, 3, 40), torch.float32)
     torch.library.opcheck(torch.ops.gemslib.rms_norm_backward,
                           (grad, x.detach(), weight.detach() if with_weight else None, rstd))
+    # the graph passes' forms with eps a graph input (a 0-d CPU tensor): forward only
+    eps = torch.tensor(1e-5, dtype=torch.float64)
+    x, residual = x.detach(), residual.detach()
+    weight = weight.detach() if with_weight else None
+    torch.library.opcheck(torch.ops.gemslib.rms_norm_eps_input, (x, weight, eps),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.gemslib.add_rms_norm_eps_input, (x, residual, weight, eps),
+                          test_utils=("test_schema", "test_faketensor"))
+    expected = torch.ops.gemslib.rms_norm_forward(x, weight, 1e-5)[0]
+    assert torch.equal(torch.ops.gemslib.rms_norm_eps_input(x, weight, eps), expected)
 
 
 def test_traces_under_torch_compile_fullgraph():

@@ -84,6 +84,12 @@ def test_a_slice_of_a_fused_qkv_projection():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradients_are_the_inverse_rotation(dtype, interleaved):
     q, k, cos, sin, positions = _inputs((2, 5, 4, 16), 2, 6, "batch", dtype)
+    _assert_gradients_are_float64_autograd_s(q, k, cos, sin, positions, interleaved, dtype)
+
+
+def _assert_gradients_are_float64_autograd_s(q, k, cos, sin, positions, interleaved, dtype):
+    """dq and dk of apply_rotary for random incoming gradients, against autograd through the
+    float64 reference; returns (q, k, grad_q, grad_k) with q.grad and k.grad set."""
     q.requires_grad_()
     k.requires_grad_()
     grad_q, grad_k = random_tensor(q.shape, dtype), random_tensor(k.shape, dtype)
@@ -95,6 +101,7 @@ def test_gradients_are_the_inverse_rotation(dtype, interleaved):
     torch.autograd.backward([ref_q, ref_k], [grad_q.double(), grad_k.double()])
     assert_close_to_reference(q.grad, q64.grad, dtype, msg="dq")
     assert_close_to_reference(k.grad, k64.grad, dtype, msg="dk")
+    return q, k, grad_q, grad_k
 
 
 def test_bad_input_names_the_argument():
@@ -336,17 +343,8 @@ def test_full_table_gradients_are_the_transposed_rotation(table_batch, dtype, in
     """With halves that differ the transpose is not the rotation by -sin: dq must be autograd's
     of the float64 forward."""
     q, k, cos, sin = _full_table_inputs((2, 5, 3, 14), 2, 10, table_batch, dtype)
-    q.requires_grad_()
-    k.requires_grad_()
-    grad_q, grad_k = random_tensor(q.shape, dtype), random_tensor(k.shape, dtype)
-    q_rot, k_rot = gemslib.apply_rotary(q, k, cos, sin, interleaved=interleaved)
-    torch.autograd.backward([q_rot, k_rot], [grad_q, grad_k])
-    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    ref_q, ref_k = rotary_ops.rotary_reference(q64, k64, cos.double(), sin.double(), None,
-                                               interleaved)
-    torch.autograd.backward([ref_q, ref_k], [grad_q.double(), grad_k.double()])
-    assert_close_to_reference(q.grad, q64.grad, dtype, msg="dq")
-    assert_close_to_reference(k.grad, k64.grad, dtype, msg="dk")
+    q, k, grad_q, _ = _assert_gradients_are_float64_autograd_s(q, k, cos, sin, None,
+                                                               interleaved, dtype)
     # differentiable backward: dq is linear in grad_q, and its own backward (the transpose of
     # the transpose) is the forward rotation
     q2, grad_q2 = q.detach().requires_grad_(), grad_q.detach().requires_grad_()
