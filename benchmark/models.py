@@ -16,6 +16,8 @@ position only (``logits_to_keep=1``, ``use_cache=False``), under ``torch.no_grad
 - ``gemslib``: ``torch.compile(model, backend="gemslib", fullgraph=True)`` (inductor plus
   gemslib's graph passes; ``gemslib.fusion_report()`` is recorded per shape);
 - ``inductor``: ``torch.compile(model, fullgraph=True)``;
+- ``gemslib-cudagraphs`` and ``inductor-cudagraphs`` (only when named in ``--ways``): the two
+  compiled ways with ``mode="reduce-overhead"`` (the forward replayed as a CUDA graph);
 - ``liger``: Liger-Kernel's ``_apply_liger_kernel_to_instance(model=model)``, then eager;
 - ``flaggems``: eager under FlagGems' ``with flag_gems.use_gems():``.
 
@@ -110,9 +112,11 @@ MODELS = {
                             eps=1e-5, layers=8, max_positions=32768),
 }
 
-WAYS = ("eager", "enable", "gemslib", "inductor", "liger", "flaggems")
-GEMSLIB_WAYS = ("enable", "gemslib")   # their failure is the run's failure (exit 1)
-COMPILED_WAYS = ("gemslib", "inductor")
+DEFAULT_WAYS = ("eager", "enable", "gemslib", "inductor", "liger", "flaggems")
+WAYS = DEFAULT_WAYS + ("gemslib-cudagraphs", "inductor-cudagraphs")
+# their failure is the run's failure (exit 1)
+GEMSLIB_WAYS = ("enable", "gemslib", "gemslib-cudagraphs")
+COMPILED_WAYS = ("gemslib", "inductor", "gemslib-cudagraphs", "inductor-cudagraphs")
 # the way's package: its absence is "not installed", found without importing it
 PEER_MODULES = {"liger": "liger_kernel", "flaggems": "flag_gems"}
 SHAPES = ((1, 4096), (4, 2048))
@@ -289,7 +293,7 @@ def _prepare_way(way: str, model):
         import gemslib
 
         return model, lambda: gemslib.enable(record=True), None
-    if way in ("eager", "gemslib", "inductor"):
+    if way in ("eager",) + COMPILED_WAYS:
         return model, contextlib.nullcontext, None
     raise ValueError(f"unknown way {way!r}")
 
@@ -299,12 +303,13 @@ def _compiled(way: str, model):
     import torch
 
     torch._dynamo.reset()
-    if way == "gemslib":
+    mode = "reduce-overhead" if way.endswith("-cudagraphs") else None
+    if way.startswith("gemslib"):
         import gemslib
 
         gemslib.reset_fusion_report()
-        return torch.compile(model, backend="gemslib", fullgraph=True, dynamic=False)
-    return torch.compile(model, fullgraph=True, dynamic=False)
+        return torch.compile(model, backend="gemslib", fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
 
 
 def run_way(job: dict) -> dict:
@@ -340,6 +345,8 @@ def run_way(job: dict) -> dict:
             runner = _compiled(job["way"], model) if job["way"] in COMPILED_WAYS else model
 
             def forward():
+                if job["way"].endswith("-cudagraphs"):  # a new replay; earlier outputs may go
+                    torch.compiler.cudagraph_mark_step_begin()
                 return runner(input_ids=ids, logits_to_keep=1, use_cache=False).logits
 
             with torch.no_grad(), context() as scope:
@@ -347,7 +354,7 @@ def run_way(job: dict) -> dict:
                 logits = forward()
                 _synchronize(device)
                 figures["first_call_s"] = time.perf_counter() - started
-                if job["way"] == "gemslib":
+                if job["way"].startswith("gemslib"):
                     import gemslib
 
                     figures["fusion_report"] = gemslib.fusion_report()
@@ -355,6 +362,7 @@ def run_way(job: dict) -> dict:
                     logits = forward()
                 _synchronize(device)
                 times = _time_calls(forward, device, job["reps"])
+                logits = forward()  # a CUDA graph's replays overwrote the earlier output
             figures["times_ms"] = times
             figures["time_ms"] = statistics.median(times)
             if job["way"] == "enable":  # scope: gemslib.enable(record=True)
@@ -708,8 +716,9 @@ def build_parser() -> argparse.ArgumentParser:
                "without --tiny; 2 bad arguments")
     parser.add_argument("--model-names", nargs="+", choices=list(MODELS), default=list(MODELS),
                         metavar="NAME", help=f"models to run (default: all: {', '.join(MODELS)})")
-    parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(WAYS),
-                        metavar="WAY", help=f"ways to run (default: all: {', '.join(WAYS)})")
+    parser.add_argument("--ways", nargs="+", choices=list(WAYS), default=list(DEFAULT_WAYS),
+                        metavar="WAY", help=f"ways to run, of {', '.join(WAYS)} (default: "
+                                            f"{', '.join(DEFAULT_WAYS)})")
     parser.add_argument("--shapes", nargs="+", type=size_pair("BxS"), default=None,
                         metavar="BxS", help="prefill shapes (default: 1x4096 4x2048; "
                                             "1x32 2x16 with --tiny)")
@@ -828,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
             shape_entry = {"floor": shape_floor, "rows": rows}
             compile_s = {row["way"]: row["first_call_s"] for row in rows
                          if row["way"] in COMPILED_WAYS and row["time_ms"] is not None}
-            if len(compile_s) == 2:
+            if "gemslib" in compile_s and "inductor" in compile_s:
                 shape_entry["compile_ratio"] = {
                     "gemslib_s": compile_s["gemslib"], "inductor_s": compile_s["inductor"],
                     "ratio": compile_s["gemslib"] / compile_s["inductor"]}

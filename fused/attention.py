@@ -690,6 +690,7 @@ def _visible_band(mask):
     ``where(condition, 0, -inf or the dtype's lowest)`` or the boolean condition itself, a conjunction of
     comparisons of key and query indices (``iota`` plus constants) broadcast over batch and
     heads. None for any other mask."""
+    mask = _unwrapped(mask)
     if mask.target is _aten.where.self:
         condition, visible, hidden = mask.args
         if not (_is_full(visible, 0.0) and _hides(hidden)):
@@ -726,6 +727,36 @@ def _visible_band(mask):
     shift = right[1] - left[1]
     lo, hi = _COMPARISONS[comparison]
     return (None if lo is None else shift + lo), (None if hi is None else shift + hi)
+
+
+def _unwrapped(mask):
+    """``mask`` without what SDPA's efficient backend wraps around it, which changes no value
+    at any (query, key): a broadcast, and the padding of the key axis to an aligned width
+    sliced back off (``constant_pad_nd(m, [0, p])[..., 0:n]`` with n m's key length)."""
+    while isinstance(mask, torch.fx.Node):
+        if mask.target is _aten.expand.default:
+            mask = mask.args[0]
+        elif mask.target is _aten.slice.Tensor and _is_unpadding(mask):
+            mask = mask.args[0].args[0]
+        else:
+            break
+    return mask
+
+
+def _is_unpadding(node) -> bool:
+    """``node`` is ``slice(constant_pad_nd(m, [0, p], value), -1, 0, n)`` with n m's last size:
+    m again, the padding cut off."""
+    args = _arguments(node)
+    padded, dim, start, end, step = (args[name] for name in ("self", "dim", "start", "end",
+                                                             "step"))
+    if not (isinstance(padded, torch.fx.Node) and padded.target is _aten.constant_pad_nd.default):
+        return False
+    source, pad = padded.args[0], list(padded.args[1])
+    rank = source.meta["val"].dim()
+    if isinstance(end, torch.fx.Node):  # a symbolic length
+        end = end.meta["val"]
+    return len(pad) == 2 and _same(pad[0], 0) and dim in (-1, rank - 1) and start == 0 \
+        and step == 1 and end is not None and _same(end, source.meta["val"].shape[-1])
 
 
 class _NotConstant(Exception):

@@ -176,6 +176,10 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
                          "where gemslib's passes go; install gemslib.graph.PASSES in your own "
                          "pass instead")
     patches["post_grad_custom_post_pass"] = PASSES
+    # inductor's shape padding rewrites a matmul whose rows are not aligned into a padded one
+    # when a timing on the GPU favours it, and that decides per run whether the projections
+    # still read as linear layers; merged_linear's GEMM over aligned weights needs no padding
+    patches.setdefault("shape_padding", False)
     token = _compiling_inputs.set(list(example_inputs))
     try:
         return compile_fx(gm, example_inputs, config_patches=patches)

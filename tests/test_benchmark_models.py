@@ -27,18 +27,20 @@ def _rows(report: dict, model: str) -> dict:
             for shape in report["models"][model]["shapes"].values() for row in shape["rows"]}
 
 
+_TINY_WAYS = ("eager", "enable", "gemslib", "gemslib-cudagraphs")
+
+
 def test_tiny_llama_runs_eager_enable_and_gemslib_each_in_its_own_process(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmark", "--models", "--tiny", "--model-names", "llama3-8b",
-         "--ways", "eager", "enable", "gemslib", "--reps", "2", "--timeout", "240",
+         "--ways", *_TINY_WAYS, "--reps", "2", "--timeout", "240",
          "--out", str(tmp_path)],
         cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "models.json").read_text())
     markdown = (tmp_path / "models.md").read_text()
     rows = _rows(report, "llama3-8b")
-    assert set(rows) == {(shape, way) for shape in ("B1 S32", "B2 S16")
-                         for way in ("eager", "enable", "gemslib")}
+    assert set(rows) == {(shape, way) for shape in ("B1 S32", "B2 S16") for way in _TINY_WAYS}
     for (shape, way), row in rows.items():
         assert row["status"] == "ok", (shape, way, row)
         assert row["time_ms"] > 0 and row["first_call_s"] > 0
@@ -49,18 +51,20 @@ def test_tiny_llama_runs_eager_enable_and_gemslib_each_in_its_own_process(tmp_pa
         assert row["vs_eager"] and row["vs_floor"]
     for shape in ("B1 S32", "B2 S16"):
         assert rows[(shape, "eager")]["vs_eager"] == 1
-        fusions = rows[(shape, "gemslib")]["fusion_report"]
-        # per layer two norms, every one after the first behind a residual add; the final norm
-        assert sum(fusions.values()) >= 5 and "add_rms_norm" in fusions, fusions
+        for way in ("gemslib", "gemslib-cudagraphs"):
+            fusions = rows[(shape, way)]["fusion_report"]
+            # per layer two norms, every one after the first behind a residual add; the final
+            # norm
+            assert sum(fusions.values()) >= 5 and "add_rms_norm" in fusions, fusions
         assert "silu" in rows[(shape, "enable")]["overrides"]
         assert f"## Llama-3-8B (tiny), 2 layers, prefill {shape}" in markdown
-    for way in ("eager", "enable", "gemslib"):
+    for way in _TINY_WAYS:
         assert markdown.count(f"\n| {way} | ") == 2, markdown
     assert "gemslib fusions:" in markdown and "overrides that ran:" in markdown
     assert (tmp_path / "models" / "llama3-8b" / "reference.pt").exists()
     assert report["floor"]["status"] == "ok" and report["floor"]["matmul"]["tflops"] > 0
     # one progress line per finished way
-    for way in ("eager", "enable", "gemslib"):
+    for way in _TINY_WAYS:
         assert sum(f"llama3-8b {way} " in line for line in done.stdout.splitlines()) == 1
 
 

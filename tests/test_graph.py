@@ -229,6 +229,25 @@ def test_mode_and_options_are_inductor_s():
         gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
 
 
+@pytest.mark.parametrize("options, padding", [(None, False), ({"shape_padding": True}, True)])
+def test_matmuls_keep_their_shape_unless_padding_is_asked_for(monkeypatch, options, padding):
+    """The backend turns inductor's shape padding off (its GPU timings would decide per run
+    whether a projection still reads as one), unless the options ask for it."""
+    seen = []
+    call = gemslib.graph.GemslibPasses.__call__
+
+    def recording(self, graph):
+        seen.append(torch._inductor.config.shape_padding)
+        return call(self, graph)
+
+    monkeypatch.setattr(gemslib.graph.GemslibPasses, "__call__", recording)
+    torch._dynamo.reset()
+    x, w = torch.randn(5, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    f = torch.compile(lambda x, w: x @ w, backend="gemslib", options=options)
+    assert torch.allclose(f(x, w), x @ w)
+    assert seen == [padding]
+
+
 def test_a_training_graph_keeps_its_gradients():
     """With gradients the forward's intermediates are saved for the backward, so a norm can
     only be replaced where the backward does not read inside it; the gradients stay eager's."""
