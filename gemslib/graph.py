@@ -148,12 +148,26 @@ class GemslibPasses(_passes_base()):
             from torch._inductor.pattern_matcher import stable_topological_sort
             stable_topological_sort(graph)
             graph.eliminate_dead_code()
+            _free_layouts(graph)
             log.debug("gemslib: %d sites replaced in one graph", replaced)
 
     def uuid(self) -> Any:
         # None keeps inductor's FX graph cache out of graphs these passes see: a cached graph
         # would skip the passes, and fusion_report() could not count what it holds
         return None
+
+
+def _free_layouts(graph: torch.fx.Graph) -> None:
+    """Drop the input layouts recorded when a replacement was traced from gemslib's nodes.
+
+    A pattern's replacement is traced on the matched values as they were before the rewrites
+    changed their producers (a projection's output became a slice of the merged one), and
+    inductor would copy each input into that stale layout. gemslib's operators take any
+    strides, and without the record inductor passes the inputs as they are, as it does for
+    the nodes the rewrites insert."""
+    for node in graph.nodes:
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemslib":
+            node.meta.pop("eager_input_vals", None)
 
 
 PASSES = GemslibPasses()

@@ -1,6 +1,7 @@
 """Graph passes: torch.compile(backend="gemslib") replaces the forms models write with
 gemslib's operators, only where the matched site is that computation."""
 
+import re
 import subprocess
 import sys
 
@@ -227,6 +228,31 @@ def test_mode_and_options_are_inductor_s():
         gemslib.graph.backend(None, [], mode="max-autotune", options={"a": 1})
     with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
         gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
+
+
+def test_the_merged_projection_feeds_rotary_and_attention_without_copies():
+    """q, k and v reach the rotary and attention ops as views of the merged q | k | v output
+    (its rows are q, k and v wide together), not as copies inductor makes for a layout recorded
+    before the projections were merged."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32, layers=1)
+    ids = torch.randint(0, 96, (1, 16), device=DEVICE)
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(torch.compile(model, backend="gemslib", fullgraph=True),
+                                         ids)
+    calls = {op: next(line for line in code.splitlines() if f"gemslib.{op}.default(" in line)
+             for op in ("merged_linear", "rotary", "attention")}
+    width = 64 + 2 * 32  # q, then k and v of two 16-wide heads
+    row_views = re.findall(r"reinterpret_tensor\((buf\d+), \([\d, ]+\), \((\d+), (\d+), (\d+), 1\)",
+                           calls["rotary"])
+    assert len(row_views) == 2, calls["rotary"]  # q and k: (B, S, H, D) views of token rows
+    assert all(int(token) == width for _, _, token, _ in row_views), calls["rotary"]
+    assert len({buffer for buffer, *_ in row_views}) == 1, calls["rotary"]
+    value = re.findall(r"reinterpret_tensor\((buf\d+), \(1, 2, 16, 16\), \((\d+), 16, (\d+), 1\), 96\)",
+                       calls["attention"])
+    assert value and int(value[0][2]) == width, calls["attention"]  # v, head-major view
 
 
 @pytest.mark.parametrize("options, padding", [(None, False), ({"shape_padding": True}, True)])
