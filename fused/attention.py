@@ -847,6 +847,58 @@ def _unrepeated(kv: torch.fx.Node, n_q_heads):
     return kv
 
 
+def _decode_key_mask(mask, q_val, seq_kv):
+    """For one query row (a decode step) under a mask the band does not decide (transformers'
+    static cache: a boolean graph input of the visible cache positions), the boolean
+    condition of shape (B or 1, 1, 1, Skv) the mask keeps keys by: the mask itself, or
+    ``where(condition, 0, hidden)``; else None. decode_attention then reads only the blocks of
+    keys it keeps. A row the mask hides entirely gives 0 there, as SDPA's math backend gives
+    for a boolean mask (torch's 16-bit cuDNN path, which hides with a finite -65504 instead,
+    would average such a row's values)."""
+    if not _same(q_val.shape[2], 1):
+        return None
+    mask = _unwrapped(mask)
+    if mask.target is _aten.where.self:
+        condition, visible, hidden = mask.args
+        if not (_is_full(visible, 0.0) and _hides(hidden)) or \
+                not isinstance(condition, torch.fx.Node):
+            return None
+        mask = _unwrapped(condition)
+    value = mask.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 4:
+        return None
+    batch = value.shape[0]
+    if not ((_same(batch, 1) or _same(batch, q_val.shape[0])) and _same(value.shape[1], 1)
+            and _same(value.shape[2], 1) and _same(value.shape[3], seq_kv)):
+        return None
+    return mask
+
+
+def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask) -> str | None:
+    """Replace the one-row SDPA ``node`` by decode_attention under ``key_mask``; its site, or
+    None where the scale is not a number."""
+    q_val = q.meta["val"]
+    batch, seq_kv = q_val.shape[0], k.meta["val"].shape[2]
+    scale = args.get("scale")
+    scale = default_scale(q_val.shape[-1]) if scale is None else scale
+    if not isinstance(scale, float):
+        return None
+    k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
+    with graph.inserting_before(node):
+        keys = call_node(graph, _aten.reshape.default, key_mask,
+                         [key_mask.meta["val"].shape[0], seq_kv])
+        keys = call_node(graph, _aten.expand.default, keys, [batch, seq_kv])
+        rows = call_node(graph, _aten.select.int, q, 2, 0)
+        fused = call_node(graph, torch.ops.gemslib.decode_attention.default, rows, k, v, None,
+                          scale, keys)
+        out = call_node(graph, _aten.unsqueeze.default, fused, 2)
+    for user in list(node.users):
+        user.replace_all_uses_with(out)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return f"{node.name} (decode under a key mask, 1 x {seq_kv})"
+
+
 def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     """SDPA whose mask is none, causal (``is_causal``, or transformers' causal mask proven from
     its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
@@ -876,6 +928,11 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     bands[key] = _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv)
                 band = bands[key]
                 if band is None:
+                    key_mask = _decode_key_mask(mask, q_val, seq_kv)
+                    site = key_mask is not None and _fuse_decode(graph, node, args, q, k, v,
+                                                                 key_mask)
+                    if site:
+                        sites.append(site)
                     continue
                 lo, hi = band
                 if lo is not None and not statically_known_true(lo <= 1 - seq_q):

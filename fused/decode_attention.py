@@ -34,17 +34,44 @@ from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 
 @triton.jit
+def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s, stride_v_s,
+               scale_log2, b_acc, b_row_max, b_row_sum, IEEE: tl.constexpr):
+    """One block of keys (positions o_n, those of m_n visible, at least one) folded into the
+    online softmax of the query rows b_q: (accumulator, row max, row sum), base-2 scores."""
+    b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
+                  mask=m_n[None, :] & (o_d[:, None] < head_dim), other=0.0)
+    if IEEE:
+        b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
+    else:
+        b_s = tl.dot(b_q, b_k) * scale_log2
+    b_s = tl.where(m_n[None, :], b_s, -float("inf"))
+    b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
+    b_rescale = tl.exp2(b_row_max - b_new_max)
+    b_p = tl.exp2(b_s - b_new_max[:, None])
+    b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
+    b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
+                  mask=m_n[:, None] & (o_dv[None, :] < head_dim_v), other=0.0)
+    if IEEE:
+        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    return b_acc, b_new_max, b_row_sum
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, seqlens_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr, arrivals_ptr,
-    cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
-    scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
-    stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, IEEE: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, seqlens_ptr, key_mask_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
+    arrivals_ptr, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
+    n_splits, scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_m_b, stride_m_s, stride_o_b, stride_o_h,
+    IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
-    whose K/V are read once for all of them.
+    whose K/V are read once for all of them. Unless key_mask is None, only the keys j with
+    ``key_mask[b, j]`` count, and a block of keys the mask hides entirely is not read.
 
     With one split the split scratch (o_part, lse_part, arrivals) is None and the program
     writes the output. With several it writes each head's normalised partial output and
@@ -84,24 +111,17 @@ def _decode_kernel(
     for i_n in range(key_start, key_end, BLOCK_N):
         o_n = i_n + tl.arange(0, BLOCK_N)
         m_n = o_n < key_end
-        b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
-                      mask=m_n[None, :] & (o_d[:, None] < head_dim), other=0.0)
-        if IEEE:
-            b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
+        if key_mask_ptr is None:
+            b_acc, b_row_max, b_row_sum = _fold_keys(
+                b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
+                stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
         else:
-            b_s = tl.dot(b_q, b_k) * scale_log2
-        b_s = tl.where(m_n[None, :], b_s, -float("inf"))
-        b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
-        b_rescale = tl.exp2(b_row_max - b_new_max)
-        b_p = tl.exp2(b_s - b_new_max[:, None])
-        b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
-        b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
-                      mask=m_n[:, None] & (o_dv[None, :] < head_dim_v), other=0.0)
-        if IEEE:
-            b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
-        else:
-            b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_row_max = b_new_max
+            m_n = m_n & (tl.load(key_mask_ptr + i_b * stride_m_b + o_n * stride_m_s, mask=m_n,
+                                 other=0) != 0)
+            if tl.max(m_n.to(tl.int32), axis=0) > 0:  # a block of hidden keys is not read
+                b_acc, b_row_max, b_row_sum = _fold_keys(
+                    b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
+                    stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
     m_empty = b_row_sum == 0.0
     b_o = tl.where(m_empty[:, None], 0.0, b_acc / tl.where(m_empty, 1.0, b_row_sum)[:, None])
     m_o = m_h[:, None] & (o_dv[None, :] < head_dim_v)
@@ -203,7 +223,8 @@ class _DecodePlan(NamedTuple):
 
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
-                 with_lse: bool = False) -> _DecodePlan:
+                 with_lse: bool = False, key_mask_strides: tuple[int, int] | None = None
+                 ) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
@@ -222,17 +243,20 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     arguments = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
         scale * LOG2E.value,
-        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out_strides,
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *(key_mask_strides or (0, 0)), *out_strides,
         q.dtype == torch.float32, max(16, group_pow2), group_pow2,
         max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
         min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     grid = (n_splits, batch * n_kv_heads)
     scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
                if n_splits > 1 else None)
-    # the kernel is compiled for which tensors are None (seqlens, lse, the split scratch), so
-    # the key holds them: the scratch with the grid's split count, the others as flags
+    # the kernel is compiled for which tensors are None (seqlens, key_mask, lse, the split
+    # scratch), so the key holds them: the scratch with the grid's split count, the others as
+    # flags
     return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
-                       (config, grid, arguments, has_seqlens, with_lse))
+                       (config, grid, arguments, has_seqlens, key_mask_strides is not None,
+                        with_lse))
 
 
 def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
@@ -250,9 +274,10 @@ def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
 
 
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
-                lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens
-    and lse are None exactly where the plan was made without them (has_seqlens, with_lse)."""
+                lse: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps.
+    seqlens, key_mask and lse are None exactly where the plan was made without them."""
     _check_seqlens_in_cache(seqlens, k_cache.shape[2])
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
@@ -261,7 +286,7 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
         arrivals = lse_part = o_part = None  # one split: no merge
     # positional: TunedKernel.replay launches the compiled kernel with them so
     DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens, out, lse, o_part, lse_part, arrivals,
+                  (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals,
                    *plan.arguments))
     return out
 
@@ -274,7 +299,7 @@ _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
 
-def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
+def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> tuple | None:
     """What a decode plan depends on, from decode_attention's raw arguments (None for
     arguments that are not tensors)."""
     try:
@@ -282,13 +307,16 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale) -> tuple | None:
                 v_cache.stride(), q.dtype, k_cache.dtype, v_cache.dtype, q.device,
                 k_cache.device, v_cache.device,
                 None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
+                None if key_mask is None else (key_mask.shape, key_mask.stride(),
+                                               key_mask.dtype, key_mask.device),
                 scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
     except (AttributeError, IndexError, TypeError):
         return None
 
 
 def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
-                 with_lse: bool = False) -> _DecodePlan | None:
+                 with_lse: bool = False, key_mask: torch.Tensor | None = None
+                 ) -> _DecodePlan | None:
     """The plan of the launch for arguments with a unit last stride; None when there is
     nothing to compute (no rows, no features or no keys)."""
     batch, n_q_heads, head_dim = q.shape
@@ -298,21 +326,25 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
     return _plan_decode(q, k_cache, v_cache, has_seqlens, scale,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)),
-                        with_lse=with_lse)
+                        with_lse=with_lse,
+                        key_mask_strides=None if key_mask is None else key_mask.stride())
 
 
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
-                   lse: torch.Tensor | None = None) -> torch.Tensor:
+                   lse: torch.Tensor | None = None,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
-    of them when seqlens is None). One launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32
-    contiguous, if given, gets each head's log-sum-exp."""
+    of them when seqlens is None), of those the ones key_mask (B, L) bool keeps, if given. One
+    launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32 contiguous, if given, gets each
+    head's log-sum-exp."""
     q, k_cache, v_cache = unit_last(q), unit_last(k_cache), unit_last(v_cache)
-    plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None)
+    plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None,
+                        key_mask=key_mask)
     if plan is None:
         if lse is not None:
             lse.fill_(-float("inf"))
         return q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[3]))
-    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse)
+    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse, key_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,16 +352,20 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
 # --------------------------------------------------------------------------------------------
 
 
-def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
+def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None, key_mask=None):
     """One query per sequence against the first seqlens[b] cache positions (clamped to
-    [0, L]; decode_attention rejects lengths outside), by definition."""
+    [0, L]; decode_attention rejects lengths outside), of those the ones key_mask[b] keeps,
+    by definition; no key at all gives 0."""
     outs = []
     for b in range(q.shape[0]):
         length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
                                                                k_cache.shape[2])
-        out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, :length],
-                                     v_cache[b:b + 1, :, :length], False, scale)
-        outs.append(out[:, :, 0] if length else torch.zeros_like(out[:, :, 0]))
+        keys = torch.arange(length, device=k_cache.device)
+        if key_mask is not None:
+            keys = keys[key_mask[b, :length].to(k_cache.device)]
+        out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, keys],
+                                     v_cache[b:b + 1, :, keys], False, scale)
+        outs.append(out[:, :, 0] if keys.numel() else torch.zeros_like(out[:, :, 0]))
     return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v_cache.shape[-1]))
 
 
@@ -338,7 +374,7 @@ def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
+def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> None:
     """Validate decode_attention's arguments (once per layout: see ``_checked_plan``)."""
     name = "gemslib.decode_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -351,9 +387,17 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale) -> None:
                                 or seqlens.dtype == torch.bool or seqlens.device != q.device):
         raise ValueError(f"{name}: seqlens must be an integer tensor of shape ({batch},) on "
                          f"{q.device}, got {seqlens!r:.80}")
+    shape = (batch, k_cache.shape[2])
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor)
+                                 or key_mask.dtype != torch.bool or key_mask.shape != shape
+                                 or key_mask.device != q.device):
+        got = (f"{key_mask.dtype} {tuple(key_mask.shape)} on {key_mask.device}"
+               if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__)
+        raise ValueError(f"{name}: key_mask must be a bool tensor of shape {shape} (batch, cache "
+                         f"length) on {q.device}, got {got}")
 
 
-def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None):
+def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None):
     """decode_attention's arguments checked, and the plan of their kernel launch, both once per
     ``layout`` (their ``_decode_layout``; None: nothing is kept). Returns the plan, None where
     the call does not launch the kernel on its arguments as given (it copies them, hands them
@@ -362,62 +406,68 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None):
     plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
     if plan is not _UNCHECKED:
         return plan
-    _check_decode(q, k_cache, v_cache, seqlens, scale)
+    _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask)
     if layout is not None and len(_decode_layouts) < 4096:
         plan = None
         if all(unit_last(t) is t for t in (q, k_cache, v_cache)) and \
                 _kernels_take(q, k_cache, v_cache):
             scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
             plan = _launch_plan(q, k_cache, v_cache, seqlens is not None,
-                                default_scale(q.shape[-1]) if scale is None else scale)
+                                default_scale(q.shape[-1]) if scale is None else scale,
+                                key_mask=key_mask)
         _decode_layouts[layout] = plan
     return _UNCHECKED
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seqlens: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                     seqlens: torch.Tensor | None = None, scale: float | None = None,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
-    k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). The KV length is
-    split over programs (flash-decoding) and the parts merged by log-sum-exp; the query heads
-    of one KV head share a program, so K/V are read once. A sequence of length 0 gives 0."""
+    k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). ``key_mask``
+    (B, L) bool, if given, keeps only the positions j with key_mask[b, j] (what SDPA's boolean
+    mask does for one query row); blocks of positions it hides entirely are not read. The KV
+    length is split over programs (flash-decoding) and the parts merged by log-sum-exp; the
+    query heads of one KV head share a program, so K/V are read once. A sequence with no key
+    gives 0."""
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
-    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale)
-    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout)
+    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask)
+    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask)
     if plan is _UNCHECKED:
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
     elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
-        return _run_decode(plan, q, k_cache, v_cache, seqlens)
+        return _run_decode(plan, q, k_cache, v_cache, seqlens, key_mask=key_mask)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):
         # no backward kernel: the reference, in torch ops, keeps gradients right
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
-        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale)
+        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale, key_mask)
     if compiling:
-        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale)
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
+        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale, key_mask)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
 
 
-def _decode_eager(q, k_cache, v_cache, seqlens, scale: float):
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, key_mask=None):
     if not _kernels_take(q, k_cache, v_cache):
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
-                                          seqlens, scale).to(q.dtype)
+                                          seqlens, scale, key_mask).to(q.dtype)
     # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale)
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale, key_mask=key_mask)
 
 
 def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           seqlens: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale)
+                           seqlens: Optional[torch.Tensor], scale: float,
+                           key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
 
 
 _decode_attention_op = runtime.CustomOp(
     "decode_attention", _decode_attention_impl,
-    fake=lambda q, k_cache, v_cache, seqlens, scale: q.new_empty((q.shape[0], q.shape[1],
-                                                                  v_cache.shape[-1])))
+    fake=lambda q, k_cache, v_cache, seqlens, scale, key_mask: q.new_empty(
+        (q.shape[0], q.shape[1], v_cache.shape[-1])))
 
 
 # --------------------------------------------------------------------------------------------

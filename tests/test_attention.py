@@ -809,6 +809,40 @@ def test_a_mask_padded_and_cut_back_is_read_through(shifted, fused):
     assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
 
 
+@pytest.mark.parametrize("mask_shape, additive, fused", [
+    ((3, 1, 1, 40), False, True),    # a static cache's visible positions, per sequence
+    ((1, 1, 1, 40), False, True),    # one mask for the batch
+    ((3, 1, 1, 40), True, True),     # where(mask, 0, -inf)
+    ((3, 4, 1, 40), False, False),   # a mask per head: not decode_attention's
+])
+def test_one_query_row_under_a_boolean_key_mask_runs_decode_attention(mask_shape, additive,
+                                                                      fused):
+    """A decode step against a whole static cache under a boolean mask that is a graph input
+    (values unknown when compiling): decode_attention with that mask as its key mask, for a
+    mask of the visible positions per sequence or for the batch; the first sequence sees no
+    key at all (0, as SDPA gives)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+
+    def step(q, k, v, mask):
+        if additive:
+            mask = torch.where(mask, 0.0, float("-inf"))
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                              v.repeat_interleave(2, 1), attn_mask=mask)
+
+    q = random_tensor((3, 4, 1, 16), torch.float32, scale=1.0)
+    k, v = (random_tensor((3, 2, 40, 16), torch.float32, scale=1.0) for _ in range(2))
+    mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(3)) < 0.4
+    if mask_shape[0] == 3:
+        mask[0] = False
+    mask = mask.to(q.device)
+    with torch.no_grad():
+        expected = step(q, k, v, mask)
+        got = torch.compile(step, backend="gemslib", fullgraph=True)(q, k, v, mask)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
 def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():
     torch._dynamo.reset()
     gemslib.reset_fusion_report()

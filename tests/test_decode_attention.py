@@ -1,5 +1,7 @@
 """decode_attention: split-KV decode against float64 references, lengths, inputs, custom op."""
 
+import re
+
 import pytest
 import torch
 
@@ -209,7 +211,59 @@ def test_custom_op_passes_opcheck():
     q = random_tensor((1, 4, 16), torch.float32)
     k = random_tensor((1, 2, 11, 16), torch.float32)
     torch.library.opcheck(torch.ops.gemslib.decode_attention,
-                          (q, k, k, torch.tensor([11], device=q.device), 0.25))
+                          (q, k, k, torch.tensor([11], device=q.device), 0.25, None))
+    mask = torch.rand(1, 11, device=q.device) < 0.5
+    torch.library.opcheck(torch.ops.gemslib.decode_attention, (q, k, k, None, 0.25, mask))
+
+
+def _key_masks(batch, cache_len, device):
+    """Per sequence: a left-padded prefix (padding, then the valid tokens, then the unused
+    cache), a random pattern, and nothing visible at all."""
+    generator = torch.Generator().manual_seed(7)
+    positions = torch.arange(cache_len)
+    masks = [(positions >= 70) & (positions < 190),
+             torch.rand(cache_len, generator=generator) < 0.3,
+             torch.zeros(cache_len, dtype=torch.bool)]
+    return torch.stack([masks[b % len(masks)] for b in range(batch)]).to(device)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_key_mask_keeps_only_its_positions(dtype, splits, monkeypatch):
+    """key_mask[b, j] False hides key j of sequence b, as SDPA's boolean mask does for one
+    query row; blocks it hides entirely (the padding, the unused cache) are skipped, and a
+    sequence that sees no key gives 0. With lengths too, both apply."""
+    monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: splits)
+    q = random_tensor((3, 4, 32), dtype, scale=1.0)
+    k = random_tensor((3, 2, 256, 32), dtype, scale=1.0)
+    v = random_tensor((3, 2, 256, 32), dtype, scale=1.0)
+    mask = _key_masks(3, 256, q.device)
+    rtol = tolerance(dtype)["rtol"]
+    for seqlens in (None, torch.tensor([150, 256, 10], device=q.device)):
+        out = gemslib.decode_attention(q, k, v, seqlens, key_mask=mask)
+        expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                         seqlens, key_mask=mask)
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.double()[:, :, None], k.double().repeat_interleave(2, 1),
+        v.double().repeat_interleave(2, 1), attn_mask=mask[:, None, None])[:, :, 0]
+    torch.testing.assert_close(gemslib.decode_attention(q, k, v, key_mask=mask).double(), sdpa,
+                               rtol=rtol, atol=rtol * v.abs().max().item())
+
+
+def test_a_key_mask_of_another_shape_or_dtype_is_refused():
+    q = random_tensor((2, 4, 16), torch.float32)
+    k = random_tensor((2, 2, 12, 16), torch.float32)
+    for mask, got in ((torch.ones(2, 11, dtype=torch.bool), "torch.bool (2, 11)"),
+                      (torch.ones(2, 12), "torch.float32 (2, 12)"),
+                      ([True] * 12, "list")):
+        if isinstance(mask, torch.Tensor):
+            mask = mask.to(q.device)
+        with pytest.raises(ValueError, match=r"key_mask must be a bool tensor of shape \(2, 12\)"
+                                             r".*got " + re.escape(got)):
+            gemslib.decode_attention(q, k, k, key_mask=mask)
 
 
 # The decode entries of the shipped files as they stood under ops.attention.decode, before

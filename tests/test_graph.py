@@ -95,24 +95,33 @@ def test_dynamic_shapes_keep_every_fusion(dtype):
 def test_generate_with_transformers_compile_config():
     """transformers' ``CompileConfig(backend="gemslib")`` compiles generate()'s decode step on a
     static cache (its default mode, reduce-overhead, puts it in CUDA graphs on a GPU): the
-    greedy tokens are eager's and the layers' fusions are made. (The decode step attends over
-    the whole cache under a mask of the cache positions, a graph input: left to inductor.)"""
+    greedy tokens and every step's logits are eager's, with a left-padded sequence in the
+    batch, and the layers' fusions are made. The decode step attends over the whole cache
+    under a boolean mask of the visible positions (a graph input): decode_attention reads the
+    keys it keeps."""
     torch._dynamo.reset()
     model = _tiny_llama(torch.float32)
-    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                  cache_implementation="static", pad_token_id=0)
+    ids = torch.randint(1, 96, (2, 7), device=DEVICE)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # the second sequence is 4 tokens, padded on the left
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False,
+                  cache_implementation="static", pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True)
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
         config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
         config._compile_all_devices = True  # transformers compiles on GPUs only by default
         model.generation_config.compile_config = config
         gemslib.reset_fusion_report()
-        tokens = model.generate(ids, **kwargs)
-    assert torch.equal(tokens, expected)
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (logits, reference) in enumerate(zip(got.logits, expected.logits)):
+        error = ((logits - reference).abs().max() / reference.abs().max()).item()
+        assert error <= 1e-4, f"step {step}: max error {error:.2e}"
     fusions = gemslib.fusion_report()
     assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
-        fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4, fusions
+        fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4 and \
+        fusions["attention"] == 2, fusions
 
 
 @pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
