@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     from gemslib.__main__ import doc_summary
 
     arguments = sys.argv[1:] if argv is None else list(argv)
+    if "--models" in arguments and "--decode" in arguments:  # the real-model decode one
+        from benchmark import decode
+
+        return decode.main([a for a in arguments if a not in ("--models", "--decode")])
     if "--models" in arguments:  # the real-model benchmark has its own options
         from benchmark import models
 
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", action="store_true",
                         help="the real-model prefill benchmark instead (benchmark/models.py; "
                              "--models --help lists its options)")
+    parser.add_argument("--decode", action="store_true",
+                        help="with --models: the real-model decode benchmark "
+                             "(benchmark/decode.py; --models --decode --help lists its options)")
     direction = parser.add_mutually_exclusive_group()
     direction.add_argument("--forward-only", action="store_true",
                            help="skip the backward kernels (timed by default)")

@@ -20,7 +20,8 @@ README = (ROOT / "README.md").read_text()
 # the project's command lines: what README text calls them -> the module whose main() runs it
 COMMANDS = {"gemslib": "gemslib.__main__", "gemslib demo": "gemslib.demo",
             "gemslib.tune": "gemslib.tune", "benchmark": "benchmark.__main__",
-            "benchmark.readme": "benchmark.readme", "benchmark.models": "benchmark.models"}
+            "benchmark.readme": "benchmark.readme", "benchmark.models": "benchmark.models",
+            "benchmark.decode": "benchmark.decode"}
 FLAG = re.compile(r"(?<![\w-])--[a-z][-a-z]*")
 
 

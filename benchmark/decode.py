@@ -1,0 +1,429 @@
+"""Real-model decode: transformers models at real sizes (random weights), one token per step.
+
+    python -m benchmark --models --decode [--model-names llama3-8b] [--cases 16x128+64 ...]
+                                          [--ways eager static-gemslib ...] [--tiny]
+    python -m benchmark.decode ...       (the same)
+
+The models are :mod:`benchmark.models`' (same configs, weights and token ids). A case is B
+sequences of a P-token prompt followed by N greedy new tokens, in a cache of L positions
+(``BxP+N`` or ``BxP+NofL``; L defaults to P + N): defaults B1 and B16 at 128 + 64 tokens, and
+at 2048 valid positions of a 4096-long cache. The ways (``--ways``):
+
+- ``eager``: transformers' dynamic cache;
+- ``enable``: the same under ``with gemslib.enable():``;
+- ``static-inductor``: a static cache, the step compiled by transformers' default
+  ``CompileConfig`` (inductor, ``mode="reduce-overhead"``: CUDA graphs);
+- ``static-gemslib``: the same with ``CompileConfig(backend="gemslib")``;
+- ``liger``: Liger-Kernel's patch, dynamic cache.
+
+Per case and way: **step ms**, one decode forward of one token per sequence at P valid
+positions (timed alone with CUDA events, the compiled ways through ``torch.compile(model,
+backend=..., mode="reduce-overhead", fullgraph=True)`` on a static cache, i.e. in their CUDA
+graph), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
+own loop), the step's logits against the float32 model's (relative error, top-1), and the
+floor: the bytes one step must read (every weight once, K and V at the valid positions) at the
+run's copy bandwidth. Each way runs in its own process, as in :mod:`benchmark.models`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmark import models as prefill
+from benchmark.models import BENCH_DIR, MODELS, ModelSpec, build_model, input_ids
+
+DECODE_WAYS = ("eager", "enable", "static-inductor", "static-gemslib", "liger")
+GEMSLIB_WAYS = ("enable", "static-gemslib")
+DECODE_CASES = ((1, 128, 64, 192), (16, 128, 64, 192), (1, 2048, 32, 4096),
+                (16, 2048, 32, 4096))
+TINY_DECODE_CASES = ((1, 12, 3, 15), (2, 12, 3, 32))
+_CASE = re.compile(r"^(\d+)x(\d+)\+(\d+)(?:of(\d+))?$")
+
+
+def case_key(batch: int, prompt: int, new: int, cache_len: int) -> str:
+    return f"B{batch} {prompt}+{new}" + ("" if cache_len == prompt + new else f" of {cache_len}")
+
+
+def parse_case(text: str) -> tuple[int, int, int, int]:
+    """``BxP+N`` or ``BxP+NofL`` -> (B, P, N, L), L at least P + N."""
+    found = _CASE.match(text)
+    if not found:
+        raise argparse.ArgumentTypeError(f"expected BxP+N or BxP+NofL (e.g. 16x2048+32of4096), "
+                                         f"got {text!r}")
+    batch, prompt, new = (int(found.group(i)) for i in (1, 2, 3))
+    cache_len = int(found.group(4) or prompt + new)
+    if min(batch, prompt, new) < 1 or cache_len < prompt + new:
+        raise argparse.ArgumentTypeError(f"{text!r} (BxP+NofL): B, P and N must be positive "
+                                         f"and L at least P + N")
+    return batch, prompt, new, cache_len
+
+
+def step_bytes(spec: ModelSpec, batch: int, valid: int, elem_bytes: int = 2) -> dict:
+    """Bytes one decode step reads at least: every weight once (the embedding's B rows only)
+    and K and V of every layer at ``valid`` positions."""
+    q_width, kv_width = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    per_layer = (spec.hidden * (q_width + 2 * kv_width) + q_width * spec.hidden
+                 + 3 * spec.hidden * spec.intermediate + 2 * spec.hidden)
+    weights = (per_layer * spec.layers + spec.hidden * spec.vocab + spec.hidden
+               + batch * spec.hidden) * elem_bytes
+    cache = 2 * spec.layers * batch * kv_width * valid * elem_bytes
+    return {"weights": weights, "cache": cache, "total": weights + cache}
+
+
+# ---- the worker side ----
+
+def _step_inputs(batch: int, prompt: int, device):
+    """The token of the first decode step (fixed) and its attention mask over the prompt."""
+    import torch
+
+    token = torch.full((batch, 1), 7, dtype=torch.long, device=device)
+    return token, torch.ones(batch, prompt + 1, dtype=torch.long, device=device)
+
+
+def _prefilled_cache(model, ids, static: bool, cache_len: int):
+    import torch
+    import transformers
+
+    cache = (transformers.StaticCache(config=model.config, max_cache_len=cache_len) if static
+             else transformers.DynamicCache(config=model.config))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def _step_runner(way: str, model, ids, cache_len: int):
+    """(step, rewind): ``step()`` runs one decode step at P valid positions and returns its
+    last logits; ``rewind()`` takes the cache back to the prompt, so that every step sees the
+    same fill (transformers' static layers count their own length)."""
+    import torch
+
+    static = way.startswith("static")
+    batch, prompt = ids.shape
+    token, mask = _step_inputs(batch, prompt, ids.device)
+    position = torch.tensor([prompt], device=ids.device)
+    cache = _prefilled_cache(model, ids, static, cache_len)
+    runner = model
+    if static:
+        torch._dynamo.reset()
+        if way == "static-gemslib":
+            import gemslib
+
+            gemslib.reset_fusion_report()
+        runner = torch.compile(model, backend="gemslib" if way == "static-gemslib" else "inductor",
+                               mode="reduce-overhead", fullgraph=True)
+
+    def step():
+        if static:  # a new CUDA graph replay: the previous step's outputs may go
+            torch.compiler.cudagraph_mark_step_begin()
+        return runner(input_ids=token, attention_mask=mask, past_key_values=cache,
+                      cache_position=position, use_cache=True).logits[:, -1]
+
+    def rewind():
+        if static:
+            for layer in cache.layers:
+                layer.cumulative_length.fill_(prompt)
+        else:
+            cache.crop(-1)
+
+    return step, rewind
+
+
+def _time_steps(step, rewind, device, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` steps, the rewinds between them not timed (CUDA
+    events around the step alone on a GPU)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        rewind()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - started) * 1e3)
+    rewind()
+    return times
+
+
+def run_decode_way(job: dict) -> dict:
+    import torch
+
+    device = prefill._device()
+    spec = ModelSpec(**job["spec"])
+    result = {"model": job["model"], "way": job["way"], "status": "ok", "shapes": {}}
+    references = {}
+    if job.get("reference") and Path(job["reference"]).exists():
+        references = torch.load(job["reference"])
+    model = build_model(spec, device, torch.bfloat16)
+    prefill._free(device)
+    way = job["way"]
+    try:
+        if way in ("liger", "enable"):
+            model, context, _ = prefill._prepare_way(way, model)
+        else:
+            context = contextlib.nullcontext
+    except prefill._NotInstalled as missing:
+        result.update(status=prefill.NOT_INSTALLED, error=f"{missing} is not installed")
+        return result
+    except Exception as err:
+        result.update(status=f"setup failed: {prefill._error_text(err)}")
+        return result
+    for batch, prompt, new, cache_len in job["cases"]:
+        key = case_key(batch, prompt, new, cache_len)
+        figures = result["shapes"].setdefault(key, {})
+        try:
+            ids = input_ids(spec, batch, prompt, device)
+            with torch.no_grad(), context():
+                started = time.perf_counter()
+                step, rewind = _step_runner(way, model, ids, cache_len)
+                logits = step().float()
+                prefill._synchronize(device)
+                figures["first_call_s"] = time.perf_counter() - started
+                if way == "static-gemslib":
+                    import gemslib
+
+                    figures["fusion_report"] = gemslib.fusion_report()
+                _time_steps(step, rewind, device, job["warmup"])
+                times = _time_steps(step, rewind, device, job["reps"])
+                figures["step_ms"] = statistics.median(times)
+                figures["tokens_per_s"], figures["generate_s"] = _generate(way, model, ids, new,
+                                                                          cache_len)
+            if key in references:
+                figures.update(prefill._accuracy(logits, references[key]))
+            prefill._say(f"{job['model']} {way} {key}: step {figures['step_ms']:.3f} ms, "
+                         f"{figures['tokens_per_s']:.0f} tok/s")
+        except Exception as err:
+            figures["error"] = prefill._error_text(err)
+            result["status"] = "error"
+            prefill._say(f"{job['model']} {way} {key}: FAILED {figures['error']}")
+        prefill._free(device)
+        prefill._write(job["result"], result)
+    return result
+
+
+def _generate(way: str, model, ids, new: int, cache_len: int) -> tuple[float, float]:
+    """(tokens/s, seconds) of a greedy ``generate`` of ``new`` tokens, after one untimed call
+    (the static ways compile their step in it)."""
+    import torch
+    import transformers
+
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                  do_sample=False, pad_token_id=0)
+    if way.startswith("static"):
+        config = transformers.CompileConfig(
+            **({"backend": "gemslib"} if way == "static-gemslib" else {}), fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on GPUs only by default
+        model.generation_config.compile_config = config
+
+        def call():
+            cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
+            return model.generate(ids, past_key_values=cache, **kwargs)
+    else:
+        def call():
+            return model.generate(ids, **kwargs)
+    call()
+    prefill._synchronize(ids.device)
+    started = time.perf_counter()
+    call()
+    prefill._synchronize(ids.device)
+    seconds = time.perf_counter() - started
+    return ids.shape[0] * new / seconds, seconds
+
+
+def run_decode_reference(job: dict) -> dict:
+    """The float32 model's logits of the first decode step of each case (dynamic cache)."""
+    import torch
+
+    device = prefill._device()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    spec = ModelSpec(**job["spec"])
+    model = build_model(spec, device, torch.float32)
+    saved, result = {}, {"model": job["model"], "way": "reference", "status": "ok", "shapes": {}}
+    for batch, prompt, new, cache_len in job["cases"]:
+        key = case_key(batch, prompt, new, cache_len)
+        with torch.no_grad():
+            step, _ = _step_runner("eager", model, input_ids(spec, batch, prompt, device),
+                                   cache_len)
+            saved[key] = step().float().cpu()
+        result["shapes"][key] = {}
+        torch.save(saved, job["reference"])
+        prefill._free(device)
+    return result
+
+
+def run_decode_floor(job: dict) -> dict:
+    """The copy bandwidth of the run (bytes read + written per second)."""
+    import torch
+
+    device = prefill._device()
+    result = {"way": "floor", "status": "ok"}
+    if device.type == "cuda":
+        from benchmark import harness
+
+        result["environment"] = harness.environment()
+        result["copy_gbps"] = harness.measure_ceilings().copy_gbps
+    else:
+        src = torch.randn(1 << 22)
+        dst = torch.empty_like(src)
+        ms = prefill._median_ms(lambda: dst.copy_(src), device)
+        result["copy_gbps"] = 2 * src.numel() * 4 / ms / 1e6
+    return result
+
+
+# ---- the orchestrating side ----
+
+def build_parser() -> argparse.ArgumentParser:
+    from gemslib.__main__ import positive_int
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmark --models --decode",
+        description="Real-model decode: each way in its own process (see the module's doc).")
+    parser.add_argument("--model-names", nargs="+", choices=list(MODELS), default=list(MODELS),
+                        metavar="NAME", help=f"models (default: all: {', '.join(MODELS)})")
+    parser.add_argument("--ways", nargs="+", choices=list(DECODE_WAYS),
+                        default=list(DECODE_WAYS), metavar="WAY",
+                        help=f"ways (default: all: {', '.join(DECODE_WAYS)})")
+    parser.add_argument("--cases", nargs="+", type=parse_case, default=None, metavar="CASE",
+                        help="BxP+N or BxP+NofL: batch, prompt, new tokens, cache length "
+                             "(default: 1x128+64 16x128+64 1x2048+32of4096 16x2048+32of4096)")
+    parser.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                        help="decoder layers to build (default: the model table's)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny configs on the CPU (Triton interpreter; times mean nothing)")
+    parser.add_argument("--timeout", type=positive_int, default=300, metavar="S",
+                        help="seconds per process before it is stopped (default: 300)")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help="untimed steps before timing (default: 3 on a GPU, 1 on the CPU)")
+    parser.add_argument("--reps", type=positive_int, default=None, metavar="N",
+                        help="timed steps (default: 50 on a GPU, 3 on the CPU)")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", metavar="DIR",
+                        help="where decode.json and decode.md go (default: benchmark/results)")
+    return parser
+
+
+def _row(result: dict, key: str, floor_ms: float | None) -> dict:
+    figures = result.get("shapes", {}).get(key, {})
+    status = figures.get("error") or ("ok" if result.get("status") == "error"
+                                      else result.get("status", "?"))
+    return {"way": result["way"], "status": status, "step_ms": figures.get("step_ms"),
+            "tokens_per_s": figures.get("tokens_per_s"),
+            "first_call_s": figures.get("first_call_s"), "rel_error": figures.get("rel_error"),
+            "top1": figures.get("top1"), "fusion_report": figures.get("fusion_report"),
+            "vs_floor": figures["step_ms"] / floor_ms if figures.get("step_ms") and floor_ms
+            else None}
+
+
+def format_markdown(report: dict) -> str:
+    lines = ["# Real-model decode", "",
+             f"`{report['command']}`; copy bandwidth {report['copy_gbps']:.0f} GB/s.", ""]
+    for model, entry in report["models"].items():
+        for key, case in entry["cases"].items():
+            floor = case["floor"]
+            lines += [f"## {entry['title']}, {entry['layers']} layers, decode {key}", "",
+                      f"Floor {floor['ms']:.3g} ms: {floor['bytes'] / 1e9:.3g} GB read per "
+                      f"step (weights {floor['weights'] / 1e9:.3g}, K/V "
+                      f"{floor['cache'] / 1e9:.3g}).", "",
+                      "| way | step ms | step/floor | tok/s | compile s | rel. error | top-1 "
+                      "| status |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            for row in case["rows"]:
+                lines.append("| " + " | ".join([
+                    row["way"], prefill._fmt(row["step_ms"], ".3f"),
+                    prefill._fmt(row["vs_floor"], ".2f"), prefill._fmt(row["tokens_per_s"], ".0f"),
+                    prefill._fmt(row["first_call_s"], ".1f"), prefill._fmt(row["rel_error"], ".2e"),
+                    prefill._fmt(row["top1"], ".2f"), str(row["status"]).replace("|", "\\|")])
+                    + " |")
+            for row in case["rows"]:
+                if row.get("fusion_report") is not None:
+                    fusions = ", ".join(f"{k} {v}" for k, v in sorted(row["fusion_report"].items()))
+                    lines.append(f"\n- {row['way']} fusions: {fusions or 'none'}")
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("transformers") is None:
+        print("python -m benchmark --models --decode: needs transformers; nothing was run.",
+              file=sys.stderr)
+        return 1
+    gpu = prefill._has_gpu()
+    if not gpu and not args.tiny:
+        print("python -m benchmark --models --decode: needs a CUDA GPU at real sizes; --tiny "
+              "runs the same path on the CPU. Nothing was run.", file=sys.stderr)
+        return 1
+    cases = [tuple(c) for c in (args.cases or (DECODE_CASES if not args.tiny
+                                               else TINY_DECODE_CASES))]
+    warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
+    reps = args.reps or (50 if gpu else 3)
+    out = args.out.resolve()
+    work = out / "decode"
+    work.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["python", "-m", "benchmark", "--models", "--decode",
+                          *(sys.argv[1:] if argv is None else argv)])
+    floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
+    copy_gbps = floor.get("copy_gbps") or math.nan
+    report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
+    failed = []
+    for name in args.model_names:
+        spec = prefill.model_spec(name, args.tiny, args.layers)
+        directory = work / name
+        directory.mkdir(parents=True, exist_ok=True)
+        reference = directory / "reference.pt"
+        reference.unlink(missing_ok=True)
+        common = {"model": name, "spec": dataclasses.asdict(spec),
+                  "cases": [list(c) for c in cases], "reference": str(reference)}
+        prefill.run_job(dict(common, kind="decode_reference", way="reference"), directory,
+                        args.timeout)
+        results = {}
+        for way in args.ways:
+            if way in prefill.PEER_MODULES and \
+                    importlib.util.find_spec(prefill.PEER_MODULES[way]) is None:
+                results[way] = {"way": way, "status": prefill.NOT_INSTALLED, "shapes": {}}
+            else:
+                results[way] = prefill.run_job(dict(common, kind="decode_way", way=way,
+                                                    warmup=warmup, reps=reps),
+                                               directory, args.timeout)
+            if way in GEMSLIB_WAYS and results[way].get("status") != "ok":
+                failed.append(f"{name} {way}: {results[way].get('status')}")
+            print(f"{name} {way}: {results[way].get('status')}", flush=True)
+        entry = {"title": spec.title, "layers": spec.layers, "cases": {}}
+        for batch, prompt, new, cache_len in cases:
+            key = case_key(batch, prompt, new, cache_len)
+            need = step_bytes(spec, batch, prompt)
+            floor_ms = need["total"] / copy_gbps / 1e6
+            entry["cases"][key] = {
+                "floor": {"bytes": need["total"], "weights": need["weights"],
+                          "cache": need["cache"], "ms": floor_ms},
+                "rows": [_row(result, key, floor_ms) for result in results.values()]}
+        report["models"][name] = entry
+    markdown = format_markdown(report)
+    (out / "decode.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "decode.md").write_text(markdown)
+    print()
+    print(markdown)
+    for failure in failed:
+        print(f"gemslib FAILED: {failure}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""``python -m benchmark --models --decode``: the real-model decode benchmark's path, at tiny
+sizes (the times mean nothing here; no test asserts one)."""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmark import decode  # noqa: E402
+from benchmark.models import model_spec  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions(tmp_path):
+    ways = ("eager", "static-gemslib")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmark", "--models", "--decode", "--tiny", "--model-names",
+         "llama3-8b", "--ways", *ways, "--cases", "2x12+3of32", "--reps", "2", "--out",
+         str(tmp_path)],
+        cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "decode.json").read_text())
+    case = report["models"]["llama3-8b"]["cases"]["B2 12+3 of 32"]
+    rows = {row["way"]: row for row in case["rows"]}
+    assert set(rows) == set(ways)
+    for way, row in rows.items():
+        assert row["status"] == "ok", (way, row)
+        assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["vs_floor"] > 0
+        # the step's bf16 logits against the float32 model's
+        assert math.isfinite(row["rel_error"]) and row["rel_error"] < 3e-2, row
+        assert 0 <= row["top1"] <= 1
+    fusions = rows["static-gemslib"]["fusion_report"]
+    # the decode step of both layers on gemslib's fusions, attention through its key mask
+    assert fusions["attention"] == 2 and fusions["merged_linear"] == 4, fusions
+    assert case["floor"]["ms"] > 0 and case["floor"]["cache"] > 0
+    markdown = (tmp_path / "decode.md").read_text()
+    assert "## Llama-3-8B (tiny), 2 layers, decode B2 12+3 of 32" in markdown
+    assert markdown.count("\n| static-gemslib | ") == 1
+
+
+@pytest.mark.parametrize("text, case", [("16x128+64", (16, 128, 64, 192)),
+                                        ("1x2048+32of4096", (1, 2048, 32, 4096))])
+def test_cases_read_batch_prompt_new_tokens_and_cache_length(text, case):
+    assert decode.parse_case(text) == case
+    assert decode.case_key(*case) == ("B16 128+64" if case[3] == 192 else "B1 2048+32 of 4096")
+
+
+@pytest.mark.parametrize("text", ["16x128", "0x1+1", "1x2048+32of100", "axb+c"])
+def test_a_case_that_is_not_one_names_the_form(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="BxP\\+N"):
+        decode.parse_case(text)
+
+
+def test_a_step_reads_every_weight_once_and_the_valid_cache():
+    """Llama-3-8B, 8 layers, B16 at 2048 valid positions: per layer 218.1 M parameters
+    (q, k, v, o, gate, up, down and two norms), the lm_head 525.3 M, in bf16; K and V of 8 KV
+    heads of 128 at 2048 positions per sequence and layer."""
+    spec = model_spec("llama3-8b")
+    need = decode.step_bytes(spec, 16, 2048)
+    per_layer = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336 + 2 * 4096
+    assert per_layer == 218_112_000
+    assert need["weights"] == 2 * (8 * per_layer + 4096 * 128256 + 4096 + 16 * 4096)
+    assert need["cache"] == 2 * 8 * 16 * 1024 * 2048 * 2
+    assert need["total"] == need["weights"] + need["cache"]
