@@ -193,6 +193,11 @@ CALLS = [
                                      torch.tensor([300, 7])),  # one split: output written directly
     lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
                                      _bf16(1, 1, 300, 128)),  # two splits merged, no seqlens
+    # a key mask: the blocks it hides skipped, with lengths (one split) and without (splits)
+    lambda: gemslib.decode_attention(_bf16(2, 8, 128), _bf16(2, 2, 300, 128), _bf16(2, 2, 300, 128),
+                                     torch.tensor([300, 7]), key_mask=torch.rand(2, 300) < 0.5),
+    lambda: gemslib.decode_attention(_bf16(1, 4, 128), _bf16(1, 1, 300, 128),
+                                     _bf16(1, 1, 300, 128), key_mask=torch.rand(1, 300) < 0.5),
     # one query row through attention: the decode kernel writing its lse, split and not
     lambda: gemslib.attention(_bf16(1, 4, 1, 128), _bf16(1, 1, 300, 128), _bf16(1, 1, 300, 128)),
     lambda: gemslib.attention(_bf16(2, 8, 1, 64), _bf16(2, 2, 30, 64), _bf16(2, 2, 30, 64)),
