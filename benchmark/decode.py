@@ -140,29 +140,6 @@ def _step_runner(way: str, model, ids, cache_len: int):
     return step, rewind
 
 
-def _time_steps(step, rewind, device, reps: int) -> list[float]:
-    """Milliseconds of each of ``reps`` steps, the rewinds between them not timed (CUDA
-    events around the step alone on a GPU)."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        rewind()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - started) * 1e3)
-    rewind()
-    return times
-
-
 def run_decode_way(job: dict) -> dict:
     import torch
 
@@ -201,8 +178,10 @@ def run_decode_way(job: dict) -> dict:
                     import gemslib
 
                     figures["fusion_report"] = gemslib.fusion_report()
-                _time_steps(step, rewind, device, job["warmup"])
-                times = _time_steps(step, rewind, device, job["reps"])
+                # every step at the same fill: the rewind before it, untimed
+                prefill._time_calls(step, device, job["warmup"], before=rewind)
+                times = prefill._time_calls(step, device, job["reps"], before=rewind)
+                rewind()
                 figures["step_ms"] = statistics.median(times)
                 figures["tokens_per_s"], figures["generate_s"] = _generate(way, model, ids, new,
                                                                           cache_len)

@@ -210,12 +210,15 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def _time_calls(fn, device, reps: int) -> list[float]:
-    """Milliseconds of each of ``reps`` calls: CUDA events on a GPU, wall clock on the CPU."""
+def _time_calls(fn, device, reps: int, before=None) -> list[float]:
+    """Milliseconds of each of ``reps`` calls: CUDA events on a GPU, wall clock on the CPU.
+    ``before()``, if given, runs ahead of each call, untimed."""
     import torch
 
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
