@@ -21,7 +21,7 @@ README = (ROOT / "README.md").read_text()
 COMMANDS = {"gemslib": "gemslib.__main__", "gemslib demo": "gemslib.demo",
             "gemslib.tune": "gemslib.tune", "benchmark": "benchmark.__main__",
             "benchmark.readme": "benchmark.readme", "benchmark.models": "benchmark.models",
-            "benchmark.decode": "benchmark.decode"}
+            "benchmark.decode": "benchmark.decode", "benchmark.host": "benchmark.host"}
 FLAG = re.compile(r"(?<![\w-])--[a-z][-a-z]*")
 
 

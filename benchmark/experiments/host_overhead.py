@@ -9,14 +9,13 @@ that decides latency when nothing hides it (no CUDA graph). Results: benchmark/N
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 import gemslib
+from benchmark import host as benchmark_host
 from gemslib.ops import silu as silu_ops
 
 
@@ -29,15 +28,7 @@ def _three_argument_kernel(x_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
 
 
 def host_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return benchmark_host.host_us(fn, calls, torch.cuda.synchronize)
 
 
 def main():

@@ -1,0 +1,196 @@
+"""Host cost per call at decode sizes: what a call costs the CPU when the GPU work is a few
+microseconds, for gemslib's operators and their peers.
+
+    python -m benchmark.host [--calls N] [--out DIR]
+
+Each figure launches ``--calls`` calls back to back without synchronising and divides the
+wall time by their number, after a warm-up: with work this small the host is the bottleneck,
+so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). Ways
+per operator, in one process and one run: gemslib's direct call, the torch call under
+``gemslib.enable()``, torch eager (for work eager does in two kernels, both: their sum),
+the torch call under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two
+where importable. The ratios are against torch eager's (issue 23's bar: at most 1.5x).
+Writes ``<out>/host.json`` and ``<out>/host.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+HOST_WAYS = ("gemslib", "enable", "torch", "flaggems", "liger")
+
+
+def host_us(fn: Callable, calls: int, synchronize: Callable = lambda: None,
+            warmup: int = 50) -> float:
+    """Microseconds of wall time per call of ``fn`` over ``calls`` calls back to back."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - started
+    synchronize()
+    return elapsed / calls * 1e6
+
+
+def cases(device) -> dict[str, dict[str, Callable | None]]:
+    """Operator at a decode size -> way -> the call (None: the way has no such call). The
+    ``enable`` and ``flaggems`` calls are the torch ones; their scope is entered by :func:`run`."""
+    import torch
+    import torch.nn.functional as F
+
+    import gemslib
+
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    hidden, weight = torch.randn(16, 4096, **bf16), torch.randn(4096, **bf16)
+    residual = torch.randn(16, 4096, **bf16)
+    gate_up = torch.randn(16, 2 * 28672, **bf16)
+    logits = torch.randn(16, 128256, **bf16)
+    q, k = torch.randn(16, 1, 32, 128, **bf16), torch.randn(16, 1, 8, 128, **bf16)
+    angles = torch.rand(4096, 64, device=device)  # half the head dim: rot_dim = 128
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    q_row = torch.randn(16, 32, 1, 128, **bf16)
+    cache = torch.randn(16, 8, 4096, 128, **bf16)
+    liger = _liger()
+
+    def torch_silu_and_mul():
+        return F.silu(gate_up[:, :28672]) * gate_up[:, 28672:]
+
+    def torch_add_rms_norm():
+        total = hidden + residual
+        return F.rms_norm(total, (4096,), weight, 1e-6), total
+
+    def sdpa_row():
+        return F.scaled_dot_product_attention(q_row, cache, cache, enable_gqa=True)
+
+    table = {
+        "silu 16x4096": {"gemslib": lambda: gemslib.silu(hidden),
+                         "torch": lambda: F.silu(hidden)},
+        "silu_and_mul 16x28672": {"gemslib": lambda: gemslib.silu_and_mul(gate_up),
+                                  "torch": torch_silu_and_mul,
+                                  "liger": liger and (lambda: liger.liger_swiglu(
+                                      gate_up[:, :28672], gate_up[:, 28672:]))},
+        "rms_norm 16x4096": {"gemslib": lambda: gemslib.rms_norm(hidden, weight),
+                             "torch": lambda: F.rms_norm(hidden, (4096,), weight, 1e-6),
+                             "liger": liger and (lambda: liger.liger_rms_norm(
+                                 hidden, weight, 1e-6, in_place=False))},
+        "add_rms_norm 16x4096": {"gemslib": lambda: gemslib.add_rms_norm(hidden, residual, weight),
+                                 "torch": torch_add_rms_norm},
+        "softmax 16x128256": {"gemslib": lambda: gemslib.softmax(logits),
+                              "torch": lambda: torch.softmax(logits, -1),
+                              "liger": liger and (lambda: liger.liger_softmax(logits))},
+        "rotary B16 1 token": {"gemslib": lambda: gemslib.apply_rotary(q, k, cos, sin),
+                               "torch": None},
+        "decode_attention B16 L4096": {
+            "gemslib": lambda: gemslib.decode_attention(q_row[:, :, 0], cache, cache),
+            "torch": sdpa_row},
+    }
+    for ways in table.values():  # the scoped ways call what torch's does
+        ways["enable"] = ways["flaggems"] = ways["torch"]
+        ways.setdefault("liger", None)
+    return table
+
+
+def _liger():
+    try:
+        from liger_kernel.transformers import functional
+    except Exception:  # not installed, or broken against this torch: no column
+        return None
+    return functional
+
+
+def _scope(way: str):
+    """The context a way's calls run in, or None when the way is not available."""
+    if way == "enable":
+        import gemslib
+
+        return gemslib.enable
+    if way == "flaggems":
+        try:
+            import flag_gems
+        except Exception:
+            return None
+        return getattr(flag_gems, "use_gems", None)
+    return contextlib.nullcontext
+
+
+def run(calls: int, device, warmup: int = 50) -> dict:
+    """Every case's host us per call for every available way, and the ratio to torch's."""
+    import torch
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    results = {}
+    for name, ways in cases(device).items():
+        row = {}
+        for way in HOST_WAYS:
+            fn, scope = ways.get(way), _scope(way)
+            if fn is None or scope is None:
+                row[way] = None
+                continue
+            try:
+                with scope():
+                    row[way] = host_us(fn, calls, synchronize, warmup)
+            except Exception as err:  # a peer that refuses the case: reported, not fatal
+                row[way] = f"{type(err).__name__}: {str(err)[:120]}"
+        base = row.get("torch")
+        row["ratios"] = {way: value / base for way, value in row.items()
+                         if isinstance(value, float) and isinstance(base, float)}
+        results[name] = row
+        print(f"{name:<28}" + "".join(
+            f"{way} {value:6.1f}  " if isinstance(value, float) else f"{way} -  "
+            for way, value in row.items() if way in HOST_WAYS), flush=True)
+    return results
+
+
+def format_markdown(results: dict, header: str) -> str:
+    lines = ["# Host cost per call", "", header, "",
+             "| op, shape | " + " | ".join(HOST_WAYS) + " | gemslib / torch | enable / torch |",
+             "| --- |" + " ---: |" * (len(HOST_WAYS) + 2)]
+    for name, row in results.items():
+        cells = [f"{row[way]:.1f}" if isinstance(row[way], float) else
+                 ("-" if row[way] is None else "failed") for way in HOST_WAYS]
+        ratios = [f"{row['ratios'][way]:.2f}x" if way in row["ratios"] else "-"
+                  for way in ("gemslib", "enable")]
+        lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gemslib.__main__ import positive_int
+
+    parser = argparse.ArgumentParser(prog="python -m benchmark.host",
+                                     description="Host microseconds per call at decode sizes.")
+    parser.add_argument("--calls", type=positive_int, default=2000, metavar="N",
+                        help="calls timed back to back per figure (default: 2000)")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", metavar="DIR",
+                        help="where host.json and host.md go (default: benchmark/results)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("python -m benchmark.host: needs a CUDA GPU (host costs of GPU launches); "
+              "nothing was run.", file=sys.stderr)
+        return 1
+    device = torch.device("cuda")
+    header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}; "
+              f"{args.calls} calls per figure; microseconds of host time per call.")
+    results = run(args.calls, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host.json").write_text(json.dumps({"header": header, "results": results},
+                                                   indent=1))
+    markdown = format_markdown(results, header)
+    (args.out / "host.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
