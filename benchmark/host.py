@@ -6,7 +6,9 @@ microseconds, for gemslib's operators and their peers.
 Each figure launches ``--calls`` calls back to back without synchronising and divides the
 wall time by their number, after a warm-up: with work this small the host is the bottleneck,
 so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). Ways
-per operator, in one process and one run: gemslib's direct call, the torch call under
+per operator, in one process and one run: gemslib's direct call, the same with
+``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every launch through Triton's
+argument binding, the path before the lean launch), the torch call under
 ``gemslib.enable()``, torch eager (for work eager does in two kernels, both: their sum),
 the torch call under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two
 where importable. The ratios are against torch eager's (issue 23's bar: at most 1.5x).
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 BENCH_DIR = Path(__file__).resolve().parent
-HOST_WAYS = ("gemslib", "enable", "torch", "flaggems", "liger")
+HOST_WAYS = ("gemslib", "gemslib-bound", "enable", "torch", "flaggems", "liger")
 
 
 def host_us(fn: Callable, calls: int, synchronize: Callable = lambda: None,
@@ -93,7 +95,8 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
             "gemslib": lambda: gemslib.decode_attention(q_row[:, :, 0], cache, cache),
             "torch": sdpa_row},
     }
-    for ways in table.values():  # the scoped ways call what torch's does
+    for ways in table.values():  # the scoped ways call what gemslib's or torch's does
+        ways["gemslib-bound"] = ways["gemslib"]
         ways["enable"] = ways["flaggems"] = ways["torch"]
         ways.setdefault("liger", None)
     return table
@@ -113,6 +116,10 @@ def _scope(way: str):
         import gemslib
 
         return gemslib.enable
+    if way == "gemslib-bound":
+        from gemslib import runtime
+
+        return runtime.DIRECT_LAUNCH.switched_off
     if way == "flaggems":
         try:
             import flag_gems

@@ -103,6 +103,30 @@ class KernelPath:
         return f"<gemslib kernel path {self.op}: {self.description}, {'on' if self.on else 'off'}>"
 
 
+DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straight to the "
+                           "compiled kernel, past Triton's argument binding")
+_SCALARS = (int, float, bool, type(None))
+
+
+def _replay_key(config, grid, args) -> tuple | None:
+    """What a launch's compiled kernel and its launch depend on besides its tensors' dtypes and
+    alignment (which :meth:`TunedKernel.replay` adds): the config, the grid, and every argument
+    that is not a tensor, by value (Triton specialises integers on their value being 1 and on
+    divisibility by 16). None where an argument is neither a tensor nor a plain number (a TMA
+    descriptor, say): such launches go through Triton every time."""
+    if INTERPRETER:
+        return None
+    scalars = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            scalars.append(None)
+        elif type(arg) in _SCALARS:
+            scalars.append((type(arg), arg))
+        else:
+            return None
+    return config, tuple(grid(config.meta_dict)), tuple(scalars)
+
+
 def on_kernel_device(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` lives where the kernels can run (CUDA, or CPU when interpreted)."""
     return tensor.is_cpu if INTERPRETER else tensor.is_cuda  # attributes: cheap on the hot path
@@ -624,7 +648,11 @@ class TunedKernel:
                 config = self._choose(grid, args, shape, restore)
                 if len(self._chosen) < 4096:
                     self._chosen[key] = config
-        self.run(config, grid, args)
+        replay_key = _replay_key(config, grid, args) if DIRECT_LAUNCH.on else None
+        if replay_key is None:
+            self.run(config, grid, args)
+        else:
+            self.replay(replay_key, config, replay_key[1], args)
 
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
@@ -682,10 +710,13 @@ class TunedKernel:
         compiled = self._compiled.get(full_key)
         if compiled is None:
             kernel = self.fn[grid](*args, **self.kernel_kwargs(config))
-            meta = config.meta_dict
-            constexprs = tuple(meta[name] for name in self.fn.arg_names[len(args):])
-            if len(self._compiled) < 1024:  # a compiled kernel launches on a 3-d grid
-                self._compiled[full_key] = (kernel[(*grid, 1, 1)[:3]], constexprs)
+            meta, rest = config.meta_dict, self.fn.arg_names[len(args):]
+            # kept only where the parameters after the arguments are the config's (a default
+            # left to Triton would be missing from the direct launch)
+            if all(name in meta for name in rest) and len(self._compiled) < 1024:
+                # a compiled kernel launches on a 3-d grid
+                self._compiled[full_key] = (kernel[(*grid, 1, 1)[:3]],
+                                            tuple(meta[name] for name in rest))
             return
         launcher, constexprs = compiled
         launcher(*args, *constexprs)

@@ -25,12 +25,13 @@ def test_every_way_is_timed_in_its_scope_and_set_against_torch(monkeypatch):
         raise RuntimeError("no such case here")
 
     monkeypatch.setattr(host, "cases", lambda device: {
-        "double 3": {"gemslib": lambda: torch.ones(3) + 1, "torch": lambda: torch.ones(3) * 2,
-                     "enable": lambda: torch.ones(3) * 2, "flaggems": None, "liger": None},
-        "broken 1": {"gemslib": failing, "torch": lambda: torch.ones(1), "enable": None,
-                     "flaggems": None, "liger": None}})
+        "double 3": {"gemslib": lambda: torch.ones(3) + 1, "gemslib-bound": None,
+                     "torch": lambda: torch.ones(3) * 2, "enable": lambda: torch.ones(3) * 2,
+                     "flaggems": None, "liger": None},
+        "broken 1": {"gemslib": failing, "gemslib-bound": failing, "torch": lambda: torch.ones(1),
+                     "enable": None, "flaggems": None, "liger": None}})
     results = host.run(calls=3, device=torch.device("cpu"), warmup=1)
-    assert entered == ["gemslib", "enable", "torch", "gemslib", "torch"]
+    assert entered == ["gemslib", "enable", "torch", "gemslib", "gemslib-bound", "torch"]
     row = results["double 3"]
     assert all(isinstance(row[way], float) and row[way] > 0
                for way in ("gemslib", "enable", "torch"))
@@ -38,7 +39,7 @@ def test_every_way_is_timed_in_its_scope_and_set_against_torch(monkeypatch):
     assert row["ratios"]["gemslib"] == row["gemslib"] / row["torch"]
     assert results["broken 1"]["gemslib"].startswith("RuntimeError: no such case here")
     markdown = host.format_markdown(results, "header")
-    assert "| double 3 | " in markdown and "| broken 1 | failed |" in markdown
+    assert "| double 3 | " in markdown and "| broken 1 | failed | failed |" in markdown
     assert markdown.count("\n|") == 4  # the head, its rule and one row per case
 
 

@@ -260,6 +260,65 @@ def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
         del runtime.KERNELS["test_runtime.scale"]
 
 
+class _FakeJit:
+    """Stands for a Triton kernel (x_ptr, n_elements, factor, BLOCK): records which launches
+    went through Triton's binding (``kernel[grid](...)``) and which straight to the compiled
+    kernel it returned (``compiled[grid3](*args, *constexprs)``)."""
+    arg_names = ["x_ptr", "n_elements", "factor", "BLOCK"]
+
+    def __init__(self):
+        self.bound, self.direct = [], []
+
+    def __getitem__(self, grid):
+        def bind(*args, **kwargs):
+            self.bound.append((grid, args[1:]))
+            return _FakeCompiled(self.direct)
+        return bind
+
+
+class _FakeCompiled:
+    def __init__(self, direct):
+        self.direct = direct
+
+    def __getitem__(self, grid3):
+        return lambda *args: self.direct.append((grid3, args[1:]))
+
+
+def test_a_repeated_launch_goes_straight_to_its_compiled_kernel(monkeypatch):
+    """Off the interpreter, a launch with the config, grid, scalar values, tensor dtypes and
+    alignment of an earlier one skips Triton's binding; another integer (Triton specialises
+    them), a misaligned tensor, an argument that is no plain number, or DIRECT_LAUNCH
+    switched off goes through Triton."""
+    fake = _FakeJit()
+    monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel = runtime.TunedKernel("test_runtime", "fake", fake, tunables=("BLOCK",),
+                                 shape_keys=("numel",))
+    config = runtime.LaunchConfig((("BLOCK", 16),), 1, 1)
+    storage = torch.zeros(64)
+    aligned, misaligned = storage[:32], storage[1:33]  # 4-byte floats: offset 4 bytes
+
+    def launch(x, n, factor=2.0):
+        with kernel.forced(config):
+            kernel.launch(lambda meta: (runtime.cdiv(n, meta["BLOCK"]),), x, n, factor,
+                          shape=(n,))
+    try:
+        launch(aligned, 32)
+        launch(aligned, 32)
+        launch(storage[32:], 32)         # another tensor, same dtype and alignment: direct
+        launch(aligned, 31)              # another integer: Triton again
+        launch(misaligned, 32)           # another alignment: Triton again
+        launch(aligned, 32, factor=object())  # not a plain number: Triton every time
+        with runtime.DIRECT_LAUNCH.switched_off():
+            launch(aligned, 32)
+        assert [(grid, args[0]) for grid, args in fake.bound] == [
+            ((2,), 32), ((2,), 31), ((2,), 32), ((2,), 32), ((2,), 32)]
+        assert [(grid, args) for grid, args in fake.direct] == [
+            ((2, 1, 1), (32, 2.0, 16)), ((2, 1, 1), (32, 2.0, 16))]
+    finally:
+        del runtime.KERNELS["test_runtime.fake"]
+
+
 def test_a_zero_bound_admits_only_zero(tmp_path):
     """A shape key that is a flag (0 or 1) can be bounded by 0: that bucket is for the 0s."""
     path = tmp_path / "flags.yaml"
