@@ -690,16 +690,9 @@ def _visible_band(mask):
     ``where(condition, 0, -inf or the dtype's lowest)`` or the boolean condition itself, a conjunction of
     comparisons of key and query indices (``iota`` plus constants) broadcast over batch and
     heads. None for any other mask."""
-    mask = _unwrapped(mask)
-    if mask.target is _aten.where.self:
-        condition, visible, hidden = mask.args
-        if not (_is_full(visible, 0.0) and _hides(hidden)):
-            return None
-        mask = condition
-    if not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype != torch.bool:
+    mask = _kept_keys(mask)
+    if mask is None:
         return None
-    if mask.target is _aten.expand.default:
-        mask = mask.args[0]
     if _is_full(mask, True):
         return None, None
     if mask.target is _aten.bitwise_and.Tensor:
@@ -727,6 +720,21 @@ def _visible_band(mask):
     shift = right[1] - left[1]
     lo, hi = _COMPARISONS[comparison]
     return (None if lo is None else shift + lo), (None if hi is None else shift + hi)
+
+
+def _kept_keys(mask):
+    """The boolean condition ``mask`` keeps keys by (True: visible), read through what SDPA
+    wraps around it (:func:`_unwrapped`): the mask itself when it is boolean, or the condition
+    of ``where(condition, 0, hidden)`` with a value that hides (:func:`_hides`); else None."""
+    mask = _unwrapped(mask)
+    if isinstance(mask, torch.fx.Node) and mask.target is _aten.where.self:
+        condition, visible, hidden = mask.args
+        if not (_is_full(visible, 0.0) and _hides(hidden)):
+            return None
+        mask = _unwrapped(condition)
+    if not isinstance(mask, torch.fx.Node) or mask.meta["val"].dtype != torch.bool:
+        return None
+    return mask
 
 
 def _unwrapped(mask):
