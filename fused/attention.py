@@ -863,18 +863,10 @@ def _decode_key_mask(mask, q_val, seq_kv):
     keys it keeps. A row the mask hides entirely gives 0 there, as SDPA's math backend gives
     for a boolean mask (torch's 16-bit cuDNN path, which hides with a finite -65504 instead,
     would average such a row's values)."""
-    if not _same(q_val.shape[2], 1):
+    mask = _kept_keys(mask) if _same(q_val.shape[2], 1) else None
+    if mask is None or mask.meta["val"].dim() != 4:
         return None
-    mask = _unwrapped(mask)
-    if mask.target is _aten.where.self:
-        condition, visible, hidden = mask.args
-        if not (_is_full(visible, 0.0) and _hides(hidden)) or \
-                not isinstance(condition, torch.fx.Node):
-            return None
-        mask = _unwrapped(condition)
-    value = mask.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.bool or value.dim() != 4:
-        return None
+    value = mask.meta["val"]
     batch = value.shape[0]
     if not ((_same(batch, 1) or _same(batch, q_val.shape[0])) and _same(value.shape[1], 1)
             and _same(value.shape[2], 1) and _same(value.shape[3], seq_kv)):
@@ -882,14 +874,29 @@ def _decode_key_mask(mask, q_val, seq_kv):
     return mask
 
 
+def _sdpa_scale(args, q_val) -> float | None:
+    """The SDPA site's softmax scale as a number (its default for None), or None when it is
+    not one (a symbolic value)."""
+    scale = args.get("scale")
+    scale = default_scale(q_val.shape[-1]) if scale is None else scale
+    return scale if isinstance(scale, float) else None
+
+
+def _replace_sdpa(graph: torch.fx.Graph, node, out) -> None:
+    """Point the uses of the SDPA ``node``'s output (its getitem 0) at ``out``; drop both."""
+    for user in list(node.users):
+        user.replace_all_uses_with(out)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
 def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask) -> str | None:
     """Replace the one-row SDPA ``node`` by decode_attention under ``key_mask``; its site, or
     None where the scale is not a number."""
     q_val = q.meta["val"]
     batch, seq_kv = q_val.shape[0], k.meta["val"].shape[2]
-    scale = args.get("scale")
-    scale = default_scale(q_val.shape[-1]) if scale is None else scale
-    if not isinstance(scale, float):
+    scale = _sdpa_scale(args, q_val)
+    if scale is None:
         return None
     k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
     with graph.inserting_before(node):
@@ -900,10 +907,7 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask) -> str | 
         fused = call_node(graph, torch.ops.gemslib.decode_attention.default, rows, k, v, None,
                           scale, keys)
         out = call_node(graph, _aten.unsqueeze.default, fused, 2)
-    for user in list(node.users):
-        user.replace_all_uses_with(out)
-        graph.erase_node(user)
-    graph.erase_node(node)
+    _replace_sdpa(graph, node, out)
     return f"{node.name} (decode under a key mask, 1 x {seq_kv})"
 
 
@@ -951,19 +955,15 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     causal = False  # every key visible
                 else:
                     continue
-            scale = args.get("scale")
-            scale = default_scale(q_val.shape[-1]) if scale is None else scale
-            if not isinstance(scale, float):
+            scale = _sdpa_scale(args, q_val)
+            if scale is None:
                 continue
             k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
             with graph.inserting_before(node):
                 fused = call_node(graph, torch.ops.gemslib.attention.default, q, k, v, causal,
                                   scale)
                 out = call_node(graph, operator.getitem, fused, 0)
-            for user in list(node.users):
-                user.replace_all_uses_with(out)
-                graph.erase_node(user)
-            graph.erase_node(node)
+            _replace_sdpa(graph, node, out)
             sites.append(f"{node.name} ({'causal' if causal else 'full'}, {seq_q} x {seq_kv})")
     return sites
 
