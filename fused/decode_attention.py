@@ -284,10 +284,10 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
         arrivals = lse_part = o_part = None  # one split: no merge
+    tensors = (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals)
     # positional: TunedKernel.replay launches the compiled kernel with them so
-    DECODE.replay(plan.replay_key, plan.config, plan.grid,
-                  (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals,
-                   *plan.arguments))
+    DECODE.replay((plan.replay_key, runtime.tensor_key(tensors)), plan.config, plan.grid,
+                  (*tensors, *plan.arguments))
     return out
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import yaml
+from triton import knobs
 
 log = logging.getLogger("gemslib")
 
@@ -108,23 +109,68 @@ DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straig
 _SCALARS = (int, float, bool, type(None))
 
 
-def _replay_key(config, grid, args) -> tuple | None:
-    """What a launch's compiled kernel and its launch depend on besides its tensors' dtypes and
-    alignment (which :meth:`TunedKernel.replay` adds): the config, the grid, and every argument
-    that is not a tensor, by value (Triton specialises integers on their value being 1 and on
-    divisibility by 16). None where an argument is neither a tensor nor a plain number (a TMA
-    descriptor, say): such launches go through Triton every time."""
-    if INTERPRETER:
-        return None
-    scalars = []
+def _launch_key(config, grid: tuple, args) -> tuple | None:
+    """What a launch's compiled kernel depends on: the config, the grid, each tensor's dtype
+    and 16-byte alignment, and every other argument by type and value (Triton specialises
+    integers on being 1 and on divisibility by 16, so the value covers it). None where an
+    argument is neither a tensor nor a plain number (a TMA descriptor, say): such launches go
+    through Triton every time. One flat tuple, built in one pass: this runs on every launch."""
+    key = [config, grid]
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            scalars.append(None)
+            key.append(arg.dtype)
+            key.append(not arg.data_ptr() & 15)
         elif type(arg) in _SCALARS:
-            scalars.append((type(arg), arg))
+            key.append(type(arg))
+            key.append(arg)
         else:
             return None
-    return config, tuple(grid(config.meta_dict)), tuple(scalars)
+    return tuple(key)
+
+
+def _hooked(hook) -> bool:
+    """A Triton launch hook that does something (Triton's default is an empty chain)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def tensor_key(tensors) -> tuple:
+    """What Triton specialises each tensor argument on: its dtype and 16-byte alignment
+    (``None`` entries stay None)."""
+    return tuple(None if t is None else (t.dtype, not t.data_ptr() & 15) for t in tensors)
+
+
+class _Opaque:
+    """Stands for a tensor when a heuristic is evaluated for the direct path: a heuristic that
+    reads a tensor depends on more than the launch key, and then the launch is not kept."""
+
+    def __getattr__(self, name):
+        raise _ReadsATensor
+
+    def __index__(self):
+        raise _ReadsATensor
+
+
+class _ReadsATensor(Exception):
+    pass
+
+
+def _heuristic_values(fn, args, kwargs: dict) -> tuple[Any, dict] | None:
+    """(the jitted function under ``fn``'s ``triton.heuristics`` layers, kwargs with their
+    values) as Triton's Heuristics.run computes them, tensors opaque; None where a heuristic
+    reads a tensor."""
+    from triton.runtime.autotuner import Heuristics
+
+    kwargs = dict(kwargs)
+    while isinstance(fn, Heuristics):
+        named = {name: (_Opaque() if isinstance(arg, torch.Tensor) else arg)
+                 for name, arg in zip(fn.arg_names, args)}
+        try:
+            for name, heuristic in fn.values.items():
+                kwargs[name] = heuristic({**named, **kwargs})
+        except _ReadsATensor:
+            return None
+        fn = fn.fn
+    return fn, kwargs
 
 
 def on_kernel_device(tensor: torch.Tensor) -> bool:
@@ -648,11 +694,13 @@ class TunedKernel:
                 config = self._choose(grid, args, shape, restore)
                 if len(self._chosen) < 4096:
                     self._chosen[key] = config
-        replay_key = _replay_key(config, grid, args) if DIRECT_LAUNCH.on else None
-        if replay_key is None:
-            self.run(config, grid, args)
-        else:
-            self.replay(replay_key, config, replay_key[1], args)
+        if DIRECT_LAUNCH.on and not INTERPRETER:
+            grid_size = tuple(grid(config.meta_dict))
+            key = _launch_key(config, grid_size, args)
+            if key is not None:
+                self.replay(key, config, grid_size, args)
+                return
+        self.run(config, grid, args)
 
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
@@ -691,35 +739,47 @@ class TunedKernel:
             return
         self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
 
-    def replay(self, key, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
+    def replay(self, key: tuple, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
         """:meth:`run` for a launch that repeats every step with new tensors (decode).
 
-        The first call with ``key`` goes through Triton and keeps the compiled kernel; later
-        calls whose tensors have the same dtypes and 16-byte alignment (all Triton specialises
-        a tensor on) launch it directly, skipping Triton's argument binding and cache lookup,
-        which are most of a small launch's host time. ``key`` must determine ``config``,
-        ``grid`` and every argument that is not a tensor, and the config's constexprs must be
-        the kernel's last parameters.
+        ``key`` determines the config, the grid, every argument that is not a tensor and each
+        tensor's dtype and alignment (:func:`_launch_key` makes one; :func:`tensor_key` gives
+        the tensors' part). The first call with a key goes through Triton and keeps
+        the compiled kernel; later calls launch it directly on the current stream, skipping
+        Triton's argument binding, heuristics and cache lookup, which are most of a small
+        launch's host time. Kept only where every parameter after ``args`` is a constexpr the
+        config or a heuristic of the key's values gives (a default left to Triton would be
+        missing from the direct launch); with a launch hook installed (a profiler), Triton's
+        own launch runs, so the hook sees it.
         """
         if INTERPRETER:
             self.run(config, lambda meta: grid, args)
             return
-        tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args
-                        if isinstance(a, torch.Tensor))
-        full_key = (key, tensors, torch.cuda.current_device())
-        compiled = self._compiled.get(full_key)
-        if compiled is None:
-            kernel = self.fn[grid](*args, **self.kernel_kwargs(config))
-            meta, rest = config.meta_dict, self.fn.arg_names[len(args):]
-            # kept only where the parameters after the arguments are the config's (a default
-            # left to Triton would be missing from the direct launch)
-            if all(name in meta for name in rest) and len(self._compiled) < 1024:
-                # a compiled kernel launches on a 3-d grid
-                self._compiled[full_key] = (kernel[(*grid, 1, 1)[:3]],
-                                            tuple(meta[name] for name in rest))
+        device = torch.cuda.current_device()
+        compiled = self._compiled.get((key, device))
+        if compiled is None or _hooked(knobs.runtime.launch_enter_hook) or \
+                _hooked(knobs.runtime.launch_exit_hook):
+            kwargs = self.kernel_kwargs(config)
+            kernel = self.fn[grid](*args, **kwargs)
+            if compiled is None and len(self._compiled) < 1024:
+                self._keep(key, device, kernel, config, grid, args, kwargs)
             return
-        launcher, constexprs = compiled
-        launcher(*args, *constexprs)
+        run, grid3, function, metadata, constexprs = compiled
+        run(*grid3, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None,
+            None, *args, *constexprs)
+
+    def _keep(self, key, device, kernel, config, grid, args, kwargs) -> None:
+        heuristics = _heuristic_values(self.fn, args, kwargs)
+        if heuristics is None:
+            return
+        jitted, values = heuristics
+        rest = jitted.arg_names[len(args):]
+        if not all(name in values for name in rest):
+            return
+        kernel._init_handles()
+        self._compiled[key, device] = (kernel.run, (*grid, 1, 1)[:3], kernel.function,
+                                       kernel.packed_metadata,
+                                       tuple(values[name] for name in rest))
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)

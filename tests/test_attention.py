@@ -774,8 +774,10 @@ def test_additive_causal_masks_hide_with_minus_inf_or_the_lowest_number(hidden, 
 class _PaddedMaskAttention(torch.nn.Module):
     """SDPA under transformers' additive causal mask with its key axis padded and sliced, as
     the efficient backend's graph holds it: padded to a multiple of 16 and cut back to its
-    length (the same mask), or padded by one hidden key and cut at the front (a mask shifted
-    one key left: the diagonal hidden)."""
+    length (the same mask), or padded by one hidden key in front and cut at the end (a mask
+    shifted one key right: query i sees keys 1 to i + 1). The shifted view
+    starts at its storage's start: a view one element in would be misaligned for the
+    efficient kernel, which crashes on it in eager torch."""
 
     def __init__(self, shifted):
         super().__init__()
@@ -786,7 +788,7 @@ class _PaddedMaskAttention(torch.nn.Module):
         queries = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
         mask = torch.where(keys <= queries, 0.0, float("-inf"))
         if self.shifted:
-            mask = F.pad(mask, (0, 1), value=float("-inf"))[..., 1:]
+            mask = F.pad(mask, (1, 0), value=float("-inf"))[..., :-1]
         else:
             mask = F.pad(mask, (0, -k.shape[2] % 16))[..., :k.shape[2]]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -803,7 +805,7 @@ def test_a_mask_padded_and_cut_back_is_read_through(shifted, fused):
             q, k, v = (random_tensor((1, 2, seq, 16), torch.float32, scale=1.0)
                        for _ in range(3))
             expected, got = module(q, k, v), compiled(q, k, v)
-            finite = expected.isfinite()  # the shifted mask leaves query 0 no key
+            finite = expected.isfinite()
             assert torch.equal(finite, got.isfinite())
             assert torch.allclose(got[finite], expected[finite], atol=1e-5)
     assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()

@@ -260,63 +260,114 @@ def test_launcher_knobs_reach_the_grid_but_not_the_kernel():
         del runtime.KERNELS["test_runtime.scale"]
 
 
-class _FakeJit:
-    """Stands for a Triton kernel (x_ptr, n_elements, factor, BLOCK): records which launches
-    went through Triton's binding (``kernel[grid](...)``) and which straight to the compiled
-    kernel it returned (``compiled[grid3](*args, *constexprs)``)."""
-    arg_names = ["x_ptr", "n_elements", "factor", "BLOCK"]
+class _FakeJit(triton.runtime.KernelInterface):
+    """Stands for a Triton kernel (x_ptr, n_elements, factor, BLOCK[, EVEN]): records which
+    launches went through Triton's binding (``kernel[grid](...)``) and which straight to the
+    compiled kernel it returned (``compiled.run(grid0, grid1, grid2, stream, ...)``)."""
 
-    def __init__(self):
+    def __init__(self, arg_names=("x_ptr", "n_elements", "factor", "BLOCK")):
+        self.arg_names = list(arg_names)
         self.bound, self.direct = [], []
 
-    def __getitem__(self, grid):
-        def bind(*args, **kwargs):
-            self.bound.append((grid, args[1:]))
-            return _FakeCompiled(self.direct)
-        return bind
+    def run(self, *args, grid, warmup, **kwargs):
+        self.bound.append((grid, args[1:], kwargs))
+        return _FakeCompiled(self.direct)
 
 
 class _FakeCompiled:
+    function, packed_metadata = "function", "metadata"
+
     def __init__(self, direct):
         self.direct = direct
 
-    def __getitem__(self, grid3):
-        return lambda *args: self.direct.append((grid3, args[1:]))
+    def _init_handles(self):
+        pass
+
+    def run(self, grid0, grid1, grid2, stream, function, metadata, launch_metadata, enter_hook,
+            exit_hook, *args):
+        assert (stream, function, metadata) == (7, "function", "metadata")
+        self.direct.append(((grid0, grid1, grid2), args[1:]))
 
 
-def test_a_repeated_launch_goes_straight_to_its_compiled_kernel(monkeypatch):
-    """Off the interpreter, a launch with the config, grid, scalar values, tensor dtypes and
-    alignment of an earlier one skips Triton's binding; another integer (Triton specialises
-    them), a misaligned tensor, an argument that is no plain number, or DIRECT_LAUNCH
-    switched off goes through Triton."""
-    fake = _FakeJit()
+@pytest.fixture
+def off_the_interpreter(monkeypatch):
+    """The launch path as on a GPU (device 0, stream 7), with fake kernels."""
     monkeypatch.setattr(runtime, "INTERPRETER", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    kernel = runtime.TunedKernel("test_runtime", "fake", fake, tunables=("BLOCK",),
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    yield
+    for name in [name for name in runtime.KERNELS if name.startswith("test_runtime.fake")]:
+        del runtime.KERNELS[name]
+
+
+def _fake_launcher(fn, name="fake"):
+    kernel = runtime.TunedKernel("test_runtime", name, fn, tunables=("BLOCK",),
                                  shape_keys=("numel",))
     config = runtime.LaunchConfig((("BLOCK", 16),), 1, 1)
-    storage = torch.zeros(64)
-    aligned, misaligned = storage[:32], storage[1:33]  # 4-byte floats: offset 4 bytes
 
     def launch(x, n, factor=2.0):
         with kernel.forced(config):
             kernel.launch(lambda meta: (runtime.cdiv(n, meta["BLOCK"]),), x, n, factor,
                           shape=(n,))
-    try:
+    return launch
+
+
+def test_a_repeated_launch_goes_straight_to_its_compiled_kernel(off_the_interpreter):
+    """Off the interpreter, a launch with the config, grid, scalar values, tensor dtypes and
+    alignment of an earlier one skips Triton's binding; another integer (Triton specialises
+    them), a misaligned tensor, an argument that is no plain number, or DIRECT_LAUNCH
+    switched off goes through Triton."""
+    fake = _FakeJit()
+    launch = _fake_launcher(fake)
+    storage = torch.zeros(64)
+    aligned, misaligned = storage[:32], storage[1:33]  # 4-byte floats: offset 4 bytes
+
+    launch(aligned, 32)
+    launch(aligned, 32)
+    launch(storage[32:], 32)         # another tensor, same dtype and alignment: direct
+    launch(aligned, 31)              # another integer: Triton again
+    launch(misaligned, 32)           # another alignment: Triton again
+    launch(aligned, 32, factor=object())  # not a plain number: Triton every time
+    launch(aligned, 32, factor=2)    # 2 == 2.0, but an int: Triton
+    with runtime.DIRECT_LAUNCH.switched_off():
         launch(aligned, 32)
-        launch(aligned, 32)
-        launch(storage[32:], 32)         # another tensor, same dtype and alignment: direct
-        launch(aligned, 31)              # another integer: Triton again
-        launch(misaligned, 32)           # another alignment: Triton again
-        launch(aligned, 32, factor=object())  # not a plain number: Triton every time
-        with runtime.DIRECT_LAUNCH.switched_off():
-            launch(aligned, 32)
-        assert [(grid, args[0]) for grid, args in fake.bound] == [
-            ((2,), 32), ((2,), 31), ((2,), 32), ((2,), 32), ((2,), 32)]
-        assert [(grid, args) for grid, args in fake.direct] == [
-            ((2, 1, 1), (32, 2.0, 16)), ((2, 1, 1), (32, 2.0, 16))]
-    finally:
-        del runtime.KERNELS["test_runtime.fake"]
+    assert [(grid, args[0]) for grid, args, _ in fake.bound] == [
+        ((2,), 32), ((2,), 31), ((2,), 32), ((2,), 32), ((2,), 32), ((2,), 32)]
+    assert fake.direct == [((2, 1, 1), (32, 2.0, 16)), ((2, 1, 1), (32, 2.0, 16))]
+
+
+def test_a_launch_hook_sees_every_launch(off_the_interpreter, monkeypatch):
+    """With a launch hook installed (a profiler), every launch goes through Triton's own."""
+    fake = _FakeJit()
+    launch = _fake_launcher(fake)
+    launch(torch.zeros(32), 32)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launch(torch.zeros(32), 32)
+    assert len(fake.bound) == 2 and fake.direct == []
+
+
+def test_heuristics_of_the_key_replay_and_heuristics_of_a_tensor_do_not(off_the_interpreter):
+    """A kernel under ``triton.heuristics`` replays with the heuristic's value when the
+    heuristic reads only the key's scalars and the config; one that reads a tensor (its
+    shape, say) depends on more than the key, and goes through Triton every time."""
+    names = ("x_ptr", "n_elements", "factor", "BLOCK", "EVEN")
+    of_scalars = _FakeJit(names)
+    launch = _fake_launcher(triton.runtime.Heuristics(
+        of_scalars, names, {"EVEN": lambda args: args["n_elements"] % args["BLOCK"] == 0}))
+    for n in (32, 32, 31, 31):
+        launch(torch.zeros(32), n)
+    assert [kwargs["EVEN"] for _, _, kwargs in of_scalars.bound] == [True, False]
+    assert of_scalars.direct == [((2, 1, 1), (32, 2.0, 16, True)),
+                                 ((2, 1, 1), (31, 2.0, 16, False))]
+
+    of_a_tensor = _FakeJit(names)
+    launch = _fake_launcher(triton.runtime.Heuristics(
+        of_a_tensor, names, {"EVEN": lambda args: args["x_ptr"].shape[0] % 16 == 0}),
+        name="fake_tensor")
+    launch(torch.zeros(32), 32)
+    launch(torch.zeros(33), 32)
+    assert [kwargs["EVEN"] for _, _, kwargs in of_a_tensor.bound] == [True, False]
+    assert of_a_tensor.direct == []
 
 
 def test_a_zero_bound_admits_only_zero(tmp_path):
