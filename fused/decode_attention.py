@@ -286,8 +286,9 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
         arrivals = lse_part = o_part = None  # one split: no merge
     tensors = (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals)
     # positional: TunedKernel.replay launches the compiled kernel with them so
-    DECODE.replay((plan.replay_key, runtime.tensor_key(tensors)), plan.config, plan.grid,
-                  (*tensors, *plan.arguments))
+    tensors_key, pointers = runtime.tensor_key(tensors)
+    DECODE.replay((plan.replay_key, tensors_key), plan.config, plan.grid,
+                  (*tensors, *plan.arguments), (*pointers, *plan.arguments))
     return out
 
 

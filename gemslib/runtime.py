@@ -109,34 +109,50 @@ DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straig
 _SCALARS = (int, float, bool, type(None))
 
 
-def _launch_key(config, grid: tuple, args) -> tuple | None:
-    """What a launch's compiled kernel depends on: the config, the grid, each tensor's dtype
-    and 16-byte alignment, and every other argument by type and value (Triton specialises
-    integers on being 1 and on divisibility by 16, so the value covers it). None where an
-    argument is neither a tensor nor a plain number (a TMA descriptor, say): such launches go
-    through Triton every time. One flat tuple, built in one pass: this runs on every launch."""
+def _launch_key(config, grid: tuple, args) -> tuple[tuple | None, list]:
+    """(key, launch arguments) of a launch. The key is what its compiled kernel depends on:
+    the config, the grid, each tensor's dtype and 16-byte alignment, and every other argument
+    by type and value (Triton specialises integers on being 1 and on divisibility by 16, so
+    the value covers it); None where an argument is neither a tensor nor a plain number (a
+    TMA descriptor, say): such launches go through Triton every time. The launch arguments
+    are ``args`` with each tensor's data pointer in its place (the compiled launcher takes a
+    pointer as an integer without asking the driver about it). One pass: this runs on every
+    launch."""
     key = [config, grid]
+    pointers = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
+            pointer = arg.data_ptr()
             key.append(arg.dtype)
-            key.append(not arg.data_ptr() & 15)
+            key.append(not pointer & 15)
+            pointers.append(pointer)
         elif type(arg) in _SCALARS:
             key.append(type(arg))
             key.append(arg)
+            pointers.append(arg)
         else:
-            return None
-    return tuple(key)
+            return None, pointers
+    return tuple(key), pointers
+
+
+def tensor_key(tensors) -> tuple[tuple, list]:
+    """(what Triton specialises each tensor on: its dtype and 16-byte alignment, the tensors'
+    data pointers), ``None`` entries staying None, for a caller that keys the rest itself."""
+    key, pointers = [], []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+            pointers.append(None)
+        else:
+            pointer = t.data_ptr()
+            key.append((t.dtype, not pointer & 15))
+            pointers.append(pointer)
+    return tuple(key), pointers
 
 
 def _hooked(hook) -> bool:
     """A Triton launch hook that does something (Triton's default is an empty chain)."""
     return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def tensor_key(tensors) -> tuple:
-    """What Triton specialises each tensor argument on: its dtype and 16-byte alignment
-    (``None`` entries stay None)."""
-    return tuple(None if t is None else (t.dtype, not t.data_ptr() & 15) for t in tensors)
 
 
 class _Opaque:
@@ -696,9 +712,9 @@ class TunedKernel:
                     self._chosen[key] = config
         if DIRECT_LAUNCH.on and not INTERPRETER:
             grid_size = tuple(grid(config.meta_dict))
-            key = _launch_key(config, grid_size, args)
+            key, launch_args = _launch_key(config, grid_size, args)
             if key is not None:
-                self.replay(key, config, grid_size, args)
+                self.replay(key, config, grid_size, args, launch_args)
                 return
         self.run(config, grid, args)
 
@@ -739,18 +755,21 @@ class TunedKernel:
             return
         self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
 
-    def replay(self, key: tuple, config: LaunchConfig, grid: tuple[int, ...], args) -> None:
+    def replay(self, key: tuple, config: LaunchConfig, grid: tuple[int, ...], args,
+               launch_args) -> None:
         """:meth:`run` for a launch that repeats every step with new tensors (decode).
 
         ``key`` determines the config, the grid, every argument that is not a tensor and each
-        tensor's dtype and alignment (:func:`_launch_key` makes one; :func:`tensor_key` gives
-        the tensors' part). The first call with a key goes through Triton and keeps
-        the compiled kernel; later calls launch it directly on the current stream, skipping
-        Triton's argument binding, heuristics and cache lookup, which are most of a small
-        launch's host time. Kept only where every parameter after ``args`` is a constexpr the
-        config or a heuristic of the key's values gives (a default left to Triton would be
-        missing from the direct launch); with a launch hook installed (a profiler), Triton's
-        own launch runs, so the hook sees it.
+        tensor's dtype and alignment, and ``launch_args`` are ``args`` with the tensors' data
+        pointers in their place (:func:`_launch_key` makes both; :func:`tensor_key` gives the
+        tensors' part). The first call with a key goes through Triton and keeps the compiled
+        kernel; later calls hand it to the compiled launcher directly on the current stream,
+        skipping Triton's argument binding, heuristics, cache lookup and launcher wrapper,
+        which are most of a small launch's host time. Kept only where every parameter after
+        ``args`` is a constexpr the config or a heuristic of the key's values gives (a
+        default left to Triton would be missing from the direct launch) and the kernel needs
+        no scratch memory; with a launch hook installed (a profiler), Triton's own launch
+        runs, so the hook sees it.
         """
         if INTERPRETER:
             self.run(config, lambda meta: grid, args)
@@ -762,13 +781,13 @@ class TunedKernel:
             kwargs = self.kernel_kwargs(config)
             kernel = self.fn[grid](*args, **kwargs)
             if compiled is None and len(self._compiled) < 1024:
-                self._keep(key, device, kernel, config, grid, args, kwargs)
+                self._keep(key, device, kernel, grid, args, kwargs)
             return
-        run, grid3, function, metadata, constexprs = compiled
-        run(*grid3, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None,
-            None, *args, *constexprs)
+        launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+        launch(*grid3, torch._C._cuda_getCurrentRawStream(device), function, cooperative, pdl,
+               None, None, metadata, None, None, None, *launch_args, *constexprs)
 
-    def _keep(self, key, device, kernel, config, grid, args, kwargs) -> None:
+    def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
         heuristics = _heuristic_values(self.fn, args, kwargs)
         if heuristics is None:
             return
@@ -777,9 +796,13 @@ class TunedKernel:
         if not all(name in values for name in rest):
             return
         kernel._init_handles()
-        self._compiled[key, device] = (kernel.run, (*grid, 1, 1)[:3], kernel.function,
-                                       kernel.packed_metadata,
-                                       tuple(values[name] for name in rest))
+        launcher = kernel.run
+        if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+            return  # scratch is allocated per launch by Triton's wrapper (or a launcher unknown)
+        self._compiled[key, device] = (
+            launcher.launch, (*grid, 1, 1)[:3], kernel.function,
+            launcher.launch_cooperative_grid, launcher.launch_pdl, kernel.packed_metadata,
+            tuple(values[name] for name in rest))
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)

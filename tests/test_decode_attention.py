@@ -66,8 +66,8 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
     monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: 4)  # 128-key splits
     launches = []
     original = decode_ops.DECODE.replay
-    monkeypatch.setattr(decode_ops.DECODE, "replay", lambda key, config, grid, args: (
-        launches.append(grid), original(key, config, grid, args)))
+    monkeypatch.setattr(decode_ops.DECODE, "replay", lambda key, config, grid, *args: (
+        launches.append(grid), original(key, config, grid, *args)))
     first = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
     second = gemslib.decode_attention(q, k, v, torch.tensor([300, 130], device=q.device))
     assert launches == [(3, 2), (3, 2)]  # 3 splits of 128 keys x (B * Hkv), once per call

@@ -275,17 +275,29 @@ class _FakeJit(triton.runtime.KernelInterface):
 
 
 class _FakeCompiled:
+    """A compiled kernel whose launcher (``run``, as Triton's CudaLauncher) records the direct
+    launches: the grid and the kernel arguments after the first (x's data pointer)."""
     function, packed_metadata = "function", "metadata"
 
     def __init__(self, direct):
-        self.direct = direct
+        self.run = _FakeLauncher(direct)
 
     def _init_handles(self):
         pass
 
-    def run(self, grid0, grid1, grid2, stream, function, metadata, launch_metadata, enter_hook,
-            exit_hook, *args):
-        assert (stream, function, metadata) == (7, "function", "metadata")
+
+class _FakeLauncher:
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, direct):
+        self.direct = direct
+
+    def launch(self, grid0, grid1, grid2, stream, function, cooperative, pdl, global_scratch,
+               profile_scratch, metadata, launch_metadata, enter_hook, exit_hook, *args):
+        assert (stream, function, cooperative, pdl, metadata) == (7, "function", False, True,
+                                                                  "metadata")
+        assert isinstance(args[0], int)  # the tensor's data pointer
         self.direct.append(((grid0, grid1, grid2), args[1:]))
 
 
