@@ -57,19 +57,47 @@ def _counted(pattern: GraphPattern) -> Callable[[Any], bool]:
 
 
 @functools.cache
-def _pattern_pass():
+def _pattern_passes():
+    """One inductor pattern pass per stage of the operators' patterns, lowest stage first."""
     from torch._inductor import pattern_matcher
 
     from gemslib import registry
 
-    matcher = pattern_matcher.PatternMatcherPass(pass_name="gemslib")
+    matchers: dict[int, Any] = {}
     for operator in registry.operators().values():
         for pattern in operator.graph_patterns:
-            pattern_matcher.register_replacement(
-                pattern.search, pattern.replace, list(pattern.example_inputs()),
-                pattern_matcher.fwd_only, matcher, extra_check=_counted(pattern),
-                scalar_workaround=dict(pattern.scalars) or None)
-    return matcher
+            matcher = matchers.get(pattern.stage)
+            if matcher is None:
+                matcher = matchers[pattern.stage] = pattern_matcher.PatternMatcherPass(
+                    pass_name=f"gemslib_stage_{pattern.stage}")
+            for trace in _traces(pattern):
+                pattern_matcher.register_replacement(
+                    pattern.search, pattern.replace, list(pattern.example_inputs()),
+                    trace, matcher, extra_check=_counted(pattern),
+                    scalar_workaround=dict(pattern.scalars) or None)
+    return tuple(matchers[stage] for stage in sorted(matchers))
+
+
+def _traces(pattern) -> tuple[Callable, ...]:
+    """How to trace a pattern: as written, and, when that trace holds views, with its views
+    as reshapes too (inductor turns a graph's views into reshapes before the post-grad passes
+    run: a flatten in a model's code reaches the passes as a reshape)."""
+    from torch._inductor import pattern_matcher
+
+    traced = pattern_matcher.fwd_only(
+        lambda *tensors: pattern.search(*tensors, **pattern.scalars),
+        list(pattern.example_inputs()))
+    if not traced.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        return (pattern_matcher.fwd_only,)
+
+    def with_reshapes(fn, args, *rest, **kwargs):
+        module = pattern_matcher.fwd_only(fn, args, *rest, **kwargs)
+        for node in module.graph.find_nodes(op="call_function",
+                                            target=torch.ops.aten.view.default):
+            node.target = torch.ops.aten.reshape.default
+        module.recompile()
+        return module
+    return pattern_matcher.fwd_only, with_reshapes
 
 
 def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
@@ -137,17 +165,22 @@ class GemslibPasses(_passes_base()):
     ``GRAPH_PATTERNS``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
         replaced = _apply_rewrites(graph)
         if replaced:
             graph.eliminate_dead_code()
-        replaced += _pattern_pass().apply(graph)
+        for matcher in _pattern_passes():
+            matched = matcher.apply(graph)
+            if matched:
+                # a replacement of several outputs goes before the first of them, which may
+                # come before the producers of the other outputs' inputs (rotary: k's
+                # projection follows q's rotary); sort before the next stage matches and
+                # before eliminate_dead_code lints the graph
+                stable_topological_sort(graph)
+                graph.eliminate_dead_code()
+                replaced += matched
         if replaced:
-            # a replacement of several outputs goes before the first of them, which may come
-            # before the producers of the other outputs' inputs (rotary: k's projection follows
-            # q's rotary); sort before eliminate_dead_code lints the graph
-            from torch._inductor.pattern_matcher import stable_topological_sort
-            stable_topological_sort(graph)
-            graph.eliminate_dead_code()
             _free_layouts(graph)
             log.debug("gemslib: %d sites replaced in one graph", replaced)
 

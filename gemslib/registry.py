@@ -105,6 +105,9 @@ class GraphPattern:
     example_inputs: Callable[[], Sequence[Any]]
     check: Callable[[Any], bool]
     scalars: Mapping[str, float | int] = field(default_factory=dict)
+    # patterns of a lower stage are matched over the whole graph first: a form whose last node
+    # another pattern's first could swallow (rotary's final add, read by an add + RMSNorm)
+    stage: int = 0
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ kernel, launcher, reference, public function and custom ops, graph patterns
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -524,13 +526,27 @@ def _transformers_rotary(q, k, cos, sin):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def _rotary_replacement(q, k, cos, sin):
-    # the op takes (B, S, H, D): the head-major tensors as transposed views (no copy), the
-    # per-token tables without their head dim
-    q_rot, k_rot = torch.ops.gemslib.rotary(q.transpose(1, 2), k.transpose(1, 2),
-                                            cos.select(1, 0), sin.select(1, 0), None, False,
-                                            False)
-    return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+def _rotate_pairs(x):
+    """The interleaved rotate_half (GLM, Helium, Ernie, Cohere): (-x[2i+1], x[2i]) per pair."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _interleaved_rotary(q, k, cos, sin):
+    """apply_rotary_pos_emb of the models with the interleaved rotate_half, after their
+    ``cos.unsqueeze(1)`` (and the repeat_interleave of the table's first half, which is the
+    table here: any table is rotated by)."""
+    return q * cos + _rotate_pairs(q) * sin, k * cos + _rotate_pairs(k) * sin
+
+
+def _replacement(interleaved: bool):
+    def replacement(q, k, cos, sin):
+        # the op takes (B, S, H, D): the head-major tensors as transposed views (no copy),
+        # the per-token tables without their head dim
+        q_rot, k_rot = torch.ops.gemslib.rotary(q.transpose(1, 2), k.transpose(1, 2),
+                                                cos.select(1, 0), sin.select(1, 0), None,
+                                                interleaved, False)
+        return q_rot.transpose(1, 2), k_rot.transpose(1, 2)
+    return replacement
 
 
 def _slice_bounds(node, size: int):
@@ -567,22 +583,85 @@ def _is_rotate_half_of(cat, x_node, head_dim: int) -> bool:
             and _slice_bounds(first_half, head_dim) == (3, 0, half, 1))
 
 
-def _is_transformers_rotary(match) -> bool:
+def _is_rotate_pairs_of(flat, x_node, head_dim: int) -> bool:
+    """``flat`` is ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)`` of ``x_node`` as
+    the post-grad graph holds it: the two slices unsqueezed at the end, a cat over that new
+    dim, and a reshape back to x's shape (D = head_dim)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    aten = torch.ops.aten
+    if flat.target not in (aten.reshape.default, aten.view.default):
+        return False
+    cat = flat.args[0]
+    if cat.target is not aten.cat.default or len(cat.args[0]) != 2:
+        return False
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % 5 != 4:
+        return False
+    odd, even = cat.args[0]
+    for part in (odd, even):
+        if part.target is not aten.unsqueeze.default or not isinstance(part.args[1], int) or \
+                part.args[1] % 5 != 4:
+            return False
+    negated, even = odd.args[0], even.args[0]
+    if negated.target is not aten.neg.default:
+        return False
+    odd = negated.args[0]
+    if odd.target is not aten.slice.Tensor or even.target is not aten.slice.Tensor or \
+            odd.args[0] is not x_node or even.args[0] is not x_node:
+        return False
+    flat_shape, x_shape = flat.meta["val"].shape, x_node.meta["val"].shape
+    return (len(flat_shape) == 4
+            and all(statically_known_true(a == b) for a, b in zip(flat_shape, x_shape))
+            and _slice_bounds(odd, head_dim) == (3, 1, head_dim, 2)
+            and _slice_bounds(even, head_dim) == (3, 0, head_dim, 2))
+
+
+def _half_rotations(match, head_dim: int):
+    """The tensors rotate_half is applied to in the match (each cat proven to be it), or None."""
+    cats = [node for node in match.nodes if node.target is torch.ops.aten.cat.default]
+    sources = []
+    for cat in cats:
+        source = cat.args[0][1].args[0] if len(cat.args[0]) == 2 else None
+        if source is None or not _is_rotate_half_of(cat, source, head_dim):
+            return None
+        sources.append(source)
+    return sources
+
+
+def _pair_rotations(match, head_dim: int):
+    """The tensors the interleaved rotate_half is applied to (each proven), or None."""
+    aten = torch.ops.aten
+    flats = [node for node in match.nodes
+             if node.target in (aten.reshape.default, aten.view.default)
+             and getattr(node.args[0], "target", None) is aten.cat.default]
+    sources = []
+    for flat in flats:
+        try:
+            source = flat.args[0].args[0][1].args[0].args[0]  # cat -> unsqueeze -> slice -> x
+        except (AttributeError, IndexError):
+            return None
+        if not _is_rotate_pairs_of(flat, source, head_dim):
+            return None
+        sources.append(source)
+    return sources
+
+
+def _is_rotary(match, rotations) -> bool:
     """The matched site is the rotary of q and k by one full table, as the op computes it:
     q (B, Hq, S, D) and k (B, Hk, S, D) of one kernel dtype, D even; cos and sin of that dtype
     and shape (B or 1, 1, S, D) (broadcasting over heads only: the results have q's and k's
-    shapes and dtype); and in each branch the slices split the last dim at exactly D/2, the
-    negated one is the second half and comes first in a cat over the last dim; q and k are two
-    tensors (the matcher can map both outputs onto one branch). The matcher compares node
-    targets and structure, not the dims and bounds (its re-trace compares them, but this check
-    does not rely on it): they are read from the graph here (torch 2.11 hands the check the
-    re-traced match, whose kwargs are the tensor inputs only)."""
+    shapes and dtype); ``rotations(match, D)`` proves each branch's rotation (rotate_half, or
+    its interleaved form) and names the tensor it rotates, which must be q in one branch and
+    k in the other (the matcher can map both outputs onto one branch). The matcher compares
+    node targets and structure, not the dims and bounds (its re-trace compares them, but this
+    check does not rely on it): they are read from the graph here (torch 2.11 hands the check
+    the re-traced match, whose kwargs are the tensor inputs only)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     def equal(a, b) -> bool:
         return statically_known_true(a == b)
 
-    aten = torch.ops.aten
     nodes = {name: match.kwargs[name] for name in ("q", "k", "cos", "sin")}
     q, k, cos, sin = (nodes[name].meta["val"] for name in ("q", "k", "cos", "sin"))
     if q.dtype not in runtime.KERNEL_DTYPES or any(t.dtype != q.dtype for t in (k, cos, sin)):
@@ -600,17 +679,8 @@ def _is_transformers_rotary(match) -> bool:
                 and equal(table.shape[1], 1) and equal(table.shape[2], seq_len)
                 and equal(table.shape[3], head_dim)):
             return False
-    cats = [node for node in match.nodes if node.target is aten.cat.default]
-    if len(cats) != 2:
-        return False
-    # each cat is the rotate_half of its branch's tensor: one of q, one of k
-    sources = set()
-    for cat in cats:
-        source = cat.args[0][1].args[0] if len(cat.args[0]) == 2 else None
-        if source not in (nodes["q"], nodes["k"]) or not _is_rotate_half_of(cat, source, head_dim):
-            return False
-        sources.add(source)
-    return len(sources) == 2
+    sources = rotations(match, head_dim)
+    return sources is not None and len(sources) == 2 and set(sources) == {nodes["q"], nodes["k"]}
 
 
 def _pattern_inputs():
@@ -619,10 +689,14 @@ def _pattern_inputs():
             torch.empty(2, 1, 3, 8))
 
 
-# one pattern for every dtype: the casts of cos and sin to q's dtype come before it
+# one pattern per form for every dtype (the casts of cos and sin to q's dtype come before
+# it), matched before the norms: a model that normalises q and k after the rotary (Hunyuan)
+# would have its final add read as a residual add + RMSNorm
 GRAPH_PATTERNS = (
-    GraphPattern("rotary", _transformers_rotary, _rotary_replacement, _pattern_inputs,
-                 check=_is_transformers_rotary),
+    GraphPattern("rotary", _transformers_rotary, _replacement(False), _pattern_inputs,
+                 check=functools.partial(_is_rotary, rotations=_half_rotations), stage=-1),
+    GraphPattern("rotary", _interleaved_rotary, _replacement(True), _pattern_inputs,
+                 check=functools.partial(_is_rotary, rotations=_pair_rotations), stage=-1),
 )
 
 

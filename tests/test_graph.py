@@ -320,3 +320,170 @@ def test_functional_rms_norm_with_and_without_weight(dtype):
     # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
     _assert_compiled_is_eager_s(module, torch.randn(3, 5, 24, device=DEVICE, dtype=dtype),
                                 fusions={"rms_norm": 2})
+
+
+class _GatedUp(torch.nn.Module):
+    """``silu(gate) * up`` over the columns of one (merged) projection output, the ways models
+    take them apart: chunk, split, split_with_sizes, open slices, or the gate/up columns of a
+    projection wider still (a parallel block's q | k | v | gate | up); and look-alikes that
+    compute something else: silu of the second half, a split over another dim, an up of
+    another width."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, h):
+        F = torch.nn.functional
+        n = h.shape[-1] // 2
+        if self.form == "chunk":                      # Phi-3, GLM: up * act(gate)
+            gate, up = h.chunk(2, dim=-1)
+            return up * F.silu(gate)
+        if self.form == "split":
+            gate, up = h.split(n, dim=-1)
+            return F.silu(gate) * up
+        if self.form == "split_with_sizes":
+            gate, up = h.split([n, n], dim=-1)
+            return F.silu(gate) * up
+        if self.form == "open_slices":
+            return F.silu(h[..., :n]) * h[..., n:]
+        if self.form == "inner_columns":              # columns 8:24 and 24:40 of a 48-wide row
+            _, gate, up, _ = h.split([8, 16, 16, 8], dim=-1)
+            return F.silu(gate) * up
+        if self.form == "silu_of_second":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(up) * gate
+        if self.form == "other_dim":
+            gate, up = h.chunk(2, dim=1)
+            return F.silu(gate) * up
+        gate, up = h.split([20, 28], dim=-1)          # "other_width"
+        return F.silu(gate) * up[..., :20]
+
+
+@pytest.mark.parametrize("form, fused", [
+    ("chunk", True), ("split", True), ("split_with_sizes", True), ("open_slices", True),
+    ("inner_columns", True), ("silu_of_second", False), ("other_dim", False),
+    ("other_width", False)])
+def test_silu_times_up_over_columns_of_one_output_runs_silu_and_mul(form, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    h = torch.randn(3, 48, 48, device=DEVICE, dtype=torch.float16)
+    _assert_compiled_is_eager_s(_GatedUp(form), h, fusions={"silu_and_mul": 1} if fused else {})
+
+
+def _pair_rotation(x, negate_odd=True, pair_dim=-1):
+    first, second = (-x[..., 1::2], x[..., ::2]) if negate_odd else (-x[..., ::2], x[..., 1::2])
+    return torch.stack((first, second), dim=pair_dim).flatten(-2)
+
+
+class _InterleavedRotary(torch.nn.Module):
+    """GLM's / Helium's rotary (the interleaved rotate_half, the table's first half repeated
+    per pair), on q and k (B, H, S, D), with and without the pass-through features of a
+    partial rotary; and look-alikes: the other pair element negated (the inverse rotation),
+    the pairs stacked on another dim (another layout)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        rotation = {"inverse": lambda x: _pair_rotation(x, negate_odd=False),
+                    "other_layout": lambda x: _pair_rotation(x, pair_dim=-2)}.get(
+                        self.form, _pair_rotation)
+        if self.form == "partial":
+            rotated = cos.shape[-1] // 2
+            cos, sin = cos[..., :rotated], sin[..., :rotated]
+            (q, q_pass), (k, k_pass) = q.split([rotated, rotated], -1), k.split([rotated, rotated], -1)
+            return (torch.cat([q * cos + rotation(q) * sin, q_pass], -1),
+                    torch.cat([k * cos + rotation(k) * sin, k_pass], -1))
+        return q * cos + rotation(q) * sin, k * cos + rotation(k) * sin
+
+
+@pytest.mark.parametrize("form, fused", [
+    ("full", True), ("partial", True), ("inverse", False), ("other_layout", False)])
+def test_interleaved_rotary_runs_rotary(form, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _InterleavedRotary(form)
+    q, k = (torch.randn(2, heads, 5, 16, device=DEVICE) for heads in (4, 2))
+    cos, sin = (torch.randn(1, 5, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report() == ({"rotary": 1} if fused else {}), gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+class _NormedAfterRotary(torch.nn.Module):
+    """Hunyuan's attention input: the rotary of q and k, then an RMSNorm of each head; the
+    rotary's final add must stay the rotary's (not read as a residual add + RMSNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm = torch.nn.RMSNorm(16, eps=1e-6)
+        self.k_norm = torch.nn.RMSNorm(16, eps=1e-6)
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.q_norm(q), self.k_norm(k)
+
+
+def test_the_rotary_is_matched_before_the_norms_after_it():
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _NormedAfterRotary().to(DEVICE)
+    q, k = (torch.randn(2, heads, 5, 16, device=DEVICE) for heads in (4, 2))
+    cos, sin = (torch.randn(1, 5, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report() == {"rotary": 1, "rms_norm": 2}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+# families beyond the three the benchmarks are shaped like, with what each computes in the
+# forms the passes know: Phi-3 (q/k/v and gate/up merged in its weights: chunked gate/up),
+# Qwen3 (an RMSNorm of q's and k's heads), Hunyuan (the norms after the rotary), GLM (the
+# interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
+# projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
+# computed in fp32, a GELU MLP: neither fused)
+_OTHER_FAMILIES = {
+    "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
+    "qwen3": {**_decoder_fusions(2), "rms_norm": 5},
+    "hunyuan_v1_dense": {**_decoder_fusions(2), "rms_norm": 5},
+    "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2, "attention": 2,
+            "silu_and_mul": 2},
+    "cohere": {"merged_linear": 2, "rotary": 2, "attention": 2, "silu_and_mul": 2},
+    "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(_OTHER_FAMILIES))
+def test_other_families_stay_right_and_fuse_what_they_compute(family):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)
+    model.eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
+    ids = torch.randint(3, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits
+    assert gemslib.fusion_report() == _OTHER_FAMILIES[family], gemslib.fusion_report()
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= 1e-4, f"max error {error:.2e} of the largest logit"

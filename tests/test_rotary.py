@@ -514,10 +514,11 @@ def test_a_training_graph_of_rotary_keeps_its_gradients():
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
 
 
-def _check_on_trace(q, k, cos, sin, k_is_q=False, **rotate):
+def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
     """The pattern's check on the whole trace of the rotary of q and k (``rotate``: the form
     of rotate_half), as if the matcher had matched it: what the check proves on its own,
-    whatever the matcher's re-trace compares before it."""
+    whatever the matcher's re-trace compares before it (``rotations``: the rotate_half
+    pattern's check, or the interleaved one's)."""
     from types import SimpleNamespace
 
     from torch._inductor.pattern_matcher import fwd_only
@@ -529,7 +530,8 @@ def _check_on_trace(q, k, cos, sin, k_is_q=False, **rotate):
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
     match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
                             nodes=[node for node in graph.nodes if node.op == "call_function"])
-    return rotary_ops._is_transformers_rotary(match)
+    return rotary_ops._is_rotary(match, {"half": rotary_ops._half_rotations,
+                                         "pairs": rotary_ops._pair_rotations}[rotations])
 
 
 def test_the_check_alone_refuses_every_other_computation():
@@ -538,6 +540,7 @@ def test_the_check_alone_refuses_every_other_computation():
     cos, sin = random_tensor((2, 1, 6, 16), half), random_tensor((1, 1, 6, 16), half)
     assert _check_on_trace(q, k, cos, sin)
     assert _check_on_trace(q.float(), k.float(), cos.float(), sin.float())
+    assert not _check_on_trace(q, k, cos, sin, rotations="pairs")  # not the interleaved form
     for form in ({"form": "first half negated"}, {"form": "sign on the other half"},
                  {"split": 5}, {"dim": 2}):
         assert not _check_on_trace(q, k, cos, sin, **form), form

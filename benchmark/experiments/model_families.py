@@ -1,0 +1,81 @@
+"""Experiment: every transformers decoder family through ``backend="gemslib"``, tiny configs.
+
+    python -m benchmark.experiments.model_families [family ...]
+
+Builds each family's causal LM from a tiny config (random weights, norms' weights away from 1,
+biases away from 0), compiles it with ``backend="gemslib", fullgraph=True`` and prints the
+largest logit error against eager relative to the largest logit, whether the eager model still
+gives exactly what it gave before the compile (the merged parameters are views), and the
+fusion report. fp32; on a machine without a GPU, in the Triton interpreter. Results:
+benchmark/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# what a family's config needs besides TINY (experts that fit it, names it uses instead)
+FAMILIES = {
+    "llama": {}, "qwen2": {}, "mistral": {}, "qwen3": {}, "gemma": {}, "gemma2": {},
+    "gemma3_text": {}, "phi3": {}, "phi": {}, "granite": {}, "olmo": {}, "olmo2": {},
+    "cohere": {}, "stablelm": {}, "starcoder2": {}, "gpt_neox": {}, "smollm3": {}, "glm": {},
+    "glm4": {}, "helium": {}, "exaone4": {}, "ernie4_5": {}, "seed_oss": {}, "arcee": {},
+    "apertus": {}, "ministral": {}, "hunyuan_v1_dense": {},
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "falcon": dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2),
+}
+
+
+def run_family(family: str) -> str:
+    import torch
+    import transformers
+
+    import gemslib
+
+    settings = {**TINY, **FAMILIES.get(family, {})}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    config = transformers.AutoConfig.for_model(family, **settings)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device)
+    ids = torch.randint(3, 96, (2, 11), device=device)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits
+        again = model(ids).logits
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    return (f"error {error:.1e}  eager unchanged {torch.equal(again, expected)}  "
+            f"{dict(sorted(gemslib.fusion_report().items()))}")
+
+
+def main(families: list[str]) -> None:
+    for family in families or list(FAMILIES):
+        try:
+            result = run_family(family)
+        except Exception as err:  # a family this transformers lacks, or a failure to show
+            result = f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        print(f"{family:18s} {result}", flush=True)
+
+
+if __name__ == "__main__":
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    main(sys.argv[1:])
