@@ -487,3 +487,30 @@ def test_other_families_stay_right_and_fuse_what_they_compute(family):
     assert gemslib.fusion_report() == _OTHER_FAMILIES[family], gemslib.fusion_report()
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
     assert error <= 1e-4, f"max error {error:.2e} of the largest logit"
+
+
+class _FunctionalAddNorm(torch.nn.Module):
+    """A residual add before ``F.rms_norm`` (torch.nn.RMSNorm's form), the sum used after."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x, residual):
+        total = residual + x
+        normed = torch.nn.functional.rms_norm(total, (x.shape[-1],), self.weight, 1e-5)
+        return normed, total * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_residual_add_before_functional_rms_norm_runs_add_rms_norm(dtype):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalAddNorm(24).to(DEVICE, dtype)
+    x, residual = (torch.randn(3, 5, 24, device=DEVICE, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        expected = module(x, residual)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(x, residual)
+    assert gemslib.fusion_report() == {"add_rms_norm": 1}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())
