@@ -297,6 +297,26 @@ def test_a_training_graph_keeps_its_gradients():
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
 
 
+def test_a_training_graph_of_layers_sharing_one_table_compiles():
+    """Every layer of a model rotates by one cos/sin table, so the q of one layer and the k of
+    an earlier one look like one rotary site; in a training graph's order the matcher offered
+    such a pair, and one launch for both would have needed its own output (a cycle: the
+    compile failed). Such a pair is refused; the gradients stay eager's."""
+    torch._dynamo.reset()
+    config = transformers.AutoConfig.for_model(
+        "phi3", vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)
+    ids = torch.randint(3, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
 class _FunctionalNorms(torch.nn.Module):
     def __init__(self, width):
         super().__init__()
