@@ -641,6 +641,12 @@ def _functional_rms_norm(x, weight, eps):
     return (h * weight).to(x.dtype)
 
 
+def _functional_add_rms_norm(x, residual, weight, eps):
+    """A residual add followed by the norm of :func:`_functional_rms_norm`'s form."""
+    total = residual + x
+    return _functional_rms_norm(total, weight, eps), total
+
+
 def _functional_rms_norm_unweighted(x, eps):
     h = x.to(torch.float32)
     h = h * torch.ops.aten.add.Scalar(h.pow(2).mean(x.dim() - 1, keepdim=True), eps).rsqrt()
@@ -757,6 +763,9 @@ GRAPH_PATTERNS = tuple(
         GraphPattern("rms_norm", _transformers_rms_norm_eps_input, _rms_norm_eps_input_replacement,
                      _pattern_inputs(dtype, 1, eps_input=True),
                      check=partial(_is_rms_norm, eps_is_input=True)),
+        GraphPattern("add_rms_norm", _functional_add_rms_norm, _add_rms_norm_replacement,
+                     _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
+                     scalars={"eps": 1e-6}),
         GraphPattern("rms_norm", _functional_rms_norm, _rms_norm_replacement,
                      _pattern_inputs(dtype, 1), check=_is_rms_norm,
                      scalars={"eps": 1e-6}),

@@ -680,7 +680,26 @@ def _is_rotary(match, rotations) -> bool:
                 and equal(table.shape[3], head_dim)):
             return False
     sources = rotations(match, head_dim)
-    return sources is not None and len(sources) == 2 and set(sources) == {nodes["q"], nodes["k"]}
+    if sources is None or len(sources) != 2 or set(sources) != {nodes["q"], nodes["k"]}:
+        return False
+    return not _reads_the_match(match, (nodes["q"], nodes["k"]))
+
+
+def _reads_the_match(match, inputs) -> bool:
+    """Whether one of ``inputs`` is computed from a node of the match: the q of one layer and
+    the k of an earlier one (one cos/sin table serves every layer) look like one site, and
+    one launch for both would need its own output first."""
+    matched = set(match.nodes)
+    seen, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if node in matched:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
 
 
 def _pattern_inputs():

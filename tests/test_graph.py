@@ -297,6 +297,26 @@ def test_a_training_graph_keeps_its_gradients():
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
 
 
+def test_a_training_graph_of_layers_sharing_one_table_compiles():
+    """Every layer of a model rotates by one cos/sin table, so the q of one layer and the k of
+    an earlier one look like one rotary site; in a training graph's order the matcher offered
+    such a pair, and one launch for both would have needed its own output (a cycle: the
+    compile failed). Such a pair is refused; the gradients stay eager's."""
+    torch._dynamo.reset()
+    config = transformers.AutoConfig.for_model(
+        "phi3", vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)
+    ids = torch.randint(3, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
 class _FunctionalNorms(torch.nn.Module):
     def __init__(self, width):
         super().__init__()
@@ -487,3 +507,30 @@ def test_other_families_stay_right_and_fuse_what_they_compute(family):
     assert gemslib.fusion_report() == _OTHER_FAMILIES[family], gemslib.fusion_report()
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
     assert error <= 1e-4, f"max error {error:.2e} of the largest logit"
+
+
+class _FunctionalAddNorm(torch.nn.Module):
+    """A residual add before ``F.rms_norm`` (torch.nn.RMSNorm's form), the sum used after."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x, residual):
+        total = residual + x
+        normed = torch.nn.functional.rms_norm(total, (x.shape[-1],), self.weight, 1e-5)
+        return normed, total * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_residual_add_before_functional_rms_norm_runs_add_rms_norm(dtype):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalAddNorm(24).to(DEVICE, dtype)
+    x, residual = (torch.randn(3, 5, 24, device=DEVICE, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        expected = module(x, residual)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(x, residual)
+    assert gemslib.fusion_report() == {"add_rms_norm": 1}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())

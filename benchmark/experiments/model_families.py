@@ -1,13 +1,14 @@
 """Experiment: every transformers decoder family through ``backend="gemslib"``, tiny configs.
 
-    python -m benchmark.experiments.model_families [family ...]
+    python -m benchmark.experiments.model_families [--fp16] [family ...]
 
 Builds each family's causal LM from a tiny config (random weights, norms' weights away from 1,
 biases away from 0), compiles it with ``backend="gemslib", fullgraph=True`` and prints the
 largest logit error against eager relative to the largest logit, whether the eager model still
 gives exactly what it gave before the compile (the merged parameters are views), and the
-fusion report. fp32; on a machine without a GPU, in the Triton interpreter. Results:
-benchmark/NOTES.md.
+fusion report. With ``--fp16`` the model runs in fp16 and both eager's and the backend's logits
+are set against the fp32 model's (relative error of the norms). On a machine without a GPU, in
+the Triton interpreter. Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ FAMILIES = {
 }
 
 
-def run_family(family: str) -> str:
+def run_family(family: str, fp16: bool = False) -> str:
     import torch
     import transformers
 
@@ -56,18 +57,28 @@ def run_family(family: str) -> str:
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     with torch.no_grad():
-        expected = model(ids).logits
-        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits
-        again = model(ids).logits
+        reference = model(ids).logits.double()
+        if fp16:
+            model = model.half()
+        expected = model(ids).logits.double()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.double()
+        again = model(ids).logits.double()
+    fusions = dict(sorted(gemslib.fusion_report().items()))
+    unchanged = torch.equal(again, expected)
+    if fp16:
+        def error(x):
+            return ((x - reference).norm() / reference.norm()).item()
+        return (f"vs fp32: eager {error(expected):.2e} gemslib {error(logits):.2e}  "
+                f"eager unchanged {unchanged}  {fusions}")
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
-    return (f"error {error:.1e}  eager unchanged {torch.equal(again, expected)}  "
-            f"{dict(sorted(gemslib.fusion_report().items()))}")
+    return f"error {error:.1e}  eager unchanged {unchanged}  {fusions}"
 
 
 def main(families: list[str]) -> None:
-    for family in families or list(FAMILIES):
+    fp16 = "--fp16" in families
+    for family in [f for f in families if f != "--fp16"] or list(FAMILIES):
         try:
-            result = run_family(family)
+            result = run_family(family, fp16)
         except Exception as err:  # a family this transformers lacks, or a failure to show
             result = f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         print(f"{family:18s} {result}", flush=True)
