@@ -412,8 +412,9 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         if causal:
             k, v = k[:, :, :1], v[:, :, :1]
         lse = torch.empty((batch, n_q_heads, 1), dtype=torch.float32, device=q.device)
-        result = _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse)[:, :, None]
-        return (result, lse) if out is None else (out.copy_(result), lse)
+        rows = None if out is None else out[:, :, 0]  # written in place: unit last stride
+        result = _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=rows)
+        return (result[:, :, None] if out is None else out), lse
     if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and _attention_hopper.eligible(q, k, v):
         result, lse = _attention_hopper.forward(q, k, v, causal, scale)

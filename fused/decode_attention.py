@@ -223,8 +223,8 @@ class _DecodePlan(NamedTuple):
 
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
-                 with_lse: bool = False, key_mask_strides: tuple[int, int] | None = None
-                 ) -> _DecodePlan:
+                 with_lse: bool = False, key_mask_strides: tuple[int, int] | None = None,
+                 out_strides: tuple[int, int] | None = None) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
@@ -237,7 +237,8 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     block_s = max(2, runtime.next_power_of_2(n_splits))
     group_pow2 = runtime.next_power_of_2(group_size)  # merged in chunks of <= 8192 values
-    out_strides = (n_q_heads * head_dim_v, head_dim_v)  # of the contiguous output
+    if out_strides is None:  # the output's (batch, head) strides: contiguous by default
+        out_strides = (n_q_heads * head_dim_v, head_dim_v)
     # the kernel's parameters after the tensors, positional (TunedKernel.replay launches the
     # compiled kernel with them so): sizes and scale; strides; flag and blocks
     arguments = (
@@ -275,11 +276,14 @@ def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
 
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
                 lse: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The output (B, Hq, Dv); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps.
-    seqlens, key_mask and lse are None exactly where the plan was made without them."""
+                key_mask: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The output (B, Hq, Dv), written into ``out`` when given (with the strides the plan was
+    made for); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens, key_mask and
+    lse are None exactly where the plan was made without them."""
     _check_seqlens_in_cache(seqlens, k_cache.shape[2])
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     if plan.scratch is not None:
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
@@ -316,8 +320,8 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> tuple 
 
 
 def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
-                 with_lse: bool = False, key_mask: torch.Tensor | None = None
-                 ) -> _DecodePlan | None:
+                 with_lse: bool = False, key_mask: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> _DecodePlan | None:
     """The plan of the launch for arguments with a unit last stride; None when there is
     nothing to compute (no rows, no features or no keys)."""
     batch, n_q_heads, head_dim = q.shape
@@ -328,24 +332,30 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)),
                         with_lse=with_lse,
-                        key_mask_strides=None if key_mask is None else key_mask.stride())
+                        key_mask_strides=None if key_mask is None else key_mask.stride(),
+                        out_strides=None if out is None else out.stride()[:2])
 
 
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
                    lse: torch.Tensor | None = None,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   key_mask: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None), of those the ones key_mask (B, L) bool keeps, if given. One
     launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32 contiguous, if given, gets each
-    head's log-sum-exp."""
+    head's log-sum-exp. ``out`` (B, Hq, Dv), any batch and head strides with a unit last
+    stride, sharing no memory with the inputs, if given, is written and returned (an SDPA
+    override's output in torch's layout, without a copy)."""
     q, k_cache, v_cache = unit_last(q), unit_last(k_cache), unit_last(v_cache)
     plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None,
-                        key_mask=key_mask)
+                        key_mask=key_mask, out=out)
     if plan is None:
         if lse is not None:
             lse.fill_(-float("inf"))
+        if out is not None:
+            return out.zero_()
         return q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[3]))
-    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse, key_mask)
+    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse, key_mask, out)
 
 
 # --------------------------------------------------------------------------------------------

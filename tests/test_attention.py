@@ -69,6 +69,24 @@ def test_one_query_row_runs_the_decode_kernel(monkeypatch):
         torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_one_query_row_through_sdpa_is_written_in_torchs_layout_without_a_copy(monkeypatch):
+    """Under enable(), the decode kernel writes an SDPA decode step's output straight into
+    the backend's output layout (one launch, no copy of the rows after it), and the result is
+    the reference's."""
+    copied = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, other, *args, **kwargs: (
+        copied.append(self.shape), real_copy(self, other, *args, **kwargs))[1])
+    q = random_tensor((2, 4, 1, 16), torch.float32, scale=1.0)
+    k, v = (random_tensor((2, 2, 40, 16), torch.float32, scale=1.0) for _ in range(2))
+    with torch.no_grad(), gemslib.enable(record=True) as record:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert record.calls, "SDPA did not reach gemslib"
+    assert q.shape not in copied, copied
+    expected = attention_ops.attention_reference(q.double(), k.double(), v.double())[0]
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
 @pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
