@@ -1,0 +1,67 @@
+"""One rank of tests/test_tensor_parallel.py (not a test module): a tiny Llama built the same
+way on every rank, its layers sharded over the ranks with torch's tensor-parallel styles (q, k,
+v, gate, up column-parallel; o and down row-parallel, whose outputs are all-reduced), run eager,
+under ``gemslib.enable()`` and through ``backend="gemslib"``; writes each way's largest logit
+error against the unsharded model and the backend's fusion report as JSON.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/tensor_parallel_worker.py OUT
+"""
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors and gloo, on any machine
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,  # noqa: E402
+                                               parallelize_module)
+
+import gemslib  # noqa: E402
+
+PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel()}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    try:
+        config = transformers.LlamaConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        torch.manual_seed(0)  # the same weights and ids on every rank
+        model = transformers.LlamaForCausalLM(config).float().eval()
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.data.uniform_(0.5, 1.5)
+        ids = torch.randint(3, 96, (2, 11))
+        with torch.no_grad():
+            reference = model(ids).logits
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, PLAN)
+
+        def error(logits):
+            return ((logits - reference).abs().max() / reference.abs().max()).item()
+
+        with torch.no_grad():
+            result = {"eager": error(model(ids).logits)}
+            with gemslib.enable():
+                result["enable"] = error(model(ids).logits)
+            gemslib.reset_fusion_report()
+            compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+            result["backend"] = error(compiled(ids).logits)
+        result["fusions"] = gemslib.fusion_report()
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
