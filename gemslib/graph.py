@@ -120,24 +120,55 @@ def _rewrites():
 
 def _real_values(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], Any]:
     """placeholder -> the real tensor the backend compiles ``graph`` for, or None: known only
-    for the graph whose inputs are the backend's own, one to one (an inference graph, or a
-    training graph's forward), and checked input by input against the traced metadata."""
+    for the graph whose inputs are the backend's own (an inference graph, or a training
+    graph's forward), one to one, or, where inputs are tensor subclasses that AOTAutograd
+    flattens (DTensor: its local shard), tensor leaf to tensor placeholder; checked input by
+    input against the traced metadata."""
     inputs = _compiling_inputs.get()
     placeholders = graph.find_nodes(op="placeholder")
+    if inputs is None:
+        return {}.get
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if len(inputs) == len(placeholders):
+        pairs = list(zip(placeholders, inputs))
+    elif any(is_traceable_wrapper_subclass(value) for value in inputs):
+        tensor_placeholders = [node for node in placeholders
+                               if isinstance(node.meta.get("val"), torch.Tensor)]
+        leaves = list(_tensor_leaves(inputs))
+        if len(leaves) != len(tensor_placeholders):
+            return {}.get
+        pairs = list(zip(tensor_placeholders, leaves))
+    else:  # another graph of the compile (a training graph's backward)
+        return {}.get
+
     known: dict[torch.fx.Node, torch.Tensor] = {}
-    if inputs is not None and len(inputs) == len(placeholders):
-        from torch._subclasses.fake_tensor import FakeTensor
-        for node, value in zip(placeholders, inputs):
-            traced = node.meta.get("val")
-            if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
-                continue
-            if not isinstance(traced, torch.Tensor) or traced.dtype != value.dtype or \
-                    traced.dim() != value.dim() or any(
-                        isinstance(a, int) and a != b for a, b in zip(traced.shape, value.shape)):
-                known.clear()  # the inputs are not the graph's, one to one
-                break
-            known[node] = value
+    for node, value in pairs:
+        traced = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            continue
+        if not isinstance(traced, torch.Tensor) or traced.dtype != value.dtype or \
+                traced.dim() != value.dim() or any(
+                    isinstance(a, int) and a != b for a, b in zip(traced.shape, value.shape)):
+            return {}.get  # the inputs are not the graph's
+        known[node] = value
     return known.get
+
+
+def _tensor_leaves(values):
+    """The plain tensors of ``values`` in AOTAutograd's flattening order: a traceable tensor
+    subclass (DTensor) as its inner tensors, anything that is not a tensor left out."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(value):
+            attrs, _ = value.__tensor_flatten__()
+            yield from _tensor_leaves([getattr(value, attr) for attr in attrs])
+        else:
+            yield value
 
 
 def _apply_rewrites(graph: torch.fx.Graph) -> int:

@@ -2,7 +2,8 @@
 way on every rank, its layers sharded over the ranks with torch's tensor-parallel styles (q, k,
 v, gate, up column-parallel; o and down row-parallel, whose outputs are all-reduced), run eager,
 under ``gemslib.enable()`` and through ``backend="gemslib"``; writes each way's largest logit
-error against the unsharded model and the backend's fusion report as JSON.
+error against the unsharded model, whether eager still gives what it gave before the compile
+(which merges the shards in place), and the backend's fusion report as JSON.
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/tensor_parallel_worker.py OUT
 """
@@ -50,12 +51,15 @@ def main(out_path: str) -> None:
             return ((logits - reference).abs().max() / reference.abs().max()).item()
 
         with torch.no_grad():
-            result = {"eager": error(model(ids).logits)}
+            eager = model(ids).logits
+            result = {"eager": error(eager)}
             with gemslib.enable():
                 result["enable"] = error(model(ids).logits)
             gemslib.reset_fusion_report()
             compiled = torch.compile(model, backend="gemslib", fullgraph=True)
             result["backend"] = error(compiled(ids).logits)
+            # the merged shards are views: the eager model computes what it did before
+            result["eager_unchanged"] = torch.equal(model(ids).logits, eager)
         result["fusions"] = gemslib.fusion_report()
         with open(out_path, "w") as f:
             json.dump(result, f)

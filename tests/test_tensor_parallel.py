@@ -25,9 +25,9 @@ def _free_port() -> int:
 def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(tmp_path):
     """The all-reduce after o_proj and down_proj is in the graph: the residual add and RMSNorm
     after it fuse (they read its full result), nothing fuses across it, and every rank makes
-    the same fusions. The sharded projections (DTensor parameters) are not merged by
-    merged_linear yet, so there is no silu_and_mul over a merged gate/up either: merging the
-    projections sharded alike is issue 26's to do."""
+    the same fusions. Each rank merges its shards of q, k, v (and of gate, up), which are
+    sharded alike (column-parallel), into one GEMM: the DTensor parameters reach the graph as
+    their local shards, which the rewrite merges."""
     port = _free_port()
     processes, outs = [], []
     for rank in range(2):
@@ -49,5 +49,7 @@ def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(
     for result in results:
         for way in ("eager", "enable", "backend"):
             assert result[way] <= 1e-5, (way, result)
+        assert result["eager_unchanged"], result
         assert result["fusions"] == {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2,
-                                     "attention": 2}, result["fusions"]
+                                     "attention": 2, "merged_linear": 4,
+                                     "silu_and_mul": 2}, result["fusions"]
