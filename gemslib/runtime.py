@@ -762,13 +762,13 @@ class TunedKernel:
             kwargs = self.kernel_kwargs(config)
             kernel = self.fn[grid](*args, **kwargs)
             if compiled is None and len(self._compiled) < 1024:
-                self._keep(key, device, kernel, config, grid, args, kwargs)
+                self._keep(key, device, kernel, grid, args, kwargs)
             return
         run, grid3, function, metadata, constexprs = compiled
-        run(*grid3, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None,
-            None, *args, *constexprs)
+        run(*grid3, current_stream_handle(device), function, metadata, None, None, None, *args,
+            *constexprs)
 
-    def _keep(self, key, device, kernel, config, grid, args, kwargs) -> None:
+    def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
         heuristics = _heuristic_values(self.fn, args, kwargs)
         if heuristics is None:
             return
