@@ -112,6 +112,28 @@ def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
     return node
 
 
+def slice_bounds(node: torch.fx.Node) -> tuple[int, int, int, int] | None:
+    """(dim, start, end, step) of an ``aten.slice.Tensor`` node, normalised as torch does
+    (dim non-negative, None and negative bounds resolved, bounds clamped to the sliced dim's
+    size), or None where the sliced dim's size or a bound is not a plain int."""
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if value is None or value.dim() == 0:
+        return None
+    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+    dim, start, end, step = (node.kwargs.get(name, default) for name, default in
+                             zip(("dim", "start", "end", "step"), args))
+    dim, step = (0 if dim is None else dim), (1 if step is None else step)
+    if not isinstance(dim, int):
+        return None
+    dim %= value.dim()
+    size = value.shape[dim]
+    start, end = (0 if start is None else start), (size if end is None else end)
+    if not all(isinstance(v, int) for v in (size, start, end, step)):
+        return None
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    return dim, min(max(start, 0), size), min(max(end, 0), size), step
+
+
 def _rewrites():
     from gemslib import registry
     return [rewrite for operator in registry.operators().values()

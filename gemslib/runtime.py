@@ -784,8 +784,8 @@ class TunedKernel:
                 self._keep(key, device, kernel, grid, args, kwargs)
             return
         launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
-        launch(*grid3, torch._C._cuda_getCurrentRawStream(device), function, cooperative, pdl,
-               None, None, metadata, None, None, None, *launch_args, *constexprs)
+        launch(*grid3, current_stream_handle(device), function, cooperative, pdl, None, None,
+               metadata, None, None, None, *launch_args, *constexprs)
 
     def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
         heuristics = _heuristic_values(self.fn, args, kwargs)

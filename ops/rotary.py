@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
+from gemslib.graph import slice_bounds
 from gemslib.registry import GraphPattern, SelfCheck, TuneBucket, TuneSpace
 
 
@@ -549,20 +550,6 @@ def _replacement(interleaved: bool):
     return replacement
 
 
-def _slice_bounds(node, size: int):
-    """(dim, start, end, step) of an ``aten.slice.Tensor`` node on a 4-d tensor whose sliced dim
-    has ``size`` elements, normalised as torch does (None/negative bounds, ends past the size)."""
-    args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
-    dim, start, end, step = (node.kwargs.get(name, value) for name, value in
-                             zip(("dim", "start", "end", "step"), args))
-    dim, step = (0 if dim is None else dim), (1 if step is None else step)
-    start, end = (0 if start is None else start), (size if end is None else end)
-    if not all(isinstance(v, int) for v in (dim, start, end, step)):
-        return None
-    start, end = (v + size if v < 0 else v for v in (start, end))
-    return dim % 4, min(max(start, 0), size), min(max(end, 0), size), step
-
-
 def _is_rotate_half_of(cat, x_node, head_dim: int) -> bool:
     """``cat`` is ``cat((-x[..., D/2:], x[..., :D/2]), -1)`` of ``x_node`` (D = head_dim)."""
     aten = torch.ops.aten
@@ -579,8 +566,8 @@ def _is_rotate_half_of(cat, x_node, head_dim: int) -> bool:
     if second_half.args[0] is not x_node or first_half.args[0] is not x_node:
         return False
     half = head_dim // 2
-    return (_slice_bounds(second_half, head_dim) == (3, half, head_dim, 1)
-            and _slice_bounds(first_half, head_dim) == (3, 0, half, 1))
+    return (slice_bounds(second_half) == (3, half, head_dim, 1)
+            and slice_bounds(first_half) == (3, 0, half, 1))
 
 
 def _is_rotate_pairs_of(flat, x_node, head_dim: int) -> bool:
@@ -613,8 +600,8 @@ def _is_rotate_pairs_of(flat, x_node, head_dim: int) -> bool:
     flat_shape, x_shape = flat.meta["val"].shape, x_node.meta["val"].shape
     return (len(flat_shape) == 4
             and all(statically_known_true(a == b) for a, b in zip(flat_shape, x_shape))
-            and _slice_bounds(odd, head_dim) == (3, 1, head_dim, 2)
-            and _slice_bounds(even, head_dim) == (3, 0, head_dim, 2))
+            and slice_bounds(odd) == (3, 1, head_dim, 2)
+            and slice_bounds(even) == (3, 0, head_dim, 2))
 
 
 def _half_rotations(match, head_dim: int):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.graph import call_node
+from gemslib.graph import call_node, slice_bounds
 from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
@@ -479,14 +479,12 @@ def _columns_of(node):
         return None
     if node.target is operator.getitem:
         return _piece_of_split(node, shape)
-    if node.target is not _aten.slice.Tensor or len(node.args) != 4 or node.kwargs:
+    if node.target is not _aten.slice.Tensor:
         return None
-    whole, dim, start, end = node.args
-    width = _last_width(whole, dim)
-    if width is None or not isinstance(start, int) or not isinstance(end, int) or \
-            not 0 <= start < width:
+    bounds = slice_bounds(node)
+    if bounds is None or bounds[0] != node.args[0].meta["val"].dim() - 1 or bounds[3] != 1:
         return None
-    return whole, start, min(end, width), shape  # x[..., n:] slices to the largest int64
+    return node.args[0], bounds[1], bounds[2], shape
 
 
 def _last_width(whole, dim):

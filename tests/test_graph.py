@@ -27,9 +27,13 @@ def _tiny_model(dtype, family="llama", layers=2, eps=1e-5):
         vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=eps)
     torch.manual_seed(0)
-    model = getattr(transformers, model_name)(config).to(DEVICE, dtype).eval()
-    for name, parameter in model.named_parameters():  # norm weights away from 1, so a dropped
-        if "norm" in name:                            # weight would show; biases not zero
+    return _away_from_identity(getattr(transformers, model_name)(config).to(DEVICE, dtype).eval())
+
+
+def _away_from_identity(model):
+    """Norm weights away from 1, so a dropped weight would show; biases away from 0."""
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
             parameter.data.uniform_(0.5, 1.5)
         elif name.endswith("bias"):
             parameter.data.uniform_(-0.5, 0.5)
@@ -489,13 +493,8 @@ def test_other_families_stay_right_and_fuse_what_they_compute(family):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
         bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)
-    model.eval()
-    for name, parameter in model.named_parameters():
-        if "norm" in name:
-            parameter.data.uniform_(0.5, 1.5)
-        elif name.endswith("bias"):
-            parameter.data.uniform_(-0.5, 0.5)
+    model = _away_from_identity(
+        transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32).eval())
     ids = torch.randint(3, 96, (2, 11), device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits
