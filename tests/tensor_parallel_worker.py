@@ -5,14 +5,19 @@ under ``gemslib.enable()`` and through ``backend="gemslib"``; writes each way's 
 error against the unsharded model, whether eager still gives what it gave before the compile
 (which merges the shards in place), and the backend's fusion report as JSON.
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/tensor_parallel_worker.py OUT
+On a machine with a GPU both ranks share it (gloo all-reduces CUDA tensors) and run the
+compiled kernels; elsewhere they run on the CPU under the Triton interpreter.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/tensor_parallel_worker.py OUT DEVICE
 """
 
 import json
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors and gloo, on any machine
+if sys.argv[2] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -29,21 +34,21 @@ PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParall
         "mlp.down_proj": RowwiseParallel()}
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, device: str) -> None:
     dist.init_process_group("gloo")
     try:
         config = transformers.LlamaConfig(
             vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         torch.manual_seed(0)  # the same weights and ids on every rank
-        model = transformers.LlamaForCausalLM(config).float().eval()
+        model = transformers.LlamaForCausalLM(config).float().eval().to(device)
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.data.uniform_(0.5, 1.5)
-        ids = torch.randint(3, 96, (2, 11))
+        ids = torch.randint(3, 96, (2, 11)).to(device)
         with torch.no_grad():
             reference = model(ids).logits
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
         for layer in model.model.layers:
             parallelize_module(layer, mesh, PLAN)
 
@@ -68,4 +73,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

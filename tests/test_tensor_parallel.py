@@ -1,6 +1,7 @@
-"""gemslib inside tensor parallelism on the CPU: two gloo processes on the loopback, a tiny
-Llama sharded over them (tests/tensor_parallel_worker.py), each way's logits against the
-unsharded model's, and the backend's fusions on each rank."""
+"""gemslib inside tensor parallelism: two gloo processes on the loopback (on the CPU, or both
+on the one GPU where there is one), a tiny Llama sharded over them
+(tests/tensor_parallel_worker.py), each way's logits against the unsharded model's, and the
+backend's fusions on each rank."""
 
 import json
 import os
@@ -22,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(tmp_path):
+def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(tmp_path, device):
     """The all-reduce after o_proj and down_proj is in the graph: the residual add and RMSNorm
     after it fuse (they read its full result), nothing fuses across it, and every rank makes
     the same fusions. Each rank merges its shards of q, k, v (and of gate, up), which are
@@ -33,9 +34,9 @@ def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(
     for rank in range(2):
         out = tmp_path / f"rank{rank}.json"
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
-        processes.append(subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen([sys.executable, str(WORKER), str(out), device.type],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         outs.append(out)
     try:
         logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in processes]
