@@ -15,6 +15,9 @@ is its file name. :func:`enable` registers a wrapper per aten overload through
 under the Triton interpreter). The wrapper asks the declaration whether it supports the call
 and otherwise calls the kernel that was registered before, fetched with
 ``torch.library.get_kernel`` at enable time, never the aten op itself (that would recurse).
+A call whose signature (shapes, strides, dtypes, values) the wrapper has served before replays
+its plan (:class:`gemslib.runtime.CallPlans`), skipping the check and the implementation's
+host work.
 Leaving the block (or :func:`disable`) removes exactly what the block registered.
 
 One exception to that exact restore: where torch has no kernel of its own for an overridden
@@ -229,6 +232,9 @@ def _record(aten: str, served: bool) -> None:
             (activation.calls if served else activation.fallbacks)[aten] += 1
 
 
+_override_plans: dict[str, runtime.CallPlans] = {}
+
+
 def _make_wrapper(override: AtenOverride, original) -> Callable:
     """The kernel enable() registers: gemslib's implementation, or for calls it does not take
     ``original`` (the kernel registered before; None: the declaration's ``fallback``)."""
@@ -239,13 +245,24 @@ def _make_wrapper(override: AtenOverride, original) -> Callable:
         def original_call(keyset, *args, **kwargs):
             return override.fallback(*args, **kwargs)
 
+    plans = _override_plans.get(aten)
+    if plans is None:  # one per overload, kept across activations (the override is the same)
+        plans = _override_plans[aten] = runtime.CallPlans(aten, below_autograd=True)
+
     def wrapper(keyset, *args, **kwargs):
+        key = plans.signature(*args, **kwargs)
+        plan = plans.get(key)
+        if plan is not None:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s -> gemslib (planned)", aten)
+            _record(aten, True)
+            return plan(*args)
         reason = override.unsupported(*args, **kwargs)
         if reason is None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s -> gemslib", aten)
             _record(aten, True)
-            return override.impl(*args, **kwargs)
+            return plans.plan(key, args, lambda: override.impl(*args, **kwargs))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s -> torch (%s)", aten, reason)
         _record(aten, False)

@@ -635,6 +635,7 @@ class TunedKernel:
         KERNELS[f"{op}.{name}"] = self
 
     def clear_cache(self) -> None:
+        clear_call_plans()
         self._chosen.clear()
         self._checked.clear()
         self._kernel_kwargs.clear()
@@ -651,11 +652,14 @@ class TunedKernel:
         if names != self.tunables:
             raise ValueError(f"{self.name}: config parameters {sorted(names)} do not match the "
                              f"kernel's tunables {sorted(self.tunables)}")
+        global _forcing
         previous, self._forced = self._forced, config
         outer, self._recording = self._recording, []
+        _forcing += 1
         try:
             yield self._recording
         finally:
+            _forcing -= 1
             self._forced, self._recording = previous, outer
 
     def buckets(self) -> tuple[Bucket, ...]:
@@ -749,6 +753,7 @@ class TunedKernel:
         return kwargs
 
     def run(self, config: LaunchConfig, grid, args) -> None:
+        _not_plannable()
         if INTERPRETER:
             with quiet_interpreter():
                 self.fn[grid(config.meta_dict)](*args, **self.kernel_kwargs(config))
@@ -778,6 +783,7 @@ class TunedKernel:
         compiled = self._compiled.get((key, device))
         if compiled is None or _hooked(knobs.runtime.launch_enter_hook) or \
                 _hooked(knobs.runtime.launch_exit_hook):
+            _not_plannable()
             kwargs = self.kernel_kwargs(config)
             kernel = self.fn[grid](*args, **kwargs)
             if compiled is None and len(self._compiled) < 1024:
@@ -786,6 +792,9 @@ class TunedKernel:
         launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
         launch(*grid3, current_stream_handle(device), function, cooperative, pdl, None, None,
                metadata, None, None, None, *launch_args, *constexprs)
+        planning = getattr(_planning, "launches", None)
+        if planning is not None:
+            planning.append((compiled, args, launch_args))
 
     def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
         heuristics = _heuristic_values(self.fn, args, kwargs)
@@ -836,3 +845,226 @@ class TunedKernel:
         best = min(timings, key=lambda item: item[0])[1]
         log.debug("gemslib autotune %s: picked %s", self.name, best.launch_kwargs)
         return best
+
+
+# --------------------------------------------------------------------------------------------
+# Call plans: an operator's repeated eager call, decided once
+# --------------------------------------------------------------------------------------------
+
+_planning = threading.local()  # .launches: the call being planned's (None entries: unplannable)
+_forcing = 0  # forced() blocks open: configs are being swept, no plan applies
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
+                           torch.memory_format})
+_PLANS: list["CallPlans"] = []
+
+
+def _not_plannable() -> None:
+    planning = getattr(_planning, "launches", None)
+    if planning is not None:
+        planning.append(None)
+
+
+def clear_call_plans() -> None:
+    """Forget every operator's plans (configs reloaded, caches cleared)."""
+    for plans in _PLANS:
+        plans.clear()
+
+
+class _PlanningMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Watches the call being planned: any aten operator that computes (a copy, a fill, a
+    torch fallback) makes it unplannable, since a plan replays only the kernel launches.
+    Allocations and views pass."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket not in _PLAN_SAFE_OPS:
+            _not_plannable()
+        return func(*args, **(kwargs or {}))
+
+
+_aten = torch.ops.aten
+_PLAN_SAFE_OPS = frozenset({
+    _aten.empty, _aten.empty_strided, _aten.empty_like, _aten.view, _aten._unsafe_view,
+    _aten.reshape, _aten.as_strided, _aten.alias, _aten.detach, _aten.t, _aten.transpose,
+    _aten.permute, _aten.expand, _aten.unsqueeze, _aten.squeeze, _aten.select, _aten.slice,
+    _aten.movedim, _aten.unflatten, _aten.flatten, _aten.split, _aten.chunk, _aten.narrow})
+
+
+class _Plan:
+    """The launches of one decided call: each compiled kernel with its arguments, the call's
+    tensors (its tensor arguments, then the outputs it allocates) as slots filled with their
+    data pointers."""
+    __slots__ = ("device", "inputs", "outputs", "scratch", "result", "launches")
+
+    def __init__(self, device, inputs, outputs, scratch, result, launches):
+        self.device, self.inputs, self.outputs = device, inputs, outputs
+        self.scratch, self.result, self.launches = scratch, result, launches
+
+    def __call__(self, *args):
+        """The call again, for ``args`` of the signature it was planned for."""
+        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                   for shape, stride, dtype in self.outputs]
+        pointers = [args[i].data_ptr() for i in self.inputs]
+        pointers += [t.data_ptr() for t in outputs]
+        for n_counters, n_floats, which, offset in self.scratch:  # this stream's
+            pointers.append(split_scratch(self.device, n_counters, n_floats)[which].data_ptr()
+                            + offset)
+        stream = current_stream_handle(self.device.index)
+        for compiled, template, slots in self.launches:
+            launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+            launch_args = list(template)
+            for position, slot in slots:
+                launch_args[position] = pointers[slot]
+            launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None,
+                   None, *launch_args, *constexprs)
+        if type(self.result) is int:
+            return outputs[self.result]
+        return tuple(None if index is None else outputs[index] for index in self.result)
+
+
+class CallPlans:
+    """An operator's eager calls without autograd, decided once per signature and replayed.
+
+    Such a call spends most of its host time deciding what its signature alone determines:
+    the checks' verdict, the layout, the config, the grid and the launch key, each from every
+    tensor argument's type, shape, strides, dtype, device and 16-byte alignment and the other
+    arguments' values. :meth:`signature` makes that key (``None`` where no plan may apply:
+    autograd must see the call, torch.compile is tracing, a config is forced, the direct
+    launch is off, an argument is a tensor subclass or not a plain value); :meth:`get` gives
+    the plan of a signature seen before; :meth:`plan` runs the call's own code and keeps a plan
+    of it when it is replayable: every GPU operation it made was a launch of a kept compiled
+    kernel (:meth:`TunedKernel.replay`; aten operators other than allocations and views are
+    watched for), each tensor argument of those launches starts where one of the call's
+    tensors or outputs starts or lies in a kept :func:`split_scratch` pair, and its outputs
+    are fresh tensors of their own storage. A signature's first call (which compiles and
+    tunes) is never planned. A plan allocates the outputs alike, fetches the scratch of the
+    current stream and launches the same kernels with the new pointers on that stream; with
+    a Triton launch hook installed the call's own code runs again.
+    """
+
+    def __init__(self, name: str, below_autograd: bool = False):
+        self.name, self.below_autograd = name, below_autograd
+        self._plans: dict[tuple, _Plan] = {}
+        self._seen: set[tuple] = set()
+        _PLANS.append(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._seen.clear()
+
+    def signature(self, *args, **kwargs) -> tuple | None:
+        """The key of a call with these arguments (a plan replays with the positional ones;
+        keyword ones must be plain values). ``below_autograd``: the caller is a kernel the
+        dispatcher runs after autograd (an aten override), so tensors that require grad do
+        not stop a plan (grad mode and requires_grad are in the key all the same: an
+        override's check may read them)."""
+        if INTERPRETER or _forcing or not DIRECT_LAUNCH.on or torch.compiler.is_compiling():
+            return None
+        grad = torch.is_grad_enabled()
+        stop = grad and not self.below_autograd
+        key = [torch.cuda.current_device() if torch.cuda.is_initialized() else None, grad]
+        for arg in args:
+            kind = type(arg)
+            if kind in _PLAIN_TENSORS:
+                if (stop and arg.requires_grad) or arg.layout is not torch.strided:
+                    return None
+                key += (arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15,
+                        arg.requires_grad)
+            elif kind in _PLAIN_VALUES:
+                key += (kind, arg)
+            elif (kind is list or kind is tuple) and all(type(a) in _PLAIN_VALUES for a in arg):
+                key += (kind, tuple(arg))
+            else:
+                return None
+        for name, arg in kwargs.items():
+            if type(arg) not in _PLAIN_VALUES:
+                return None
+            key += (name, type(arg), arg)
+        return tuple(key)
+
+    def get(self, key: tuple | None) -> _Plan | None:
+        """The plan of ``key`` (None: none yet, or a launch hook wants Triton's launches)."""
+        plan = self._plans.get(key)
+        if plan is None or _hooked(knobs.runtime.launch_enter_hook) or \
+                _hooked(knobs.runtime.launch_exit_hook):
+            return None
+        return plan
+
+    def plan(self, key: tuple | None, args: Sequence, call: Callable):
+        """``call()``, the operator's own path for ``args`` (those given to :meth:`signature`),
+        keeping its plan under ``key`` when it is replayable; returns what ``call`` returns (a
+        tensor, or a tuple of tensors and Nones)."""
+        if key is None or getattr(_planning, "launches", None) is not None or \
+                len(self._plans) >= 1024:
+            return call()
+        if key not in self._seen:  # a first call compiles and tunes: planned from the second
+            if len(self._seen) < 4096:
+                self._seen.add(key)
+            return call()
+        _planning.launches = launches = []
+        try:
+            with _PlanningMode():
+                result = call()
+        finally:
+            _planning.launches = None
+        plan = self._replayable(args, result, launches)
+        if plan is not None:
+            self._plans[key] = plan
+        return result
+
+    @staticmethod
+    def _replayable(args, result, launches) -> _Plan | None:
+        if not launches or None in launches:
+            return None
+        single = isinstance(result, torch.Tensor)
+        returned = [result] if single else list(result)
+        outputs = [t for t in returned if t is not None]
+        if not outputs or any(type(t) not in _PLAIN_TENSORS for t in outputs):
+            return None
+        for t in outputs:  # fresh, dense, owning its whole storage
+            extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+            if t.storage_offset() or t.numel() == 0 or \
+                    t.untyped_storage().nbytes() != extent * t.element_size():
+                return None
+        inputs = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        slot_of = {args[i].data_ptr(): slot for slot, i in enumerate(inputs)}
+        if len(slot_of) < len(inputs):
+            return None  # inputs that start together: a later call's need not
+        for index, t in enumerate(outputs):
+            if t.data_ptr() in slot_of:
+                return None  # an output aliasing an input, or another output
+            slot_of[t.data_ptr()] = len(inputs) + index
+        scratch = []
+        planned = []
+        for compiled, kernel_args, launch_args in launches:
+            template, slots = list(launch_args), []
+            for position, arg in enumerate(kernel_args):
+                if isinstance(arg, torch.Tensor):
+                    pointer = launch_args[position]
+                    slot = slot_of.get(pointer)
+                    if slot is None:
+                        place = _in_split_scratch(pointer)
+                        if place is None:
+                            return None  # a tensor the call made for itself, or a view in one
+                        slot = slot_of[pointer] = len(inputs) + len(outputs) + len(scratch)
+                        scratch.append(place)
+                    template[position] = None
+                    slots.append((position, slot))
+            planned.append((compiled, tuple(template), tuple(slots)))
+        specs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
+        index = {id(t): i for i, t in enumerate(outputs)}
+        where = index[id(result)] if single else tuple(
+            None if t is None else index[id(t)] for t in returned)
+        return _Plan(outputs[0].device, tuple(inputs), specs, tuple(scratch), where,
+                     tuple(planned))
+
+
+def _in_split_scratch(pointer: int) -> tuple[int, int, int, int] | None:
+    """(n_counters, n_floats, which of the pair, byte offset) of a pointer into a kept
+    :func:`split_scratch` pair, which a plan fetches again for the stream it runs on."""
+    for (_, _, _, n_counters, n_floats), pair in _split_scratch_cache.items():
+        for which, t in enumerate(pair):
+            start = t.data_ptr()
+            if start <= pointer < start + t.numel() * t.element_size():
+                return n_counters, n_floats, which, pointer - start
+    return None

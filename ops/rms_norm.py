@@ -321,19 +321,28 @@ def _kernel_takes(x, *others) -> bool:
     return runtime.kernel_runs(x, *others) and all(t is None or t.dtype == x.dtype for t in others)
 
 
+_RMS_NORM_CALLS = runtime.CallPlans("rms_norm")
+_ADD_RMS_NORM_CALLS = runtime.CallPlans("add_rms_norm")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last dim of ``x`` (..., N).
 
     weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
     Differentiable (dx and dweight).
     """
+    key = _RMS_NORM_CALLS.signature(x, weight, eps)
+    plan = _RMS_NORM_CALLS.get(key)
+    if plan is not None:
+        return plan(x, weight, eps)
     _check_inputs("gemslib.rms_norm", x, weight)
     eps = checks.as_float("gemslib.rms_norm", "eps", eps)
     if runtime.wants_custom_op(x, weight):
         return _rms_norm_forward_op(x, weight, eps)[0]
     if not _kernel_takes(x, weight):
         return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
-    return _forward(x, weight, eps, want_rstd=False)[0]
+    return _RMS_NORM_CALLS.plan(key, (x, weight, eps),
+                                lambda: _forward(x, weight, eps, want_rstd=False)[0])
 
 
 def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
@@ -388,6 +397,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     other or within themselves (an expanded tensor): a ValueError says which. Out of place,
     they may (``add_rms_norm(a, a)`` normalises ``2 * a``). Differentiable when not in place.
     """
+    key = _ADD_RMS_NORM_CALLS.signature(x, residual, weight, eps) if inplace is False else None
+    plan = _ADD_RMS_NORM_CALLS.get(key)
+    if plan is not None:
+        return plan(x, residual, weight, eps)
     _check_inputs("gemslib.add_rms_norm", x, weight, residual)
     eps = checks.as_float("gemslib.add_rms_norm", "eps", eps)
     inplace = checks.as_bool("gemslib.add_rms_norm", "inplace", inplace)
@@ -399,7 +412,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
     if runtime.wants_custom_op(x, residual, weight):
         return _add_rms_norm_op(x, residual, weight, eps)
-    return _add_rms_norm(x, residual, weight, eps)
+    return _ADD_RMS_NORM_CALLS.plan(key, (x, residual, weight, eps),
+                                    lambda: _add_rms_norm(x, residual, weight, eps))
 
 
 def _forward_with_rstd(x, weight, eps):

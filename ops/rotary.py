@@ -423,6 +423,9 @@ def _rotary(q, k, cos, sin, positions, interleaved, inverse, q_out, k_out):
     return q_out, k_out
 
 
+_ROTARY_CALLS = runtime.CallPlans("rotary")
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  positions: torch.Tensor | None = None, interleaved: bool = False,
                  inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,6 +451,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
     """
+    key = _ROTARY_CALLS.signature(q, k, cos, sin, positions, interleaved) \
+        if inplace is False else None
+    plan = _ROTARY_CALLS.get(key)
+    if plan is not None:
+        return plan(q, k, cos, sin, positions, interleaved)
     interleaved = checks.as_bool("gemslib.apply_rotary", "interleaved", interleaved)
     inplace = checks.as_bool("gemslib.apply_rotary", "inplace", inplace)
     _check(q, k, cos, sin, positions)
@@ -464,8 +472,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
         return _rotary_op(q, k, cos, sin, positions, interleaved, False)
-    return _rotary(q, k, cos, sin, positions, interleaved, False, torch.empty_like(q),
-                   torch.empty_like(k))
+    return _ROTARY_CALLS.plan(key, (q, k, cos, sin, positions, interleaved), lambda: _rotary(
+        q, k, cos, sin, positions, interleaved, False, torch.empty_like(q), torch.empty_like(k)))
 
 
 def _rotary_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

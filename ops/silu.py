@@ -274,19 +274,29 @@ def _silu_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return _launch_elementwise(SILU_FWD, [x], out)
 
 
+_SILU_CALLS = runtime.CallPlans("silu")
+_SILU_AND_MUL_CALLS = runtime.CallPlans("silu_and_mul")
+
+
 def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x * sigmoid(x)`` elementwise; any shape and strides.
 
     The result has ``x``'s layout when ``x`` is dense (like ``torch.empty_like``). With ``out``
     (same shape, dtype and device) nothing is allocated. Differentiable.
     """
+    if out is None:
+        key = _SILU_CALLS.signature(x)
+        plan = _SILU_CALLS.get(key)
+        if plan is not None:
+            return plan(x)
     checks.float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
             return _silu_op(x)
         if not runtime.kernel_runs(x):
             return F.silu(x)
-        return _launch_elementwise(SILU_FWD, [x], torch.empty_like(x))
+        return _SILU_CALLS.plan(key, (x,), lambda: _launch_elementwise(SILU_FWD, [x],
+                                                                       torch.empty_like(x)))
     _check_out("gemslib.silu", out, x.shape, x)
     return _silu_into(x, out)
 
@@ -304,6 +314,11 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     x: (..., 2d) with any strides -> (..., d), contiguous (or written into ``out``).
     Differentiable.
     """
+    if out is None:
+        key = _SILU_AND_MUL_CALLS.signature(x)
+        plan = _SILU_AND_MUL_CALLS.get(key)
+        if plan is not None:
+            return plan(x)
     checks.float_tensor("gemslib.silu_and_mul", "x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError("gemslib.silu_and_mul: x's last dim must be even (x = [gate | up]), "
@@ -314,7 +329,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             return _silu_and_mul_op(x)
         if not runtime.kernel_runs(x):
             return silu_and_mul_reference(x)
-        return _launch_silu_and_mul(x, torch.empty(out_shape, dtype=x.dtype, device=x.device))
+        return _SILU_AND_MUL_CALLS.plan(key, (x,), lambda: _launch_silu_and_mul(
+            x, torch.empty(out_shape, dtype=x.dtype, device=x.device)))
     _check_out("gemslib.silu_and_mul", out, out_shape, x)
     if not runtime.kernel_runs(x) or layout.memory_overlaps(x, out):
         return out.copy_(silu_and_mul_reference(x))

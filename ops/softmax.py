@@ -165,7 +165,7 @@ def _softmax_fwd_kernel(
 
 @triton.jit
 def _softmax_split_fwd_kernel(
-    x_ptr, y_ptr, stats_ptr, counters_ptr, n_cols, n_chunks, stride_x_row, stride_y_row,
+    x_ptr, y_ptr, stats_ptr, counters_ptr, n_rows, n_cols, n_chunks, stride_x_row, stride_y_row,
     LOG: tl.constexpr, PHASE: tl.constexpr, MAX_CHUNKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Rows too wide for one program, split into ``n_chunks`` pieces of CHUNK columns, one
@@ -176,7 +176,11 @@ def _softmax_split_fwd_kernel(
     statistics and writes its piece from registers. Programs take tickets in the order they
     start (``counters[0]``) instead of using their program ids, so a program only ever waits
     for pieces that have started or will start in the next free slot: no deadlock while the GPU
-    holds ``n_chunks`` programs at once (the launcher checks). PHASE 1 then PHASE 2, two
+    holds ``n_chunks`` programs at once (the launcher checks). ``counters`` (the ticket, one
+    per row, one for rows done) are zero before the launch and after it: each program counts
+    itself again on its way out, the row's last one out puts the row's counter back, and the
+    last row's puts back the other two (the counters are reused, runtime.split_scratch).
+    PHASE 1 then PHASE 2, two
     launches without ``counters`` (None): the statistics, then the outputs from a second read
     (for the interpreter, which runs one program after another, and when a row has more pieces
     than the GPU has SMs).
@@ -201,10 +205,20 @@ def _softmax_split_fwd_kernel(
         tl.store(p_stats + 2 * i_chunk + 1, b_piece_sum)
     if PHASE == 0:
         tl.debug_barrier()  # the statistics are stored before this program counts itself
-        arrived = tl.atomic_add(counters_ptr + 1 + i_row, 1, sem="acq_rel") + 1
+        p_arrivals = counters_ptr + 1 + i_row
+        arrived = tl.atomic_add(p_arrivals, 1, sem="acq_rel") + 1
         while arrived < n_chunks:
-            arrived = tl.atomic_add(counters_ptr + 1 + i_row, 0, sem="acquire")
+            arrived = tl.atomic_add(p_arrivals, 0, sem="acquire")
         tl.debug_barrier()
+        # out: no program of the row still waits once all have counted themselves twice
+        left = tl.atomic_add(p_arrivals, 1, sem="acq_rel") + 1
+        if left == 2 * n_chunks:
+            tl.atomic_xchg(p_arrivals, 0)
+            p_rows_done = counters_ptr + 1 + n_rows
+            rows_done = tl.atomic_add(p_rows_done, 1, sem="acq_rel") + 1
+            if rows_done == n_rows:  # every program has taken its ticket
+                tl.atomic_xchg(counters_ptr, 0)
+                tl.atomic_xchg(p_rows_done, 0)
     if PHASE != 1:
         o_chunk = tl.arange(0, MAX_CHUNKS)
         # .cg: read the other programs' statistics from L2, never from a stale L1 line
@@ -342,7 +356,8 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
     """softmax_split_fwd over (rows, n) views with a unit last stride."""
     n_rows, n_cols = out_rows.shape
     n_chunks = runtime.cdiv(n_cols, chunk)
-    stats = torch.empty((n_rows, n_chunks, 2), dtype=torch.float32, device=x_rows.device)
+    # (ticket, a counter per row, rows done), zero at rest; (max, sum) per piece
+    counters, stats = runtime.split_scratch(x_rows.device, n_rows + 2, n_rows * n_chunks * 2)
     max_chunks = 1 << max(n_chunks - 1, 1).bit_length()
 
     def launch(counters, phase):
@@ -350,7 +365,7 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
         SOFTMAX_SPLIT_FWD.launch(
             lambda meta: (n_rows * n_chunks,),
             x_rows, out_rows, stats, counters,
-            n_cols, n_chunks,
+            n_rows, n_cols, n_chunks,
             x_rows.stride(0), out_rows.stride(0),
             log, phase, max_chunks,
             shape=(n_rows, n_cols))
@@ -361,7 +376,7 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
         launch(None, phase=1)  # no counters in the two-launch form
         launch(None, phase=2)
     else:
-        launch(torch.zeros(1 + n_rows, dtype=torch.int32, device=x_rows.device), phase=0)
+        launch(counters, phase=0)
 
 
 def _split_chunk(n_rows: int, n_cols: int) -> int:
@@ -444,24 +459,36 @@ def _softmax_any(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     return _forward(x, dim, log, x.dtype)
 
 
+_SOFTMAX_CALLS = runtime.CallPlans("softmax")
+_LOG_SOFTMAX_CALLS = runtime.CallPlans("log_softmax")
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``exp(x - max) / sum(exp(x - max))`` along ``dim``; same shape and dtype as x.
 
     Statistics in fp32; rows of any width (vocabulary-sized ones in an online pass).
     Differentiable.
     """
+    key = _SOFTMAX_CALLS.signature(x, dim)
+    plan = _SOFTMAX_CALLS.get(key)
+    if plan is not None:
+        return plan(x, dim)
     dim = _check("gemslib.softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, False)
-    return _softmax_any(x, dim, log=False)
+    return _SOFTMAX_CALLS.plan(key, (x, dim), lambda: _softmax_any(x, dim, log=False))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
+    key = _LOG_SOFTMAX_CALLS.signature(x, dim)
+    plan = _LOG_SOFTMAX_CALLS.get(key)
+    if plan is not None:
+        return plan(x, dim)
     dim = _check("gemslib.log_softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, True)
-    return _softmax_any(x, dim, log=True)
+    return _LOG_SOFTMAX_CALLS.plan(key, (x, dim), lambda: _softmax_any(x, dim, log=True))
 
 
 def _backward_any(grad, y, dim, log, out_dtype):

@@ -202,8 +202,8 @@ CALLS = [
     lambda: gemslib.attention(_bf16(1, 4, 1, 128), _bf16(1, 1, 300, 128), _bf16(1, 1, 300, 128)),
     lambda: gemslib.attention(_bf16(2, 8, 1, 64), _bf16(2, 2, 30, 64), _bf16(2, 2, 30, 64)),
     lambda: softmax_ops._softmax_split_fwd_kernel[(3,)](  # the one-launch form (tickets, wait)
-        *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(4, dtype=torch.int32),
-                     100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
+        *(lambda x: (x, torch.empty_like(x), torch.empty(3, 1, 2), torch.zeros(5, dtype=torch.int32),
+                     3, 100, 1, 100, 100, False, 0))(_bf16(3, 100)), MAX_CHUNKS=2, CHUNK=128),
     lambda: _backward(lambda q, k, c, s: gemslib.apply_rotary(q, k, c, s),
                       _bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(5, 8), _bf16(5, 8), differentiable=2),
     lambda: gemslib.apply_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(9, 6), _bf16(9, 6),

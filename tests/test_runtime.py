@@ -1,9 +1,11 @@
 """Runtime: device naming, config files (shipped and malformed), bucket selection, overrides."""
 
 import textwrap
+from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -11,6 +13,8 @@ import gemslib
 from conftest import DEVICE, random_tensor
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
+from gemslib.ops import rms_norm as rms_norm_ops
+from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import silu as silu_ops
 from gemslib.runtime import TuneConfigError
 
@@ -380,6 +384,177 @@ def test_heuristics_of_the_key_replay_and_heuristics_of_a_tensor_do_not(off_the_
     launch(torch.zeros(33), 32)
     assert [kwargs["EVEN"] for _, _, kwargs in of_a_tensor.bound] == [True, False]
     assert of_a_tensor.direct == []
+
+
+class _PlannedOp:
+    """An operator as gemslib writes one: ``x * factor`` into a fresh tensor through a fake
+    kernel (x_ptr, out_ptr, n_elements, factor, BLOCK), planned per signature. ``before``
+    runs on the call's own path before the launch (to make it compute, or allocate for
+    itself); ``own_paths`` counts the calls that took it."""
+
+    def __init__(self, name, before=None):
+        self.fake = _FakeJit(("x_ptr", "out_ptr", "n_elements", "factor", "BLOCK"))
+        self.kernel = runtime.TunedKernel("test_runtime", name, self.fake, tunables=("BLOCK",),
+                                          shape_keys=("numel",))
+        self.calls = runtime.CallPlans(f"test_runtime.{name}")
+        self.before, self.own_paths = before, 0
+
+    def __call__(self, x, factor=2.0):
+        key = self.calls.signature(x, factor)
+        plan = self.calls.get(key)
+        if plan is not None:
+            return plan(x, factor)
+        return self.calls.plan(key, (x, factor), lambda: self._own_path(x, factor))
+
+    def _own_path(self, x, factor):
+        self.own_paths += 1
+        out = torch.empty_like(x)
+        target = self.before(x, out) if self.before is not None else out
+        n = x.numel()
+        self.kernel._chosen.setdefault((n,), runtime.LaunchConfig((("BLOCK", 16),), 1, 1))
+        self.kernel.launch(lambda meta: (runtime.cdiv(n, meta["BLOCK"]),), x, target, n, factor,
+                           shape=(n,))
+        return out
+
+
+def test_a_repeated_call_is_planned_once_and_replayed_with_the_new_tensors(off_the_interpreter):
+    """The first call binds through Triton, the second launches the kept kernel directly and
+    is planned; later calls of that signature skip the operator's own path: a fresh output of
+    the same layout, both pointers in the launch. Another signature (shape, dtype, alignment,
+    a scalar) is planned apart."""
+    op = _PlannedOp("planned")
+    xs = [torch.randn(32) for _ in range(4)]
+    outs = [op(x) for x in xs]
+    assert op.own_paths == 2 and len(op.fake.bound) == 1 and len(op.fake.direct) == 3
+    for x, out in zip(xs[2:], outs[2:]):
+        assert out.shape == x.shape and out.stride() == x.stride() and out.dtype == x.dtype
+    assert len({out.data_ptr() for out in outs}) == 4
+    assert op.fake.direct[-1] == ((2, 1, 1), (outs[-1].data_ptr(), 32, 2.0, 16))
+    op(torch.randn(48))
+    op(torch.randn(32, dtype=torch.float64))
+    op(torch.zeros(33)[1:])
+    op(xs[0], factor=3.0)
+    assert op.own_paths == 6
+
+
+def test_no_plan_where_the_call_must_run_its_own_path(off_the_interpreter, monkeypatch):
+    """Autograd needs the call, a config is forced, the direct launch is off, a launch hook
+    is installed: every call runs the operator's own path."""
+    op = _PlannedOp("unplanned")
+    for _ in range(3):
+        op(torch.randn(32, requires_grad=True))
+    with op.kernel.forced(runtime.LaunchConfig((("BLOCK", 16),), 1, 1)):
+        for _ in range(3):
+            op(torch.randn(32))
+    with runtime.DIRECT_LAUNCH.switched_off():
+        for _ in range(3):
+            op(torch.randn(32))
+    assert op.own_paths == 9
+    for _ in range(3):
+        op(torch.randn(32))
+    assert op.own_paths == 11  # a signature's first call runs alone, its second is planned
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    op(torch.randn(32))
+    assert op.own_paths == 12
+
+
+@pytest.mark.parametrize("before", ["computes", "own buffer"])
+def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter, before):
+    """A plan replays only kernel launches into fresh outputs: a call that also computes with
+    torch (a fill here) or launches into a tensor it made for itself runs its own path every
+    time."""
+    op = _PlannedOp(before.replace(" ", "_"), before={
+        "computes": lambda x, out: out.zero_(),
+        "own buffer": lambda x, out: torch.empty_like(out)}[before])
+    for _ in range(4):
+        op(torch.randn(32))
+    assert op.own_paths == 4
+
+
+def test_a_plan_fetches_its_split_scratch_again_at_each_call(off_the_interpreter):
+    """Launch arguments inside a kept split_scratch pair (counters, partial results, a slice
+    of them) are planned as that pair's place: each replay fetches the pair again (another
+    stream's, or a new one after the cache let the old go) and passes the same offset."""
+    op = _PlannedOp("scratch", before=lambda x, out: runtime.split_scratch(x.device, 4, 64)[1][8:])
+    for _ in range(3):
+        op(torch.randn(32))
+    assert op.own_paths == 2
+    parts = runtime.split_scratch(torch.device("cpu"), 4, 64)[1]
+    assert op.fake.direct[-1][1][0] == parts.data_ptr() + 32
+    runtime._split_scratch_cache.clear()
+    op(torch.randn(32))
+    fresh = runtime.split_scratch(torch.device("cpu"), 4, 64)[1]
+    assert op.own_paths == 2 and op.fake.direct[-1][1][0] == fresh.data_ptr() + 32
+
+
+def test_inputs_that_start_together_are_never_planned(off_the_interpreter):
+    """Which input a launch's pointer is cannot be told when two start at one address (a
+    later call's need not): no plan."""
+    op = _PlannedOp("aliased")
+    x = torch.randn(32)
+    for _ in range(3):
+        key = op.calls.signature(x, x)
+        assert op.calls.get(key) is None
+        op.calls.plan(key, (x, x), lambda: op._own_path(x, 2.0))
+    assert op.own_paths == 3
+
+
+def test_an_override_plans_its_calls_below_autograd(off_the_interpreter):
+    """enable()'s wrapper plans the calls it serves like an operator does, also for tensors
+    that require grad (autograd ran before the wrapper), and still counts them as served."""
+    from gemslib import registry
+
+    op = _PlannedOp("override")
+    override = registry.AtenOverride("aten::test_runtime_fake", lambda x: op._own_path(x, 2.0),
+                                     lambda x: None)
+    wrapper = registry._make_wrapper(override, None)
+    activation = type("Recording", (), {"record": True, "calls": Counter(),
+                                        "fallbacks": Counter()})()
+    registry._activations.append(activation)
+    try:
+        outs = [wrapper(None, torch.randn(32, requires_grad=True)) for _ in range(4)]
+    finally:
+        registry._activations.remove(activation)
+        registry._override_plans.pop("aten::test_runtime_fake")
+    assert op.own_paths == 2 and len(op.fake.direct) == 3
+    assert op.fake.direct[-1][1][0] == outs[-1].data_ptr()
+    assert activation.calls["aten::test_runtime_fake"] == 4
+
+
+def test_repeated_calls_of_every_planned_operator_stay_right():
+    """Each operator called again and again on fresh inputs of one signature (on a GPU the
+    later calls replay their plan) gives each input's own result."""
+    weight = random_tensor((256,), torch.float16)
+    f16 = torch.float16
+    for _ in range(4):
+        x = random_tensor((5, 256), f16)
+        residual = random_tensor((5, 256), f16)
+        assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), f16)
+        assert_close_to_reference(gemslib.silu_and_mul(x),
+                                  silu_ops.silu_and_mul_reference(x.double()), f16)
+        assert_close_to_reference(
+            gemslib.rms_norm(x, weight, 1e-5),
+            rms_norm_ops.rms_norm_reference(x.double(), weight.double(), 1e-5), f16, 256)
+        normed, total = gemslib.add_rms_norm(x, residual, weight, 1e-5)
+        expected_normed, expected_total = rms_norm_ops.add_rms_norm_reference(
+            x.double(), residual.double(), weight.double(), 1e-5)
+        assert_close_to_reference(normed, expected_normed, f16, 256)
+        assert_close_to_reference(total, expected_total, f16)
+        assert_close_to_reference(gemslib.softmax(x, 0), torch.softmax(x.double(), 0), f16, 5)
+        assert_close_to_reference(gemslib.log_softmax(x), torch.log_softmax(x.double(), -1),
+                                  f16, 256)
+        q, k = random_tensor((2, 3, 4, 16), f16), random_tensor((2, 3, 2, 16), f16)
+        angles = torch.rand(3, 8, device=DEVICE, dtype=torch.float64) * 6.3
+        cos, sin = angles.cos().to(f16), angles.sin().to(f16)
+        for ours, expected in zip(gemslib.apply_rotary(q, k, cos, sin), rotary_ops.rotary_reference(
+                q.double(), k.double(), cos.double(), sin.double())):
+            assert_close_to_reference(ours, expected, f16)
+        with gemslib.enable():
+            assert_close_to_reference(F.silu(x), silu_ops.silu_reference(x.double()), f16)
+            assert_close_to_reference(
+                F.rms_norm(x, (256,), weight, 1e-5),
+                rms_norm_ops.rms_norm_reference(x.double(), weight.double(), 1e-5), f16, 256)
+            assert_close_to_reference(torch.softmax(x, 0), torch.softmax(x.double(), 0), f16, 5)
 
 
 def test_a_zero_bound_admits_only_zero(tmp_path):

@@ -128,6 +128,22 @@ def test_rows_split_over_programs_keep_special_values(name):
     assert_close_to_reference(result, expected, torch.float32, reduction_len=1000)
 
 
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_split_rows_again_and_again_leave_their_counters_at_zero(name):
+    """The one-launch split form reuses its counters and statistics (runtime.split_scratch):
+    call after call of one size, each on a fresh input, gives that input's result, and the
+    counters are back at zero after each."""
+    ours, reference = FUNCTIONS[name]
+    for _ in range(3):
+        x = random_tensor((6, 1000), torch.float32, scale=4.0)
+        with _split_rows(128):
+            result = ours(x, -1)
+        assert_close_to_reference(result, reference(x.double(), -1), torch.float32,
+                                  reduction_len=1000)
+        counters, _ = runtime.split_scratch(x.device, 6 + 2, 6 * 8 * 2)
+        assert counters.tolist() == [0] * 8
+
+
 def test_rows_are_split_only_where_it_pays():
     with _split_rows(256):
         assert softmax_ops._split_chunk(8, 256) == 0           # one piece: nothing to split
@@ -138,15 +154,18 @@ def test_rows_are_split_only_where_it_pays():
 
 
 def test_one_launch_form_with_a_single_piece():
-    """PHASE 0 (tickets and the wait) with one piece per row is the one form the interpreter
-    can run: nothing to wait for. The GPU suite runs it with several pieces."""
+    """PHASE 0 (tickets, the wait, the counters put back) with one piece per row is the one
+    form the interpreter can run: nothing to wait for. The GPU suite runs it with several
+    pieces. The counters end as they began, zero (they are reused)."""
     x = random_tensor((3, 100), torch.float32)
     y = torch.empty_like(x)
     stats = torch.empty(3, 1, 2, device=x.device)
-    counters = torch.zeros(4, dtype=torch.int32, device=x.device)
-    softmax_ops._softmax_split_fwd_kernel[(3,)](
-        x, y, stats, counters, 100, 1, x.stride(0), y.stride(0), False, 0, CHUNK=128, MAX_CHUNKS=2)
-    assert counters.tolist() == [3, 1, 1, 1]
+    counters = torch.zeros(5, dtype=torch.int32, device=x.device)
+    for _ in range(2):
+        softmax_ops._softmax_split_fwd_kernel[(3,)](
+            x, y, stats, counters, 3, 100, 1, x.stride(0), y.stride(0), False, 0, CHUNK=128,
+            MAX_CHUNKS=2)
+        assert counters.tolist() == [0, 0, 0, 0, 0]
     assert_close_to_reference(y, torch.softmax(x.double(), -1), torch.float32, reduction_len=100)
 
 
