@@ -394,8 +394,8 @@ class _PlannedOp:
 
     def __init__(self, name, before=None):
         self.fake = _FakeJit(("x_ptr", "out_ptr", "n_elements", "factor", "BLOCK"))
-        self.kernel = runtime.TunedKernel("test_runtime", name, self.fake, tunables=("BLOCK",),
-                                          shape_keys=("numel",))
+        self.kernel = runtime.TunedKernel("test_runtime", f"fake_{name}", self.fake,
+                                          tunables=("BLOCK",), shape_keys=("numel",))
         self.calls = runtime.CallPlans(f"test_runtime.{name}")
         self.before, self.own_paths = before, 0
 
