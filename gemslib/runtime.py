@@ -857,6 +857,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
                            torch.memory_format})
 _PLANS: list["CallPlans"] = []
+_PLAN_TRIES = 2  # watched calls of a signature before it is left unplanned
 
 
 def _not_plannable() -> None:
@@ -937,7 +938,8 @@ class CallPlans:
     watched for), each tensor argument of those launches starts where one of the call's
     tensors or outputs starts or lies in a kept :func:`split_scratch` pair, and its outputs
     are fresh tensors of their own storage. A signature's first call (which compiles and
-    tunes) is never planned. A plan allocates the outputs alike, fetches the scratch of the
+    tunes) is never planned, and one whose next two calls were not replayable is not watched
+    again (the watching costs more host time than it saves). A plan allocates the outputs alike, fetches the scratch of the
     current stream and launches the same kernels with the new pointers on that stream; with
     a Triton launch hook installed the call's own code runs again.
     """
@@ -945,12 +947,12 @@ class CallPlans:
     def __init__(self, name: str, below_autograd: bool = False):
         self.name, self.below_autograd = name, below_autograd
         self._plans: dict[tuple, _Plan] = {}
-        self._seen: set[tuple] = set()
+        self._tries: dict[tuple, int] = {}  # calls of a signature not (yet) planned
         _PLANS.append(self)
 
     def clear(self) -> None:
         self._plans.clear()
-        self._seen.clear()
+        self._tries.clear()
 
     def signature(self, *args, **kwargs) -> tuple | None:
         """The key of a call with these arguments (a plan replays with the positional ones;
@@ -994,13 +996,16 @@ class CallPlans:
         """``call()``, the operator's own path for ``args`` (those given to :meth:`signature`),
         keeping its plan under ``key`` when it is replayable; returns what ``call`` returns (a
         tensor, or a tuple of tensors and Nones)."""
-        if key is None or getattr(_planning, "launches", None) is not None or \
-                len(self._plans) >= 1024:
+        if key is None or key in self._plans or getattr(_planning, "launches", None) is not None:
             return call()
-        if key not in self._seen:  # a first call compiles and tunes: planned from the second
-            if len(self._seen) < 4096:
-                self._seen.add(key)
+        tries = self._tries.get(key)
+        if tries is None:  # a first call compiles and tunes: planned from the second
+            if len(self._tries) < 4096:
+                self._tries[key] = 0
             return call()
+        if tries >= _PLAN_TRIES:
+            return call()  # not replayable (it computes with torch, say): no more watching
+        self._tries[key] = tries + 1
         _planning.launches = launches = []
         try:
             with _PlanningMode():
@@ -1008,8 +1013,9 @@ class CallPlans:
         finally:
             _planning.launches = None
         plan = self._replayable(args, result, launches)
-        if plan is not None:
+        if plan is not None and len(self._plans) < 1024:
             self._plans[key] = plan
+            del self._tries[key]
         return result
 
     @staticmethod

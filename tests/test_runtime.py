@@ -462,13 +462,20 @@ def test_no_plan_where_the_call_must_run_its_own_path(off_the_interpreter, monke
 def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter, before):
     """A plan replays only kernel launches into fresh outputs: a call that also computes with
     torch (a fill here) or launches into a tensor it made for itself runs its own path every
-    time."""
-    op = _PlannedOp(before.replace(" ", "_"), before={
-        "computes": lambda x, out: out.zero_(),
-        "own buffer": lambda x, out: torch.empty_like(out)}[before])
-    for _ in range(4):
+    time, watched on its second and third calls only."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    watched = []
+
+    def more_than_a_launch(x, out):
+        watched.append(_get_current_dispatch_mode() is not None)
+        return out.zero_() if before == "computes" else torch.empty_like(out)
+
+    op = _PlannedOp(before.replace(" ", "_"), before=more_than_a_launch)
+    for _ in range(5):
         op(torch.randn(32))
-    assert op.own_paths == 4
+    assert op.own_paths == 5
+    assert watched == [False, True, True, False, False]  # two tries, then left alone
 
 
 def test_a_plan_fetches_its_split_scratch_again_at_each_call(off_the_interpreter):
