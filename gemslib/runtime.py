@@ -920,7 +920,7 @@ class _Plan:
                    None, *launch_args, *constexprs)
         if type(self.result) is int:
             return outputs[self.result]
-        return tuple(None if index is None else outputs[index] for index in self.result)
+        return tuple([None if index is None else outputs[index] for index in self.result])
 
 
 class CallPlans:
