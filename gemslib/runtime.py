@@ -875,12 +875,18 @@ def clear_call_plans() -> None:
 class _PlanningMode(torch.utils._python_dispatch.TorchDispatchMode):
     """Watches the call being planned: any aten operator that computes (a copy, a fill, a
     torch fallback) makes it unplannable, since a plan replays only the kernel launches.
-    Allocations and views pass."""
+    Allocations and views pass, and so do zeroed allocations (``zeros``, ``zero_``), whose
+    memory is noted: an output made so is allocated zeroed again by the plan."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket not in _PLAN_SAFE_OPS:
+        packet = func.overloadpacket
+        result = func(*args, **(kwargs or {}))
+        if packet is _aten.zeros or packet is _aten.zero_:
+            zeroed = result if packet is _aten.zeros else args[0]
+            _planning.zeroed.add(zeroed.data_ptr())
+        elif packet not in _PLAN_SAFE_OPS:
             _not_plannable()
-        return func(*args, **(kwargs or {}))
+        return result
 
 
 _aten = torch.ops.aten
@@ -903,8 +909,9 @@ class _Plan:
 
     def __call__(self, *args):
         """The call again, for ``args`` of the signature it was planned for."""
-        outputs = [torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                   for shape, stride, dtype in self.outputs]
+        outputs = [torch.zeros(shape, dtype=dtype, device=self.device) if zeroed else
+                   torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+                   for shape, stride, dtype, zeroed in self.outputs]
         pointers = [args[i].data_ptr() for i in self.inputs]
         pointers += [t.data_ptr() for t in outputs]
         for n_counters, n_floats, which, offset in self.scratch:  # this stream's
@@ -920,7 +927,8 @@ class _Plan:
                    None, *launch_args, *constexprs)
         if type(self.result) is int:
             return outputs[self.result]
-        return tuple([None if index is None else outputs[index] for index in self.result])
+        return tuple([outputs[value] if is_output else value
+                      for is_output, value in self.result])
 
 
 class CallPlans:
@@ -928,8 +936,8 @@ class CallPlans:
 
     Such a call spends most of its host time deciding what its signature alone determines:
     the checks' verdict, the layout, the config, the grid and the launch key, each from every
-    tensor argument's type, shape, strides, dtype, device and 16-byte alignment and the other
-    arguments' values. :meth:`signature` makes that key (``None`` where no plan may apply:
+    tensor argument's type, shape, strides, dtype, device and 16-byte alignment (and which of
+    them start at one address), and the other arguments' values. :meth:`signature` makes that key (``None`` where no plan may apply:
     autograd must see the call, torch.compile is tracing, a config is forced, the direct
     launch is off, an argument is a tensor subclass or not a plain value); :meth:`get` gives
     the plan of a signature seen before; :meth:`plan` runs the call's own code and keeps a plan
@@ -937,7 +945,8 @@ class CallPlans:
     kernel (:meth:`TunedKernel.replay`; aten operators other than allocations and views are
     watched for), each tensor argument of those launches starts where one of the call's
     tensors or outputs starts or lies in a kept :func:`split_scratch` pair, and its outputs
-    are fresh tensors of their own storage. A signature's first call (which compiles and
+    are fresh tensors of their own storage (zeroed ones are allocated zeroed again; plain
+    numbers and Nones among them are returned as they were). A signature's first call (which compiles and
     tunes) is never planned, and one whose next two calls were not replayable is not watched
     again (the watching costs more host time than it saves). A plan allocates the outputs alike, fetches the scratch of the
     current stream and launches the same kernels with the new pointers on that stream; with
@@ -965,12 +974,15 @@ class CallPlans:
         grad = torch.is_grad_enabled()
         stop = grad and not self.below_autograd
         key = [torch.cuda.current_device() if torch.cuda.is_initialized() else None, grad]
+        starts = []
         for arg in args:
             kind = type(arg)
             if kind in _PLAIN_TENSORS:
                 if (stop and arg.requires_grad) or arg.layout is not torch.strided:
                     return None
-                key += (arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15,
+                start = arg.data_ptr()
+                starts.append(start)
+                key += (arg.shape, arg.stride(), arg.dtype, arg.device, start & 15,
                         arg.requires_grad)
             elif kind in _PLAIN_VALUES:
                 key += (kind, arg)
@@ -982,6 +994,8 @@ class CallPlans:
             if type(arg) not in _PLAIN_VALUES:
                 return None
             key += (name, type(arg), arg)
+        if len(set(starts)) < len(starts):  # which tensors start together (k and v as one)
+            key.append(tuple(starts.index(start) for start in starts))
         return tuple(key)
 
     def get(self, key: tuple | None) -> _Plan | None:
@@ -1006,37 +1020,40 @@ class CallPlans:
         if tries >= _PLAN_TRIES:
             return call()  # not replayable (it computes with torch, say): no more watching
         self._tries[key] = tries + 1
-        _planning.launches = launches = []
+        _planning.launches, _planning.zeroed = launches, zeroed = [], set()
         try:
             with _PlanningMode():
                 result = call()
         finally:
-            _planning.launches = None
-        plan = self._replayable(args, result, launches)
+            _planning.launches = _planning.zeroed = None
+        plan = self._replayable(args, result, launches, zeroed)
         if plan is not None and len(self._plans) < 1024:
             self._plans[key] = plan
             del self._tries[key]
         return result
 
     @staticmethod
-    def _replayable(args, result, launches) -> _Plan | None:
+    def _replayable(args, result, launches, zeroed) -> _Plan | None:
         if not launches or None in launches:
             return None
         single = isinstance(result, torch.Tensor)
         returned = [result] if single else list(result)
-        outputs = [t for t in returned if t is not None]
-        if not outputs or any(type(t) not in _PLAIN_TENSORS for t in outputs):
+        outputs = [t for t in returned if isinstance(t, torch.Tensor)]
+        if not outputs or any(type(t) not in _PLAIN_TENSORS for t in outputs) or any(
+                not isinstance(t, torch.Tensor) and type(t) not in _SCALARS for t in returned):
             return None
         for t in outputs:  # fresh, dense, owning its whole storage
             extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-            if t.storage_offset() or t.numel() == 0 or \
-                    t.untyped_storage().nbytes() != extent * t.element_size():
+            if t.numel() and (t.storage_offset() or
+                              t.untyped_storage().nbytes() != extent * t.element_size()):
                 return None
         inputs = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
-        slot_of = {args[i].data_ptr(): slot for slot, i in enumerate(inputs)}
-        if len(slot_of) < len(inputs):
-            return None  # inputs that start together: a later call's need not
+        slot_of = {}
+        for slot, i in enumerate(inputs):  # inputs that start together: the key says which
+            slot_of.setdefault(args[i].data_ptr(), slot)
         for index, t in enumerate(outputs):
+            if not t.numel():
+                continue  # nothing a launch could write
             if t.data_ptr() in slot_of:
                 return None  # an output aliasing an input, or another output
             slot_of[t.data_ptr()] = len(inputs) + index
@@ -1057,10 +1074,15 @@ class CallPlans:
                     template[position] = None
                     slots.append((position, slot))
             planned.append((compiled, tuple(template), tuple(slots)))
-        specs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
+        # outputs the call zeroed (contiguous ones only) are allocated zeroed again
+        specs = tuple((tuple(t.shape), t.stride(), t.dtype,
+                       t.numel() > 0 and t.data_ptr() in zeroed) for t in outputs)
+        if any(zero and not t.is_contiguous() for t, (_, _, _, zero) in zip(outputs, specs)):
+            return None
         index = {id(t): i for i, t in enumerate(outputs)}
         where = index[id(result)] if single else tuple(
-            None if t is None else index[id(t)] for t in returned)
+            (True, index[id(t)]) if isinstance(t, torch.Tensor) else (False, t)
+            for t in returned)
         return _Plan(outputs[0].device, tuple(inputs), specs, tuple(scratch), where,
                      tuple(planned))
 

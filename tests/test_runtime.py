@@ -461,7 +461,7 @@ def test_no_plan_where_the_call_must_run_its_own_path(off_the_interpreter, monke
 @pytest.mark.parametrize("before", ["computes", "own buffer"])
 def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter, before):
     """A plan replays only kernel launches into fresh outputs: a call that also computes with
-    torch (a fill here) or launches into a tensor it made for itself runs its own path every
+    torch (a copy here) or launches into a tensor it made for itself runs its own path every
     time, watched on its second and third calls only."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -469,7 +469,7 @@ def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter,
 
     def more_than_a_launch(x, out):
         watched.append(_get_current_dispatch_mode() is not None)
-        return out.zero_() if before == "computes" else torch.empty_like(out)
+        return out.copy_(x) if before == "computes" else torch.empty_like(out)
 
     op = _PlannedOp(before.replace(" ", "_"), before=more_than_a_launch)
     for _ in range(5):
@@ -494,16 +494,59 @@ def test_a_plan_fetches_its_split_scratch_again_at_each_call(off_the_interpreter
     assert op.own_paths == 2 and op.fake.direct[-1][1][0] == fresh.data_ptr() + 32
 
 
-def test_inputs_that_start_together_are_never_planned(off_the_interpreter):
-    """Which input a launch's pointer is cannot be told when two start at one address (a
-    later call's need not): no plan."""
+def test_a_plan_returns_zeroed_and_empty_outputs_numbers_and_nones_as_the_call_did(
+        off_the_interpreter):
+    """An override's outputs as torch's SDPA kernels give them: the kernel's output, a
+    number, None, a zeroed tensor (placeholders the call zeroed) and an empty one; the plan
+    allocates the zeroed one zeroed again and returns the rest as the call did."""
+    op = _PlannedOp("sdpa_like")
+
+    def call(x):
+        out = op._own_path(x, 2.0)
+        return out, x.shape[0], None, torch.zeros(2, dtype=torch.int64), torch.empty(0)
+
+    results = []
+    for _ in range(4):
+        x = torch.randn(32)
+        key = op.calls.signature(x)
+        plan = op.calls.get(key)
+        results.append(plan(x) if plan is not None else op.calls.plan(key, (x,), lambda: call(x)))
+        results[-1][3].fill_(5)  # a later call's zeroed output must not see this
+    assert op.own_paths == 2
+    for out, n, nothing, zeroed, empty in results[2:]:
+        assert out.shape == (32,) and n == 32 and nothing is None and empty.shape == (0,)
+        assert zeroed.dtype == torch.int64 and zeroed.shape == (2,)
+    assert op.fake.direct[-1][1][0] == results[-1][0].data_ptr()
+    plan = op.calls.get(op.calls.signature(torch.randn(32)))
+    assert plan is not None and torch.equal(plan(torch.randn(32))[3], torch.zeros(2, dtype=torch.int64))
+
+
+def test_inputs_that_start_together_are_planned_apart(off_the_interpreter):
+    """Which input a launch's pointer is cannot be told when two start at one address: which
+    tensors start together is part of the key, so a call with (x, x) replays only for calls
+    that pass one tensor twice, and (a, b) is another signature."""
     op = _PlannedOp("aliased")
-    x = torch.randn(32)
+    own_path = []
+
+    def call(x, y):
+        own_path.append(y is x)
+        return op._own_path(x, 2.0)
+
+    def planned(x, y):
+        key = op.calls.signature(x, y)
+        plan = op.calls.get(key)
+        return plan(x, y) if plan is not None else op.calls.plan(key, (x, y), lambda: call(x, y))
+
     for _ in range(3):
-        key = op.calls.signature(x, x)
-        assert op.calls.get(key) is None
-        op.calls.plan(key, (x, x), lambda: op._own_path(x, 2.0))
-    assert op.own_paths == 3
+        x = torch.randn(32)
+        planned(x, x)
+    for _ in range(3):
+        planned(torch.randn(32), torch.randn(32))
+    assert own_path == [True, True, False, False]
+    x = torch.randn(32)
+    assert op.fake.direct[-1][1][0] != x.data_ptr()
+    out = planned(x, x)
+    assert op.fake.direct[-1][1][0] == out.data_ptr() and own_path == [True, True, False, False]
 
 
 def test_an_override_plans_its_calls_below_autograd(off_the_interpreter):
