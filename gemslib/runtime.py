@@ -883,7 +883,8 @@ class _PlanningMode(torch.utils._python_dispatch.TorchDispatchMode):
         result = func(*args, **(kwargs or {}))
         if packet is _aten.zeros or packet is _aten.zero_:
             zeroed = result if packet is _aten.zeros else args[0]
-            _planning.zeroed.add(zeroed.data_ptr())
+            if zeroed.numel():
+                _planning.zeroed.add(zeroed.data_ptr())
         elif packet not in _PLAN_SAFE_OPS:
             _not_plannable()
         return result
@@ -1074,6 +1075,8 @@ class CallPlans:
                     template[position] = None
                     slots.append((position, slot))
             planned.append((compiled, tuple(template), tuple(slots)))
+        if zeroed - {t.data_ptr() for t in outputs if t.numel()}:
+            return None  # memory zeroed that is no output (an input, scratch): not replayed
         # outputs the call zeroed (contiguous ones only) are allocated zeroed again
         specs = tuple((tuple(t.shape), t.stride(), t.dtype,
                        t.numel() > 0 and t.data_ptr() in zeroed) for t in outputs)

@@ -458,17 +458,21 @@ def test_no_plan_where_the_call_must_run_its_own_path(off_the_interpreter, monke
     assert op.own_paths == 12
 
 
-@pytest.mark.parametrize("before", ["computes", "own buffer"])
+@pytest.mark.parametrize("before", ["computes", "own buffer", "zeroes its input"])
 def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter, before):
     """A plan replays only kernel launches into fresh outputs: a call that also computes with
-    torch (a copy here) or launches into a tensor it made for itself runs its own path every
-    time, watched on its second and third calls only."""
+    torch (a copy here, or zeroing memory that is no output of its own) or launches into a
+    tensor it made for itself runs its own path every time, watched on its second and third
+    calls only."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     watched = []
 
     def more_than_a_launch(x, out):
         watched.append(_get_current_dispatch_mode() is not None)
+        if before == "zeroes its input":
+            x.zero_()
+            return out
         return out.copy_(x) if before == "computes" else torch.empty_like(out)
 
     op = _PlannedOp(before.replace(" ", "_"), before=more_than_a_launch)
