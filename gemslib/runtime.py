@@ -1000,10 +1000,12 @@ class CallPlans:
         return tuple(key)
 
     def get(self, key: tuple | None) -> _Plan | None:
-        """The plan of ``key`` (None: none yet, or a launch hook wants Triton's launches)."""
+        """The plan of ``key`` (None: none yet, a launch hook wants Triton's launches, or the
+        caller runs inside a call being planned, which records the launches themselves)."""
         plan = self._plans.get(key)
         if plan is None or _hooked(knobs.runtime.launch_enter_hook) or \
-                _hooked(knobs.runtime.launch_exit_hook):
+                _hooked(knobs.runtime.launch_exit_hook) or \
+                getattr(_planning, "launches", None) is not None:
             return None
         return plan
 

@@ -482,6 +482,29 @@ def test_a_call_that_does_more_than_launch_is_never_planned(off_the_interpreter,
     assert watched == [False, True, True, False, False]  # two tries, then left alone
 
 
+def test_a_planned_call_inside_a_call_being_planned_runs_its_own_launches(off_the_interpreter):
+    """An operator whose call makes another planned operator's call (and returns its result
+    too): while the outer call is planned the inner one launches through the kernels, so the
+    outer plan records both launches, instead of replaying its own plan unseen."""
+    inner, outer = _PlannedOp("inner"), _PlannedOp("outer")
+    for _ in range(3):
+        inner(torch.randn(32))  # the inner call has its plan
+
+    def outer_call(x):
+        middle = inner(x)
+        return outer._own_path(middle, 2.0), middle
+
+    for _ in range(4):
+        x = torch.randn(32)
+        key = outer.calls.signature(x)
+        plan = outer.calls.get(key)
+        out, middle = plan(x) if plan is not None else outer.calls.plan(key, (x,),
+                                                                          lambda: outer_call(x))
+    assert outer.own_paths == 2 and inner.own_paths == 3  # the inner path ran when planned
+    assert inner.fake.direct[-1][1][0] == middle.data_ptr()
+    assert outer.fake.direct[-1][1][0] == out.data_ptr()
+
+
 def test_a_plan_fetches_its_split_scratch_again_at_each_call(off_the_interpreter):
     """Launch arguments inside a kept split_scratch pair (counters, partial results, a slice
     of them) are planned as that pair's place: each replay fetches the pair again (another
