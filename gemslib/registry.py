@@ -250,13 +250,12 @@ def _make_wrapper(override: AtenOverride, original) -> Callable:
         plans = _override_plans[aten] = runtime.CallPlans(aten, below_autograd=True)
 
     def wrapper(keyset, *args, **kwargs):
-        key = plans.signature(*args, **kwargs)
-        plan = plans.get(key)
-        if plan is not None:
+        key, planned = plans.replayed(*args, **kwargs)
+        if planned is not None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s -> gemslib (planned)", aten)
             _record(aten, True)
-            return plan(*args)
+            return planned
         reason = override.unsupported(*args, **kwargs)
         if reason is None:
             if log.isEnabledFor(logging.DEBUG):

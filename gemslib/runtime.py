@@ -999,6 +999,14 @@ class CallPlans:
             key.append(tuple(starts.index(start) for start in starts))
         return tuple(key)
 
+    def replayed(self, *args, **kwargs) -> tuple[tuple | None, Any]:
+        """(the call's key, its outputs replayed by its plan, or None where it has none): the
+        start of a planned operator, which runs its own path when the second is None and
+        hands the key to :meth:`plan`."""
+        key = self.signature(*args, **kwargs)
+        plan = self.get(key)
+        return key, (plan(*args) if plan is not None else None)
+
     def get(self, key: tuple | None) -> _Plan | None:
         """The plan of ``key`` (None: none yet, a launch hook wants Triton's launches, or the
         caller runs inside a call being planned, which records the launches themselves)."""

@@ -331,10 +331,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
     Differentiable (dx and dweight).
     """
-    key = _RMS_NORM_CALLS.signature(x, weight, eps)
-    plan = _RMS_NORM_CALLS.get(key)
-    if plan is not None:
-        return plan(x, weight, eps)
+    key, planned = _RMS_NORM_CALLS.replayed(x, weight, eps)
+    if planned is not None:
+        return planned
     _check_inputs("gemslib.rms_norm", x, weight)
     eps = checks.as_float("gemslib.rms_norm", "eps", eps)
     if runtime.wants_custom_op(x, weight):
@@ -397,10 +396,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     other or within themselves (an expanded tensor): a ValueError says which. Out of place,
     they may (``add_rms_norm(a, a)`` normalises ``2 * a``). Differentiable when not in place.
     """
-    key = _ADD_RMS_NORM_CALLS.signature(x, residual, weight, eps) if inplace is False else None
-    plan = _ADD_RMS_NORM_CALLS.get(key)
-    if plan is not None:
-        return plan(x, residual, weight, eps)
+    key, planned = _ADD_RMS_NORM_CALLS.replayed(x, residual, weight, eps) \
+        if inplace is False else (None, None)
+    if planned is not None:
+        return planned
     _check_inputs("gemslib.add_rms_norm", x, weight, residual)
     eps = checks.as_float("gemslib.add_rms_norm", "eps", eps)
     inplace = checks.as_bool("gemslib.add_rms_norm", "inplace", inplace)

@@ -451,11 +451,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
     """
-    key = _ROTARY_CALLS.signature(q, k, cos, sin, positions, interleaved) \
-        if inplace is False else None
-    plan = _ROTARY_CALLS.get(key)
-    if plan is not None:
-        return plan(q, k, cos, sin, positions, interleaved)
+    key, planned = _ROTARY_CALLS.replayed(q, k, cos, sin, positions, interleaved) \
+        if inplace is False else (None, None)
+    if planned is not None:
+        return planned
     interleaved = checks.as_bool("gemslib.apply_rotary", "interleaved", interleaved)
     inplace = checks.as_bool("gemslib.apply_rotary", "inplace", inplace)
     _check(q, k, cos, sin, positions)

@@ -285,10 +285,9 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     (same shape, dtype and device) nothing is allocated. Differentiable.
     """
     if out is None:
-        key = _SILU_CALLS.signature(x)
-        plan = _SILU_CALLS.get(key)
-        if plan is not None:
-            return plan(x)
+        key, planned = _SILU_CALLS.replayed(x)
+        if planned is not None:
+            return planned
     checks.float_tensor("gemslib.silu", "x", x)
     if out is None:
         if runtime.wants_custom_op(x):
@@ -315,10 +314,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     Differentiable.
     """
     if out is None:
-        key = _SILU_AND_MUL_CALLS.signature(x)
-        plan = _SILU_AND_MUL_CALLS.get(key)
-        if plan is not None:
-            return plan(x)
+        key, planned = _SILU_AND_MUL_CALLS.replayed(x)
+        if planned is not None:
+            return planned
     checks.float_tensor("gemslib.silu_and_mul", "x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError("gemslib.silu_and_mul: x's last dim must be even (x = [gate | up]), "

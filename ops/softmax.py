@@ -469,10 +469,9 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Statistics in fp32; rows of any width (vocabulary-sized ones in an online pass).
     Differentiable.
     """
-    key = _SOFTMAX_CALLS.signature(x, dim)
-    plan = _SOFTMAX_CALLS.get(key)
-    if plan is not None:
-        return plan(x, dim)
+    key, planned = _SOFTMAX_CALLS.replayed(x, dim)
+    if planned is not None:
+        return planned
     dim = _check("gemslib.softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, False)
@@ -481,10 +480,9 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
-    key = _LOG_SOFTMAX_CALLS.signature(x, dim)
-    plan = _LOG_SOFTMAX_CALLS.get(key)
-    if plan is not None:
-        return plan(x, dim)
+    key, planned = _LOG_SOFTMAX_CALLS.replayed(x, dim)
+    if planned is not None:
+        return planned
     dim = _check("gemslib.log_softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, True)
