@@ -178,15 +178,13 @@ def floor_pieces(calls: int, device) -> dict[str, float | str]:
         return {"compiled launcher alone": "silu made no plan of one launch"}
     out = torch.empty_like(x)
     (compiled, template, slots), = plan.launches
-    launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
     args = list(template)
     for position, slot in slots:  # slot 0: the input, 1: the output
         args[position] = (x, out)[slot].data_ptr()
     stream = runtime.current_stream_handle(x.device.index)
 
     def bare_launch():
-        launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None,
-               None, *args, *constexprs)
+        runtime.launch_compiled(compiled, stream, args)
 
     synchronize = torch.cuda.synchronize
     return {"torch.empty_like": host_us(lambda: torch.empty_like(x), calls, synchronize),

@@ -150,6 +150,15 @@ def tensor_key(tensors) -> tuple[tuple, list]:
     return tuple(key), pointers
 
 
+def launch_compiled(compiled: tuple, stream: int, launch_args) -> None:
+    """Launch a kept compiled kernel (:meth:`TunedKernel.replay`'s ``(launcher, grid, function,
+    cooperative, pdl, metadata, constexprs)``) on ``stream``: the tensors in ``launch_args``
+    as data pointers, the constexprs after them, no launch hooks."""
+    launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+    launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None, None,
+           *launch_args, *constexprs)
+
+
 def _hooked(hook) -> bool:
     """A Triton launch hook that does something (Triton's default is an empty chain)."""
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -789,9 +798,7 @@ class TunedKernel:
             if compiled is None and len(self._compiled) < 1024:
                 self._keep(key, device, kernel, grid, args, kwargs)
             return
-        launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
-        launch(*grid3, current_stream_handle(device), function, cooperative, pdl, None, None,
-               metadata, None, None, None, *launch_args, *constexprs)
+        launch_compiled(compiled, current_stream_handle(device), launch_args)
         planning = getattr(_planning, "launches", None)
         if planning is not None:
             planning.append((compiled, args, launch_args))
@@ -920,12 +927,10 @@ class _Plan:
                             + offset)
         stream = current_stream_handle(self.device.index)
         for compiled, template, slots in self.launches:
-            launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
             launch_args = list(template)
             for position, slot in slots:
                 launch_args[position] = pointers[slot]
-            launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None,
-                   None, *launch_args, *constexprs)
+            launch_compiled(compiled, stream, launch_args)
         if type(self.result) is int:
             return outputs[self.result]
         return tuple([outputs[value] if is_output else value
