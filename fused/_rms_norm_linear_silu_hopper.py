@@ -15,6 +15,13 @@ On the H200 Triton's own matmul takes 1.29x cuBLAS's time, this one 1.02-1.07x a
 shapes (benchmark/NOTES.md, RMSNorm + Linear + SiLU); the in-loop fusion of the Triton kernel in
 ``rms_norm_linear_silu.py`` (which serves every other call) cost another 1.6x on top. The
 operand fed to the tensor cores is the same x * g rounded to x's dtype as there.
+
+The same matmul with ``SWIGLU`` (``forward_swiglu``) computes an MLP's up half,
+silu(n @ Wg.T) * (n @ Wu.T) over a stacked W = [Wg | Wu] (2I, K): each stage brings a
+[128, 64] block of gate rows and the matching block of up rows, one xg tile feeds a gate and
+an up accumulator (64 x 128 each per consumer), and the epilogue writes the (M, I) result
+only, never the (M, 2I) projection. Not yet used by an operator
+(``benchmark/experiments/swiglu_gemm.py`` measures it).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ BLOCK_N = 256      # columns of a tile
 BLOCK_K = 64       # K per stage
 STAGES = 3         # 3 x (16 + 32) KB of operands, and the epilogue's conversion scratch
 GROUP_M = 8
+SWIGLU_BLOCK_N = 128  # output columns of a SwiGLU tile: a gate and an up block per stage
 MIN_ROWS = 128     # below, the Triton kernel's small-M tiles stream W better
 SCALE_BLOCK = 1024  # x elements per step of the pre-pass
 
@@ -72,9 +80,13 @@ def _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_m, n_tiles_n,
-              n_k_steps, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+              n_k_steps, up_row, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              SWIGLU: gl.constexpr):
+    """SWIGLU: a stage holds two W blocks, the gate rows of the tile's columns and the up
+    rows ``up_row`` further down (W = [gate | up] stacked); else one."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
+    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
     i_step = 0
     for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
         i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
@@ -82,57 +94,80 @@ def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_
             stage = i_step % STAGES
             # the previous round of this stage must be released by both consumers
             mbarrier.wait(empty.index(stage), ((i_step // STAGES) + 1) & 1, pred=i_step >= STAGES)
-            mbarrier.expect(ready.index(stage),
-                            2 * xg_desc.block_type.nbytes + weight_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(stage), 2 * xg_desc.block_type.nbytes
+                            + W_BLOCKS * weight_desc.block_type.nbytes)
             for i_half in gl.static_range(2):
                 tma.async_copy_global_to_shared(
                     xg_desc, [(i_m * 2 + i_half) * ROWS, i_k * BLOCK_K], ready.index(stage),
                     xg_smem.index(stage * 2 + i_half))
-            tma.async_copy_global_to_shared(weight_desc, [i_n * BLOCK_N, i_k * BLOCK_K],
-                                            ready.index(stage), weight_smem.index(stage))
+            for i_block in gl.static_range(W_BLOCKS):
+                tma.async_copy_global_to_shared(
+                    weight_desc, [i_block * up_row + i_n * BLOCK_N, i_k * BLOCK_K],
+                    ready.index(stage), weight_smem.index(stage * W_BLOCKS + i_block))
             i_step += 1
 
 
 @gluon.jit
 def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, n_rows,
               n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr):
-    """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits."""
+              STAGES: gl.constexpr, SWIGLU: gl.constexpr):
+    """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits.
+    SWIGLU: one xg tile feeds two accumulators, gate and up (a stage's two W blocks), and the
+    epilogue writes silu(r * gate) * (r * up); else silu(r * acc + b)."""
     BLOCK_N: gl.constexpr = weight_smem.shape[1]
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     # the epilogue's layout: 8 consecutive columns (16 bytes) per thread
     OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8],
                                                 [4, 1], [1, 0])
+    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
     i_step = 0
     for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
         i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
         b_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC_LAYOUT)
+        b_acc_up = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC_LAYOUT)
         for i_k in range(n_k_steps):
             stage = i_step % STAGES
             mbarrier.wait(ready.index(stage), (i_step // STAGES) & 1)
             xg_tile = xg_smem.index(stage * 2 + i_half)
-            weight_tile = weight_smem.index(stage)
+            weight_tile = weight_smem.index(stage * W_BLOCKS)
             b_acc = warpgroup_mma(xg_tile, weight_tile.permute((1, 0)), b_acc, is_async=True)
-            # the previous step's wgmma is done: its stage goes back to the producer
-            b_acc, _, _ = warpgroup_mma_wait(1, deps=[b_acc, xg_tile, weight_tile])
+            if SWIGLU:
+                up_tile = weight_smem.index(stage * W_BLOCKS + 1)
+                b_acc_up = warpgroup_mma(xg_tile, up_tile.permute((1, 0)), b_acc_up,
+                                         is_async=True)
+                # the previous step's two wgmmas are done: its stage goes back
+                b_acc, b_acc_up, _, _, _ = warpgroup_mma_wait(
+                    2, deps=[b_acc, b_acc_up, xg_tile, weight_tile, up_tile])
+            else:
+                # the previous step's wgmma is done: its stage goes back to the producer
+                b_acc, _, _ = warpgroup_mma_wait(1, deps=[b_acc, xg_tile, weight_tile])
             mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES), pred=i_k > 0)
             i_step += 1
-        b_acc = warpgroup_mma_wait(0, deps=[b_acc])
+        if SWIGLU:
+            b_acc, b_acc_up = warpgroup_mma_wait(0, deps=[b_acc, b_acc_up])
+        else:
+            b_acc = warpgroup_mma_wait(0, deps=[b_acc])
         mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES))
 
-        # epilogue: silu(r * acc + b), one store. (A bf16 tile converted straight from this
-        # 64 x 256 wgmma layout trips an assertion in Triton 3.6's lowering; fp32 does not.)
+        # epilogue, one store. (A bf16 tile converted straight from this 64 x 256 wgmma
+        # layout trips an assertion in Triton 3.6's lowering; fp32 does not.)
         b_z = gl.convert_layout(b_acc, OUT_LAYOUT)
         o_m = (i_m * 2 + i_half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
-        if bias_ptr is not None:
-            b_bias = gl.load(bias_ptr + o_n, mask=o_n < n_out, other=0.0)
-            b_z = b_z * b_rstd[:, None] + b_bias.to(gl.float32)[None, :]
-        else:
+        if rstd_ptr is not None:
+            b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
             b_z = b_z * b_rstd[:, None]
-        b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z))
+        if SWIGLU:
+            b_up = gl.convert_layout(b_acc_up, OUT_LAYOUT)
+            if rstd_ptr is not None:
+                b_up = b_up * b_rstd[:, None]
+            b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z)) * b_up
+        else:
+            if bias_ptr is not None:
+                b_bias = gl.load(bias_ptr + o_n, mask=o_n < n_out, other=0.0)
+                b_z = b_z + b_bias.to(gl.float32)[None, :]
+            b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z))
         gl.store(out_ptr + o_m[:, None].to(gl.int64) * n_out + o_n[None, :],
                  b_out.to(out_ptr.dtype.element_ty),
                  mask=(o_m < n_rows)[:, None] & (o_n < n_out)[None, :])
@@ -140,19 +175,22 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
 
 @gluon.jit
 def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, n_out, n_in,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr = False):
     """Persistent grid (at most one program per SM): out (n_rows, n_out) = silu(rstd * (xg @
     W.T) + b), xg (n_rows, n_in) through xg_desc in [64, BLOCK_K] blocks, W (n_out, n_in)
-    through weight_desc in [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (n_rows,) fp32, bias
-    (n_out,) or None."""
+    through weight_desc in [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (n_rows,) fp32 or
+    None (no scaling), bias (n_out,) or None. SWIGLU: W is (2 n_out, n_in), gate rows then up
+    rows, and out = silu(rstd * (xg @ Wg.T)) * (rstd * (xg @ Wu.T)), no bias."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
     DTYPE: gl.constexpr = xg_desc.dtype
+    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
     n_tiles_m = gl.cdiv(n_rows, 2 * ROWS)
     n_tiles_n = gl.cdiv(n_out, BLOCK_N)
     n_k_steps = gl.cdiv(n_in, BLOCK_K)
     xg_smem = gl.allocate_shared_memory(DTYPE, [STAGES * 2, ROWS, BLOCK_K], xg_desc.layout)
-    weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES, BLOCK_N, BLOCK_K], weight_desc.layout)
+    weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES * W_BLOCKS, BLOCK_N, BLOCK_K],
+                                            weight_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i_stage in gl.static_range(STAGES):
@@ -162,12 +200,13 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, 
     # a None (bias_ptr without a bias) onto the warpgroup's index
     gl.warp_specialize([(_consumer, (gl.to_tensor(0), xg_smem, weight_smem, ready, empty, out_ptr,
                                      rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
-                                     n_k_steps, GROUP_M, STAGES)),
+                                     n_k_steps, GROUP_M, STAGES, SWIGLU)),
                         (_consumer, (gl.to_tensor(1), xg_smem, weight_smem, ready, empty, out_ptr,
                                      rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
-                                     n_k_steps, GROUP_M, STAGES)),
+                                     n_k_steps, GROUP_M, STAGES, SWIGLU)),
                         (_producer, (xg_desc, weight_desc, xg_smem, weight_smem, ready, empty,
-                                     n_tiles_m, n_tiles_n, n_k_steps, GROUP_M, STAGES))],
+                                     n_tiles_m, n_tiles_n, n_k_steps, n_out, GROUP_M, STAGES,
+                                     SWIGLU))],
                        [4, 1], [232, 40])
 
 
@@ -208,3 +247,40 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
             xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
             bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
             STAGES=STAGES, num_warps=4)
+
+
+def forward_swiglu(x_rows: torch.Tensor, norm_weight: torch.Tensor | None,
+                   gate_up_weight: torch.Tensor, eps: float, out_rows: torch.Tensor,
+                   normalize: bool = True) -> None:
+    """Write silu(n @ Wg.T) * (n @ Wu.T) into out_rows (M, I), contiguous, for
+    gate_up_weight (2I, K) = [Wg | Wu] stacked; n = rms_norm(x) * norm_weight (a pre-pass as
+    ``forward``'s; norm_weight None: no weight) or, without ``normalize``, x itself (read by
+    TMA: contiguous rows). CUDA sm_90, fp16 or bf16, K in whole 16 bytes."""
+    n_rows, n_in = x_rows.shape
+    n_out = gate_up_weight.shape[0] // 2
+    rstd = None
+    with torch.cuda.device(x_rows.device):
+        if normalize:
+            if norm_weight is None:
+                norm_weight = torch.ones(n_in, dtype=x_rows.dtype, device=x_rows.device)
+            scaled = torch.empty((n_rows, n_in), dtype=x_rows.dtype, device=x_rows.device)
+            rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
+            _scale_rows_kernel[(n_rows,)](x_rows, norm_weight, scaled, rstd, n_in,
+                                          x_rows.stride(0), eps, BLOCK_K=SCALE_BLOCK,
+                                          num_warps=4)
+        else:
+            scaled = x_rows
+        element = _GL_DTYPES[x_rows.dtype]
+        xg_desc = TensorDescriptor.from_tensor(
+            scaled, [TILE_ROWS, BLOCK_K],
+            gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BLOCK_K], element))
+        weight_desc = TensorDescriptor.from_tensor(
+            gate_up_weight, [SWIGLU_BLOCK_N, BLOCK_K],
+            gl.NVMMASharedLayout.get_default_for([SWIGLU_BLOCK_N, BLOCK_K], element))
+        tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, SWIGLU_BLOCK_N)
+        programs = min(torch.cuda.get_device_properties(x_rows.device).multi_processor_count,
+                       tiles)
+        _matmul_epilogue[(programs,)](
+            xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
+            bias_ptr=None, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
+            STAGES=STAGES, SWIGLU=True, num_warps=4)

@@ -486,6 +486,26 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
     ptx = compiled.asm["ptx"]
     report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
+    # the SwiGLU epilogue: [128, BLOCK_K] gate and up blocks, with and without the norm's rstd
+    element = hopper._GL_DTYPES[dtype]
+    half_layout = hopper.gl.NVMMASharedLayout.get_default_for([hopper.SWIGLU_BLOCK_N, hopper.BLOCK_K],
+                                                              element)
+    for rstd in ("*fp32", None):
+        signature = {"xg_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],"
+                                f"{a_layout!r}>",
+                     "weight_desc": f"tensordesc<{name}[{hopper.SWIGLU_BLOCK_N}, {hopper.BLOCK_K}],"
+                                    f"{half_layout!r}>",
+                     "out_ptr": f"*{name}", "rstd_ptr": rstd or "constexpr", "bias_ptr": "constexpr",
+                     "n_rows": "i32", "n_out": "i32", "n_in": "i32",
+                     "GROUP_M": "constexpr", "STAGES": "constexpr", "SWIGLU": "constexpr"}
+        constexprs = {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES, "SWIGLU": True,
+                      "bias_ptr": None, **({} if rstd else {"rstd_ptr": None})}
+        compiled = triton.compile(GluonASTSource(hopper._matmul_epilogue, signature, constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx = compiled.asm["ptx"]
+        report[f"matmul swiglu {name} rstd {rstd}"] = {
+            "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+            "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
     signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
                  "rstd_ptr": "*fp32", "n_in": "i32", "stride_x_row": "i32", "eps": "fp32",
                  "BLOCK_K": "constexpr"}
@@ -502,9 +522,10 @@ print(json.dumps(report))
 def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
     """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
     matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
-    64 x 256 x 64 steps as wgmma."""
+    64 x 256 x 64 steps as wgmma; so does the matmul's SwiGLU form (two 64 x 128 x 64 wgmma a
+    step), with and without the norm's row scale."""
     report = _run_compiler(_FUSED_COMPILER)
-    assert len(report) == 4
+    assert len(report) == 8
     for variant, facts in report.items():
         assert facts["cubin"], variant
         assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"

@@ -1,0 +1,80 @@
+"""Experiment: an MLP's up half in one Hopper matmul, silu(x @ Wg.T) * (x @ Wu.T), against
+cuBLAS's merged gate|up GEMM followed by gemslib's silu_and_mul (what the backend runs today).
+
+    python -m benchmark.experiments.swiglu_gemm [--quick]
+
+``_rms_norm_linear_silu_hopper.forward_swiglu`` (the warp-specialised Gluon matmul with its
+SWIGLU epilogue: one xg tile, a gate and an up accumulator, only the (M, I) result written)
+at the prefill MLP shapes of Llama-2-7B, Llama-3-8B / Mistral-7B, Qwen2-7B and Qwen2.5-14B,
+M = 2048 and 4096, without and with the RMSNorm pre-pass. Per shape: the relative error of
+each against a float64 reference (beside cuBLAS + silu_and_mul's own), the times of cuBLAS's
+GEMM alone, GEMM + silu_and_mul, the fused kernel, and their TFLOP/s (2 M K 2I FLOPs). The
+question it answers: does dropping the (M, 2I) write and the silu_and_mul pass (Qwen2-7B, M
+4096: 310 MB read + 155 MB written, ~0.11 ms at the copy rate) pay more than the matmul loses
+against cuBLAS? Needs an sm_90 GPU. Results: benchmark/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+SHAPES = {"llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336), "qwen2-7b": (3584, 18944),
+          "qwen2.5-14b": (5120, 13824)}  # (K, I)
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def run(quick: bool = False) -> None:
+    import triton.testing
+
+    import gemslib
+    from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
+
+    rows = (4096,) if quick else (2048, 4096)
+    for name, (k, inter) in SHAPES.items():
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+            weight = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+            gate, up = (x.double() @ weight.double().T).chunk(2, dim=-1)
+            expected = torch.nn.functional.silu(gate) * up
+            out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
+            hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+            unfused = gemslib.silu_and_mul(x @ weight.T)
+            errors = (_relative_error(out, expected), _relative_error(unfused, expected))
+            xn = torch.nn.functional.rms_norm(x.double(), (k,), norm_weight.double(), 1e-6)
+            gate_n, up_n = (xn @ weight.double().T).chunk(2, dim=-1)
+            hopper.forward_swiglu(x, norm_weight, weight, 1e-6, out)
+            normed_error = _relative_error(out, torch.nn.functional.silu(gate_n) * up_n)
+
+            def bench(fn):
+                return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+            gemm = bench(lambda: x @ weight.T)
+            unfused_ms = bench(lambda: gemslib.silu_and_mul(x @ weight.T))
+            fused_ms = bench(lambda: hopper.forward_swiglu(x, None, weight, 1e-6, out,
+                                                           normalize=False))
+            normed_ms = bench(lambda: hopper.forward_swiglu(x, norm_weight, weight, 1e-6, out))
+            flops = 2 * m * k * 2 * inter
+            print(f"{name:12s} M{m:5d}  GEMM {gemm * 1e3:7.1f} us ({flops / gemm / 1e9:5.0f} "
+                  f"TFLOP/s)  GEMM+silu_and_mul {unfused_ms * 1e3:7.1f}  fused "
+                  f"{fused_ms * 1e3:7.1f} ({flops / fused_ms / 1e9:5.0f} TFLOP/s, "
+                  f"{unfused_ms / fused_ms:.3f}x)  with the norm {normed_ms * 1e3:7.1f}  "
+                  f"rel. error fused {errors[0]:.2e} unfused {errors[1]:.2e} normed "
+                  f"{normed_error:.2e}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("swiglu_gemm: needs an sm_90 GPU", file=sys.stderr)
+        return 1
+    run(quick="--quick" in argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
