@@ -47,6 +47,7 @@ from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import silu, silu_and_mul
 from gemslib.ops.softmax import log_softmax, softmax
 from gemslib.fused.rms_norm_linear_silu import rms_norm_linear_silu
+from gemslib.fused.rms_norm_swiglu import rms_norm_swiglu
 
 __version__ = "0.1.0"
 
@@ -55,4 +56,5 @@ __all__ = [
     "fusion_report", "reset_fusion_report",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
     "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
+    "rms_norm_swiglu",
 ]

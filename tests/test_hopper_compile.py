@@ -287,6 +287,8 @@ _SAMPLES = {
         t(2, 1, s["seq_kv"], s["head_dim"]), torch.tensor([s["seq_kv"], 1])),
     "rms_norm_linear_silu.rms_norm_linear_silu": lambda t, s: gemslib.rms_norm_linear_silu(
         t(s["rows"], s["k"]), t(s["k"]), t(s["n"], s["k"]), t(s["n"])),
+    "rms_norm_swiglu.rms_norm_swiglu": lambda t, s: gemslib.rms_norm_swiglu(
+        t(s["rows"], s["k"]), t(s["k"]), t(2 * s["n"], s["k"])),
 }
 
 

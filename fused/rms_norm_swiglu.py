@@ -1,0 +1,321 @@
+"""An MLP's up half in one kernel: silu(n @ Wg.T) * (n @ Wu.T) with n = rms_norm(x) * g.
+
+    out[m, j] = silu(r[m] G[m, j]) * (r[m] U[m, j]),   r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
+    G[m, j] = sum_k x[m, k] g[k] W[j, k],   U[m, j] = sum_k x[m, k] g[k] W[I + j, k]
+
+x (..., K), g the norm weight (K,), W = [Wg | Wu] the gate and up projections stacked (2I, K),
+as a merged gate/up projection holds them. As in rms_norm_linear_silu, the K loop's x tiles
+give the rows' sums of squares, the norm weight scales each x tile as it is loaded and r waits
+for the epilogue; here one x tile feeds two accumulators, the gate and the up tile of the same
+output columns, and only the (M, I) result is written: the (M, 2I) projection and the SwiGLU
+pass over it (what a model's `down(act(gate(x)) * up(x))` costs besides its GEMMs) never
+exist. On sm_90, 16-bit inputs with 128 or more rows take the pre-pass and the Gluon matmul's
+SwiGLU form (_rms_norm_linear_silu_hopper.forward_swiglu).
+
+The backward is torch arithmetic (recomputing the projections). The file reads top-down:
+kernel, launcher, reference, public function, custom op and autograd, self-check, tuning.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemslib import checks, layout, runtime
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
+
+try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
+    from gemslib.fused import _rms_norm_linear_silu_hopper
+except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves every call
+    _rms_norm_linear_silu_hopper = None
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_swiglu_kernel(
+    x_ptr, norm_weight_ptr, weight_ptr, out_ptr, n_rows, n_out, n_in, eps, stride_x_row,
+    stride_weight_row, stride_out_row, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program, in grouped order (GROUP_M
+    row tiles sweep the columns together). x (n_rows, n_in) and W (2 n_out, n_in) with unit
+    last strides: the gate tile reads W's rows j, the up tile rows n_out + j."""
+    i_tile = tl.program_id(0)
+    n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
+    n_n_tiles = tl.cdiv(n_out, BLOCK_N)
+    tiles_per_group = GROUP_M * n_n_tiles
+    first_m_tile = (i_tile // tiles_per_group) * GROUP_M
+    group_m_tiles = tl.minimum(n_m_tiles - first_m_tile, GROUP_M)
+    i_m = first_m_tile + (i_tile % tiles_per_group) % group_m_tiles
+    i_n = (i_tile % tiles_per_group) // group_m_tiles
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_m = o_m < n_rows
+    m_n = o_n < n_out
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
+    p_gate = weight_ptr + o_n.to(tl.int64)[None, :] * stride_weight_row  # read as W.T tiles
+    p_up = weight_ptr + (n_out + o_n).to(tl.int64)[None, :] * stride_weight_row
+
+    b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for i_k in range(0, n_in, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        m_k = o_k < n_in
+        m_w = m_k[:, None] & m_n[None, :]
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0)
+        b_wg = tl.load(p_gate + o_k[:, None], mask=m_w, other=0.0)
+        b_wu = tl.load(p_up + o_k[:, None], mask=m_w, other=0.0)
+        b_x32 = b_x.to(tl.float32)
+        b_sum_squares += tl.sum(b_x32 * b_x32, axis=1)
+        b_xg = (b_x32 * b_g.to(tl.float32)[None, :]).to(b_x.dtype)
+        if IEEE:
+            b_gate = tl.dot(b_xg, b_wg, b_gate, input_precision="ieee")
+            b_up = tl.dot(b_xg, b_wu, b_up, input_precision="ieee")
+        else:
+            b_gate = tl.dot(b_xg, b_wg, b_gate)
+            b_up = tl.dot(b_xg, b_wu, b_up)
+
+    b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
+    b_gate = b_gate * b_rstd[:, None]
+    b_out = b_gate / (1.0 + tl.exp(-b_gate)) * (b_up * b_rstd[:, None])
+    tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
+             b_out.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+RMS_NORM_SWIGLU = runtime.TunedKernel(
+    "rms_norm_swiglu", "rms_norm_swiglu", _rms_norm_swiglu_kernel,
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"),
+    shape_keys=("rows", "n", "k", "elem_bytes"))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+# On sm_90, 16-bit inputs with M >= 128 rows take the pre-pass and the Gluon matmul's SwiGLU
+# form; switched off, every call takes the Triton kernel.
+HOPPER_PATH = runtime.KernelPath("rms_norm_swiglu", "the pre-pass and Gluon matmul on sm_90")
+
+
+def _launch(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """(..., I) in x's dtype; inputs validated, on the kernel device, one kernel dtype."""
+    n_out, n_in = gate_up_weight.shape[0] // 2, gate_up_weight.shape[1]
+    out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if n_in == 0:  # empty sums: silu(0) * 0
+        return out.zero_()
+    n_rows = out.numel() // n_out
+    x_rows = layout.as_rows(layout.unit_last(x))
+    weight = layout.unit_last(gate_up_weight)
+    out_rows = out.view(n_rows, n_out)
+    hopper = _rms_norm_linear_silu_hopper
+    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight):
+        hopper.forward_swiglu(x_rows, norm_weight.contiguous(), weight, eps, out_rows)
+        return out
+    # positional (TunedKernel.launch forwards them so): tensors; sizes and eps; strides; flag
+    RMS_NORM_SWIGLU.launch(
+        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
+        x_rows, norm_weight.contiguous(), weight, out_rows,
+        n_rows, n_out, n_in, eps,
+        x_rows.stride(0), weight.stride(0), out_rows.stride(0),
+        x.dtype == torch.float32,
+        shape=(n_rows, n_out, n_in, x.element_size()))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch reference (tests run it in float64)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_swiglu_reference(x, norm_weight, gate_up_weight, eps=1e-6):
+    normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight
+    gate, up = torch.nn.functional.linear(normed, gate_up_weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+# --------------------------------------------------------------------------------------------
+# Public function, custom op, autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x, norm_weight, gate_up_weight) -> None:
+    name = "gemslib.rms_norm_swiglu"
+    for arg, t in (("x", x), ("norm_weight", norm_weight), ("gate_up_weight", gate_up_weight)):
+        checks.float_tensor(name, arg, t, expected="floating-point")
+        checks.like(name, arg, t, x, "x")
+    if x.dim() == 0:
+        raise ValueError(f"{name}: x must be (..., K), got a 0-d tensor")
+    n_in = x.shape[-1]
+    if gate_up_weight.dim() != 2 or gate_up_weight.shape[1] != n_in or \
+            gate_up_weight.shape[0] % 2:
+        raise ValueError(f"{name}: gate_up_weight must be (2I, K) with K = x.shape[-1] = {n_in} "
+                         f"(the gate rows, then the up rows), got {tuple(gate_up_weight.shape)}")
+    if norm_weight.shape != (n_in,):
+        raise ValueError(f"{name}: norm_weight must be ({n_in},) to match x's last dim, got "
+                         f"{tuple(norm_weight.shape)}")
+
+
+def _rms_norm_swiglu_impl(x: torch.Tensor, norm_weight: torch.Tensor,
+                          gate_up_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel where it runs; torch (fp32 arithmetic, or float64's own) elsewhere."""
+    if not runtime.dot_kernel_runs(x):
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        out = rms_norm_swiglu_reference(x.to(work), norm_weight.to(work),
+                                        gate_up_weight.to(work), eps)
+        return out.to(x.dtype)
+    return _launch(x, norm_weight, gate_up_weight, eps)
+
+
+def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
+                    gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                    eps: float = 1e-6) -> torch.Tensor:
+    """``silu(n @ Wg.T) * (n @ Wu.T)`` with ``n = rms_norm(x, norm_weight, eps)``, one kernel.
+
+    x (..., K), norm_weight (K,), gate_up_weight (2I, K): Wg's rows then Wu's (as a merged
+    gate/up projection holds them), or the pair (Wg, Wu), each (I, K), which is stacked into
+    a new tensor on every call (pass the stacked one to avoid that copy). One dtype; returns
+    (..., I) in it. Differentiable in every tensor argument (the backward uses torch).
+    """
+    if isinstance(gate_up_weight, (tuple, list)):
+        if len(gate_up_weight) != 2 or not all(isinstance(w, torch.Tensor)
+                                               for w in gate_up_weight):
+            raise TypeError("gemslib.rms_norm_swiglu: gate_up_weight must be a (2I, K) tensor "
+                            "or a pair (gate_weight, up_weight) of tensors")
+        if gate_up_weight[0].shape != gate_up_weight[1].shape:
+            raise ValueError("gemslib.rms_norm_swiglu: gate and up weights must have one shape, "
+                             f"got {tuple(gate_up_weight[0].shape)} and "
+                             f"{tuple(gate_up_weight[1].shape)}")
+        gate_up_weight = torch.cat(list(gate_up_weight))
+    _check(x, norm_weight, gate_up_weight)
+    eps = checks.as_float("gemslib.rms_norm_swiglu", "eps", eps)
+    if runtime.wants_custom_op(x, norm_weight, gate_up_weight):
+        return _rms_norm_swiglu_op(x, norm_weight, gate_up_weight, eps)
+    return _rms_norm_swiglu_impl(x, norm_weight, gate_up_weight, eps)
+
+
+def _setup(ctx, inputs, output):
+    x, norm_weight, gate_up_weight, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, norm_weight, gate_up_weight)
+
+
+def _grad(ctx, grad_out, ops):
+    """Gradients by the chain rule in fp32 (float64 stays float64), the projections
+    recomputed: d_up = dy silu(G'), d_gate = dy U' silu'(G') (G', U' the normalised
+    projections), dW = [d_gate | d_up].T n, dn = [d_gate | d_up] W, dg = sum dn * x_hat,
+    dx = r * (dn g - x_hat * mean(dn g * x_hat))."""
+    x, norm_weight, gate_up_weight = ctx.saved_tensors
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x32, g32, w32 = x.to(work), norm_weight.to(work), gate_up_weight.to(work)
+    rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+    x_hat = x32 * rstd
+    normed = x_hat * g32
+    gate, up = torch.nn.functional.linear(normed, w32).chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    dy = grad_out.to(work)
+    d_projection = torch.cat([dy * up * sig * (1 + gate * (1 - sig)), dy * gate * sig], dim=-1)
+    rows = d_projection.reshape(-1, d_projection.shape[-1])
+    d_weight = rows.t() @ normed.reshape(-1, normed.shape[-1])
+    d_normed = d_projection @ w32
+    d_norm_weight = (d_normed * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    d_x_hat = d_normed * g32
+    dx = rstd * (d_x_hat - x_hat * (d_x_hat * x_hat).mean(dim=-1, keepdim=True))
+    return (dx.to(x.dtype), d_norm_weight.to(norm_weight.dtype),
+            d_weight.to(gate_up_weight.dtype), None)
+
+
+# torch arithmetic all the way: the backward is itself differentiable
+_rms_norm_swiglu_op = runtime.CustomOp(
+    "rms_norm_swiglu", _rms_norm_swiglu_impl,
+    fake=lambda x, norm_weight, gate_up_weight, eps: x.new_empty(
+        (*x.shape[:-1], gate_up_weight.shape[0] // 2)),
+    setup_context=_setup, backward=_grad, differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(device, dtype, rows):
+    """x (rows, K), norm weight, [gate | up] (2I, K): small at the check's size, a Llama-3-8B
+    MLP (K 4096, I 14336) at the timing size."""
+    n_in, n_out = (4096, 14336) if rows >= 1024 else (256, 200)
+    return (torch.randn(rows, n_in, device=device, dtype=dtype),
+            torch.randn(n_in, device=device, dtype=dtype),
+            torch.randn(2 * n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5)
+
+
+def _term_scale(x, norm_weight, gate_up_weight):
+    """The size of the products' terms: |silu(G)| |U| bounded by |G| |U|, each from
+    |rms_norm(x)| @ |W|.T."""
+    x, norm_weight, gate_up_weight = (t.double() for t in (x, norm_weight, gate_up_weight))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+    gate, up = (normed.abs() @ gate_up_weight.abs().t()).chunk(2, dim=-1)
+    return (gate * up).max().item()
+
+
+SELF_CHECKS = (
+    SelfCheck("rms_norm_swiglu", _check_inputs, run=rms_norm_swiglu,
+              reference=rms_norm_swiglu_reference,
+              torch_peer=lambda x, g, w: (lambda gate, up: torch.nn.functional.silu(gate) * up)(
+                  *torch.nn.functional.linear(
+                      torch.nn.functional.rms_norm(x, (x.shape[-1],), g, 1e-6), w).chunk(2, -1)),
+              # bf16 tl.dot is wrong in Triton 3.6's interpreter
+              dtypes=(torch.float16, torch.float32) if runtime.INTERPRETER else
+              (torch.float16, torch.bfloat16, torch.float32),
+              term_scale=_term_scale),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(row_counts: tuple[int, ...], n_out: int = 14336, n_in: int = 4096,
+                  dtype: torch.dtype = torch.bfloat16):
+    """Llama-3-8B's gate and up projections at each row count, on the Triton kernel (the
+    Hopper path, where it applies, is switched off while the problem runs)."""
+    def make(device):
+        xs = [torch.randn(rows, n_in, device=device, dtype=dtype) for rows in row_counts]
+        norm_weight = torch.randn(n_in, device=device, dtype=dtype)
+        weight = torch.randn(2 * n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5
+
+        def run():
+            with HOPPER_PATH.switched_off():
+                return [rms_norm_swiglu(x, norm_weight, weight) for x in xs]
+        return run
+    return make
+
+
+TUNING = (
+    TuneSpace(
+        RMS_NORM_SWIGLU,
+        # two accumulators per tile: the register budget of one twice as wide
+        tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w,
+               "num_stages": s}
+              for m, n, k in ((128, 64, 64), (128, 128, 64), (64, 128, 64), (128, 64, 128))
+              for w in (4, 8) for s in (3, 4))
+        # decode: 16 rows, narrow column tiles, long K steps
+        + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "num_warps": w,
+                 "num_stages": s}
+                for n, k in ((32, 128), (64, 128), (64, 256))
+                for w in (2, 4) for s in (3, 4)),
+        (TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I14336 K4096", _tune_problem((1, 16))),
+         TuneBucket({"elem_bytes": 2}, "M4096 I14336 K4096", _tune_problem((4096,))),
+         # fp32 (IEEE products, a few percent of the 16-bit rate): a smaller problem
+         TuneBucket(None, "M1024 I4096 K4096 fp32",
+                    _tune_problem((1024,), n_out=4096, dtype=torch.float32)))),
+)

@@ -1,0 +1,196 @@
+"""rms_norm_swiglu against float64 references: values, gradients, layouts, errors."""
+
+import pytest
+import torch
+
+import gemslib
+from conftest import ON_GPU, random_tensor
+from gemslib import runtime
+from gemslib.fused import rms_norm_swiglu as swiglu_ops
+
+# interpreter: fp16/fp32 (bf16 tl.dot is wrong there); GPU: bf16 too
+DOT_DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float16, torch.float32]
+_UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
+
+# (x shape, I): one row (decode), odd sizes, several row tiles of both buckets, 3-d and 1-d x
+CASES = [((1, 64), 48), ((5, 48), 24), ((40, 100), 70), ((130, 64), 130), ((2, 3, 40), 33),
+         ((64,), 20)]
+if ON_GPU:
+    CASES += [((16, 4096), 14336), ((4096, 3584), 18944), ((300, 1000), 777), ((1, 4096), 11008)]
+# on sm_90 16-bit inputs with >= 128 rows take the pre-pass + the Gluon matmul's SwiGLU form
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _inputs(x_shape, n_out, dtype):
+    n_in = x_shape[-1]
+    x = random_tensor(x_shape, dtype, scale=1.0)
+    norm_weight = random_tensor((n_in,), dtype, scale=1.0)
+    gate_up_weight = random_tensor((2 * n_out, n_in), dtype, scale=max(n_in, 1) ** -0.5)
+    return x, norm_weight, gate_up_weight
+
+
+def _assert_close(actual, x, norm_weight, gate_up_weight, eps=1e-6):
+    """Within the rounding the fused form makes: x * g rounded to the input dtype, fp32 sums
+    over K, the output rounded once. Each projection's error is bounded as a dot product's
+    (by the sums of absolute values, B_G and B_U); the product silu(G) U then errs by at most
+    1.1 e_G |U| + |G| e_U + e_G e_U (|silu'| <= 1.1, |silu(G)| <= |G|)."""
+    x64, g64, w64 = x.double(), norm_weight.double(), gate_up_weight.double()
+    expected = swiglu_ops.rms_norm_swiglu_reference(x64, g64, w64, eps)
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * g64
+    gate, up = torch.nn.functional.linear(normed, w64).chunk(2, dim=-1)
+    bound_gate, bound_up = (normed.abs() @ w64.abs().t()).chunk(2, dim=-1)
+    u = _UNIT_ROUNDOFF[x.dtype]
+    relative = 2 * u + x.shape[-1] * 2.0 ** -24
+    error_gate, error_up = relative * bound_gate, relative * bound_up
+    tolerance = 1.1 * error_gate * up.abs() + gate.abs() * error_up + error_gate * error_up \
+        + u * expected.abs() + 1e-30
+    error = (actual.double() - expected).abs()
+    assert actual.shape == expected.shape and actual.dtype == x.dtype
+    assert bool((error <= tolerance).all()), \
+        f"max error {error.max().item():.3g}, worst error / tolerance {(error / tolerance).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("x_shape,n_out", CASES)
+def test_matches_reference(x_shape, n_out, dtype):
+    inputs = _inputs(x_shape, n_out, dtype)
+    _assert_close(gemslib.rms_norm_swiglu(*inputs), *inputs)
+
+
+def test_a_pair_of_weights_is_the_stacked_weight():
+    x, norm_weight, gate_up_weight = _inputs((7, 40), 30, torch.float32)
+    gate, up = gate_up_weight.chunk(2)
+    torch.testing.assert_close(gemslib.rms_norm_swiglu(x, norm_weight, (gate, up)),
+                               gemslib.rms_norm_swiglu(x, norm_weight, gate_up_weight),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [3, 100], ids=["decode-bucket", "matmul-bucket"])
+def test_strided_inputs(rows):
+    """x as a transposed view, the weight with a non-unit last stride (copied), a strided
+    norm weight."""
+    x = random_tensor((48, rows), torch.float32).t()
+    norm_weight = random_tensor((96,), torch.float32)[::2]
+    weight = random_tensor((40, 96), torch.float32, scale=0.2)[:, ::2]
+    _assert_close(gemslib.rms_norm_swiglu(x, norm_weight, weight, eps=1e-5), x, norm_weight,
+                  weight, eps=1e-5)
+
+
+def test_group_order_covers_every_tile():
+    """Small tiles and groups of 3 row tiles over 7 row tiles and 5 column tiles: a partial
+    last group, and each output tile written exactly once."""
+    inputs = _inputs((100, 32), 70, torch.float32)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 3)), 4, 1)
+    with swiglu_ops.RMS_NORM_SWIGLU.forced(config):
+        _assert_close(gemslib.rms_norm_swiglu(*inputs), *inputs)
+
+
+HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False),
+                ((4000, 1024), 2000, True), ((128, 64), 256, False)] if HOPPER else \
+    [((130, 64), 40, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("x_shape,n_out,view", HOPPER_CASES)
+def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_out, view, dtype,
+                                                                   monkeypatch):
+    """On sm_90 each such call runs the pre-pass and the SwiGLU matmul (counted): ragged row
+    and column tiles (I not a multiple of the 128-column tile: the last gate block reads up
+    rows into masked columns), 3-d x, x rows with a stride; elsewhere the Triton kernel."""
+    x, norm_weight, weight = _inputs(x_shape, n_out, dtype)
+    if view:  # rows of a wider tensor: the pre-pass reads them in place
+        x = random_tensor((*x_shape[:-1], x_shape[-1] + 24), dtype, scale=1.0)[..., :x_shape[-1]]
+    calls = []
+    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_swiglu
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_swiglu",
+                        lambda *args: calls.append(args) or hopper_forward(*args))
+    out = gemslib.rms_norm_swiglu(x, norm_weight, weight)
+    assert len(calls) == int(HOPPER)
+    _assert_close(out, x, norm_weight, weight)
+
+
+def test_empty_and_zero_width_inputs():
+    x, norm_weight, weight = _inputs((0, 16), 8, torch.float32)
+    assert gemslib.rms_norm_swiglu(x, norm_weight, weight).shape == (0, 8)
+    x, norm_weight, weight = _inputs((3, 0), 5, torch.float32)
+    torch.testing.assert_close(gemslib.rms_norm_swiglu(x, norm_weight, weight), torch.zeros(
+        3, 5, device=x.device))
+
+
+def test_float64_is_computed_by_torch():
+    inputs = _inputs((4, 24), 10, torch.float64)
+    torch.testing.assert_close(gemslib.rms_norm_swiglu(*inputs),
+                               swiglu_ops.rms_norm_swiglu_reference(*inputs))
+
+
+def test_gradients_match_autograd_of_the_reference():
+    leaves = [t.detach().requires_grad_() for t in _inputs((2, 5, 24), 18, torch.float32)]
+    ours = gemslib.rms_norm_swiglu(*leaves)
+    grad = random_tensor(ours.shape, torch.float32)
+    ours_grads = torch.autograd.grad(ours, leaves, grad)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    expected_grads = torch.autograd.grad(swiglu_ops.rms_norm_swiglu_reference(*leaves64),
+                                         leaves64, grad.double())
+    for name, a, b in zip(("x", "norm_weight", "gate_up_weight"), ours_grads, expected_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_backward_is_exact_in_float64():
+    """float64 runs torch's forward and this file's hand-written backward: gradcheck and
+    gradgradcheck compare it with finite differences."""
+    inputs = [t.requires_grad_() for t in _inputs((3, 6), 4, torch.float64)]
+    assert torch.autograd.gradcheck(gemslib.rms_norm_swiglu, inputs)
+    assert torch.autograd.gradgradcheck(gemslib.rms_norm_swiglu, inputs)
+
+
+def test_custom_op_passes_opcheck():
+    x, norm_weight, weight = _inputs((3, 16), 8, torch.float32)
+    torch.library.opcheck(torch.ops.gemslib.rms_norm_swiglu, (x, norm_weight, weight, 1e-6))
+
+
+def test_traces_under_torch_compile_fullgraph():
+    inputs = _inputs((4, 32), 16, torch.float32)
+
+    def block(x, norm_weight, weight):
+        return gemslib.rms_norm_swiglu(x, norm_weight, weight) * 2
+
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = compiled(*leaves)
+    torch.testing.assert_close(out, block(*inputs))
+    compiled_grads = torch.autograd.grad(out.sum(), leaves)
+    eager_leaves = [t.detach().requires_grad_() for t in leaves]
+    eager_grads = torch.autograd.grad(block(*eager_leaves).sum(), eager_leaves)
+    for ours, eager in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(ours, eager)
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (lambda x, g, w: (x, g, w[:, :-1]), ValueError, r"gate_up_weight must be \(2I, K\) with K = "),
+    (lambda x, g, w: (x, g, w[:-1]), ValueError, r"gate_up_weight must be \(2I, K\)"),
+    (lambda x, g, w: (x, g[:-1], w), ValueError, "norm_weight must be"),
+    (lambda x, g, w: (x, g, w.double()), ValueError, "gate_up_weight must be torch.float32"),
+    (lambda x, g, w: (x, g, "w"), TypeError, "gate_up_weight must be a torch.Tensor"),
+    (lambda x, g, w: (x, g, (w, w, w)), TypeError, "a pair"),
+    (lambda x, g, w: (x, g, (w, w[:-1])), ValueError, "one shape"),
+    (lambda x, g, w: (x.to(torch.int32), g, w), TypeError, "x must be floating-point"),
+    (lambda x, g, w: (x[0, 0], g, w), ValueError, "x must be"),
+])
+def test_bad_inputs_name_the_argument(args, error, match):
+    inputs = _inputs((3, 8), 4, torch.float32)
+    with pytest.raises(error, match=match):
+        gemslib.rms_norm_swiglu(*args(*inputs))
+
+
+def test_bf16_is_right_everywhere():
+    """bf16 runs the kernel on a GPU; under the interpreter (whose bf16 tl.dot is wrong) torch
+    computes it, never a silently wrong kernel result."""
+    inputs = _inputs((5, 48), 24, torch.bfloat16)
+    _assert_close(gemslib.rms_norm_swiglu(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("eps", ["1e-6", None, torch.ones(2)])
+def test_eps_must_be_a_float_as_torch_requires(eps):
+    with pytest.raises(TypeError, match="argument 'eps' must be float"):
+        gemslib.rms_norm_swiglu(*_inputs((3, 8), 4, torch.float32), eps=eps)
