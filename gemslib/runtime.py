@@ -943,20 +943,26 @@ class CallPlans:
     Such a call spends most of its host time deciding what its signature alone determines:
     the checks' verdict, the layout, the config, the grid and the launch key, each from every
     tensor argument's type, shape, strides, dtype, device and 16-byte alignment (and which of
-    them start at one address), and the other arguments' values. :meth:`signature` makes that key (``None`` where no plan may apply:
-    autograd must see the call, torch.compile is tracing, a config is forced, the direct
-    launch is off, an argument is a tensor subclass or not a plain value); :meth:`get` gives
-    the plan of a signature seen before; :meth:`plan` runs the call's own code and keeps a plan
-    of it when it is replayable: every GPU operation it made was a launch of a kept compiled
-    kernel (:meth:`TunedKernel.replay`; aten operators other than allocations and views are
-    watched for), each tensor argument of those launches starts where one of the call's
-    tensors or outputs starts or lies in a kept :func:`split_scratch` pair, and its outputs
-    are fresh tensors of their own storage (zeroed ones are allocated zeroed again; plain
-    numbers and Nones among them are returned as they were). A signature's first call (which compiles and
-    tunes) is never planned, and one whose next two calls were not replayable is not watched
-    again (the watching costs more host time than it saves). A plan allocates the outputs alike, fetches the scratch of the
-    current stream and launches the same kernels with the new pointers on that stream; with
-    a Triton launch hook installed the call's own code runs again.
+    them start at one address), and the other arguments' values. :meth:`signature` makes that
+    key (``None`` where no plan may apply: autograd must see the call, torch.compile is
+    tracing, a config is forced, the direct launch is off, an argument is a tensor subclass or
+    not a plain value); :meth:`get` gives the plan of a signature seen before; :meth:`plan`
+    runs the call's own code and keeps a plan of it when it is replayable:
+
+    * every GPU operation it made was a launch of a kept compiled kernel
+      (:meth:`TunedKernel.replay`), an allocation, a view, or the zeroing of an output (aten
+      operators are watched with a dispatch mode);
+    * each tensor argument of those launches starts where one of the call's tensors or
+      outputs starts, or lies in a kept :func:`split_scratch` pair;
+    * its outputs are fresh tensors of their own storage (plain numbers and Nones among them
+      are returned as they were).
+
+    A signature's first call (which compiles and tunes) is never planned, and one whose next
+    two calls were not replayable is not watched again (the watching costs more host time
+    than it saves). A plan allocates the outputs alike (zeroed where the call zeroed them),
+    fetches the scratch of the current stream and launches the same kernels with the new
+    pointers on that stream; with a Triton launch hook installed, or inside a call being
+    planned, the call's own code runs again.
     """
 
     def __init__(self, name: str, below_autograd: bool = False):
