@@ -84,7 +84,19 @@ def merged_linear_reference(x, weights, biases):
 # --------------------------------------------------------------------------------------------
 
 _aten = torch.ops.aten
-_merged: weakref.WeakSet = weakref.WeakSet()  # parameters merged by a rewrite, in any group
+# id -> weak reference of each parameter merged by a rewrite, in any group (a WeakSet would
+# compare tensors with == on a hash match, which is elementwise)
+_merged: dict[int, weakref.ref] = {}
+
+
+def _was_merged(t: torch.Tensor) -> bool:
+    ref = _merged.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _remember_merged(t: torch.Tensor) -> None:
+    key = id(t)
+    _merged[key] = weakref.ref(t, lambda _, key=key: _merged.pop(key, None))
 
 
 def _projection(mm: torch.fx.Node):
@@ -121,7 +133,7 @@ def _merge_once(tensors: list[torch.Tensor]) -> bool:
     end to end already; False when one of them belongs to another merged group."""
     if end_to_end(tensors) is not None:
         return True
-    if any(t in _merged for t in tensors) or len({id(t) for t in tensors}) != len(tensors):
+    if any(_was_merged(t) for t in tensors) or len({id(t) for t in tensors}) != len(tensors):
         return False
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -131,7 +143,7 @@ def _merge_once(tensors: list[torch.Tensor]) -> bool:
         for t in tensors:
             t.data = merged[start:start + t.shape[0]]
             start += t.shape[0]
-            _merged.add(t)
+            _remember_merged(t)
     return True
 
 

@@ -113,6 +113,25 @@ def test_merged_parameters_are_one_copy_and_a_replaced_one_is_used():
         assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_merged_parameter_moved_out_of_its_buffer_is_left_alone_by_a_new_compile():
+    """A merged parameter whose ``.data`` was pointed elsewhere (its partners still in the
+    old buffer): a later compile cannot merge the group again without copying a parameter
+    another group may hold, so it computes those projections one by one, correctly."""
+    torch._dynamo.reset()
+    module = _Projections().eval()
+    x, y, z = (torch.randn(2, 16, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
+        module.b.weight.data = torch.randn_like(module.b.weight)
+        expected = module(x, y, z)
+        torch._dynamo.reset()
+        gemslib.reset_fusion_report()
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
+    assert gemslib.fusion_report() == {"merged_linear": 2}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
+
+
 def test_a_site_without_real_parameters_is_left_alone():
     """The passes installed in a plain inductor config have no real parameters to merge:
     the projections stay separate GEMMs (merging them at every call would copy the weights)."""
