@@ -12,8 +12,12 @@ pass over it (what a model's `down(act(gate(x)) * up(x))` costs besides its GEMM
 exist. On sm_90, 16-bit inputs with 128 or more rows take the pre-pass and the Gluon matmul's
 SwiGLU form (_rms_norm_linear_silu_hopper.forward_swiglu).
 
-The backward is torch arithmetic (recomputing the projections). The file reads top-down:
-kernel, launcher, reference, public function, custom op and autograd, self-check, tuning.
+In a compiled model (``backend="gemslib"``) the same kernels run as ``linear_swiglu``, the
+form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``: the graph rewrite below replaces the
+merged gate/up projection and the silu_and_mul after it, and the model's (add_)rms_norm before
+it stays. The backward is torch arithmetic (recomputing the projections). The file reads
+top-down: kernel, launcher, reference, public function, custom op and autograd, graph rewrite,
+self-check, tuning.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import triton
 import triton.language as tl
 
 from gemslib import checks, layout, runtime
-from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
+from gemslib.fused.merged_linear import end_to_end
+from gemslib.graph import call_node
+from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -39,12 +45,13 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 @triton.jit
 def _rms_norm_swiglu_kernel(
     x_ptr, norm_weight_ptr, weight_ptr, out_ptr, n_rows, n_out, n_in, eps, stride_x_row,
-    stride_weight_row, stride_out_row, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    stride_weight_row, stride_out_row, IEEE: tl.constexpr, NORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program, in grouped order (GROUP_M
     row tiles sweep the columns together). x (n_rows, n_in) and W (2 n_out, n_in) with unit
-    last strides: the gate tile reads W's rows j, the up tile rows n_out + j."""
+    last strides: the gate tile reads W's rows j, the up tile rows n_out + j. Without
+    NORMALIZE the projections are of x itself (linear_swiglu; norm_weight_ptr is not read)."""
     i_tile = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -70,12 +77,15 @@ def _rms_norm_swiglu_kernel(
         m_k = o_k < n_in
         m_w = m_k[:, None] & m_n[None, :]
         b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0)
         b_wg = tl.load(p_gate + o_k[:, None], mask=m_w, other=0.0)
         b_wu = tl.load(p_up + o_k[:, None], mask=m_w, other=0.0)
-        b_x32 = b_x.to(tl.float32)
-        b_sum_squares += tl.sum(b_x32 * b_x32, axis=1)
-        b_xg = (b_x32 * b_g.to(tl.float32)[None, :]).to(b_x.dtype)
+        if NORMALIZE:
+            b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0)
+            b_x32 = b_x.to(tl.float32)
+            b_sum_squares += tl.sum(b_x32 * b_x32, axis=1)
+            b_xg = (b_x32 * b_g.to(tl.float32)[None, :]).to(b_x.dtype)
+        else:
+            b_xg = b_x
         if IEEE:
             b_gate = tl.dot(b_xg, b_wg, b_gate, input_precision="ieee")
             b_up = tl.dot(b_xg, b_wu, b_up, input_precision="ieee")
@@ -83,9 +93,11 @@ def _rms_norm_swiglu_kernel(
             b_gate = tl.dot(b_xg, b_wg, b_gate)
             b_up = tl.dot(b_xg, b_wu, b_up)
 
-    b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
-    b_gate = b_gate * b_rstd[:, None]
-    b_out = b_gate / (1.0 + tl.exp(-b_gate)) * (b_up * b_rstd[:, None])
+    if NORMALIZE:
+        b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
+        b_gate = b_gate * b_rstd[:, None]
+        b_up = b_up * b_rstd[:, None]
+    b_out = b_gate / (1.0 + tl.exp(-b_gate)) * b_up
     tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
              b_out.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
@@ -106,9 +118,10 @@ RMS_NORM_SWIGLU = runtime.TunedKernel(
 HOPPER_PATH = runtime.KernelPath("rms_norm_swiglu", "the pre-pass and Gluon matmul on sm_90")
 
 
-def _launch(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
-            eps: float) -> torch.Tensor:
-    """(..., I) in x's dtype; inputs validated, on the kernel device, one kernel dtype."""
+def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: torch.Tensor,
+            eps: float, normalize: bool = True) -> torch.Tensor:
+    """(..., I) in x's dtype; inputs validated, on the kernel device, one kernel dtype. Without
+    ``normalize``: the projections of x itself (linear_swiglu; norm_weight and eps unused)."""
     n_out, n_in = gate_up_weight.shape[0] // 2, gate_up_weight.shape[1]
     out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -120,16 +133,19 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Te
     weight = layout.unit_last(gate_up_weight)
     out_rows = out.view(n_rows, n_out)
     hopper = _rms_norm_linear_silu_hopper
-    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight):
-        hopper.forward_swiglu(x_rows, norm_weight.contiguous(), weight, eps, out_rows)
+    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight) and (
+            normalize or layout.tma_addressable(x_rows)):  # unnormalised x is read by TMA
+        hopper.forward_swiglu(x_rows, norm_weight.contiguous() if normalize else None, weight,
+                              eps, out_rows, normalize=normalize)
         return out
-    # positional (TunedKernel.launch forwards them so): tensors; sizes and eps; strides; flag
+    # positional (TunedKernel.launch forwards them so): tensors (the norm weight's pointer is
+    # not read without normalize); sizes and eps; strides; flags
     RMS_NORM_SWIGLU.launch(
         lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
-        x_rows, norm_weight.contiguous(), weight, out_rows,
+        x_rows, norm_weight.contiguous() if normalize else x_rows, weight, out_rows,
         n_rows, n_out, n_in, eps,
         x_rows.stride(0), weight.stride(0), out_rows.stride(0),
-        x.dtype == torch.float32,
+        x.dtype == torch.float32, normalize,
         shape=(n_rows, n_out, n_in, x.element_size()))
     return out
 
@@ -139,10 +155,14 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Te
 # --------------------------------------------------------------------------------------------
 
 
+def linear_swiglu_reference(x, gate_up_weight):
+    gate, up = torch.nn.functional.linear(x, gate_up_weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rms_norm_swiglu_reference(x, norm_weight, gate_up_weight, eps=1e-6):
     normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * norm_weight
-    gate, up = torch.nn.functional.linear(normed, gate_up_weight).chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return linear_swiglu_reference(normed, gate_up_weight)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,6 +262,84 @@ _rms_norm_swiglu_op = runtime.CustomOp(
     fake=lambda x, norm_weight, gate_up_weight, eps: x.new_empty(
         (*x.shape[:-1], gate_up_weight.shape[0] // 2)),
     setup_context=_setup, backward=_grad, differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite (torch.compile(backend="gemslib")): silu_and_mul of a merged [gate | up]
+# projection -> linear_swiglu, the GEMM with the SwiGLU epilogue
+# --------------------------------------------------------------------------------------------
+#
+# A model's MLP reaches the rewrites as (add_)rms_norm -> merged_linear([Wg, Wu]) ->
+# silu_and_mul. The norm stays the model's own kernel: its normalised rows are what the
+# Hopper matmul reads, where rms_norm_swiglu's own pre-pass would write them again.
+
+
+def _linear_swiglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor]) -> torch.Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T), x (M, K), gate_up_weights [Wg, Wu] each (I, K): one GEMM
+    over them where they lie end to end (the merged parameters), else over their copy."""
+    weight = end_to_end(gate_up_weights)
+    if weight is None:  # a parameter was replaced since the merge
+        weight = torch.cat(gate_up_weights)
+    if not runtime.dot_kernel_runs(x):
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return linear_swiglu_reference(x.to(work), weight.to(work)).to(x.dtype)
+    return _launch(x, None, weight, 0.0, normalize=False)
+
+
+_linear_swiglu_op = torch.library.custom_op("gemslib::linear_swiglu", _linear_swiglu_impl,
+                                            mutates_args=())
+_linear_swiglu_op.register_fake(
+    lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
+
+# below this many rows the merged GEMM streams the weights (cuBLAS's split-K forms), which
+# the Triton kernel, with no split-K, does not match
+GRAPH_MIN_ROWS = 128
+
+
+def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear_swiglu is the faster form for a site of these (fake) values: static rows,
+    at least GRAPH_MIN_ROWS, on sm_90 in 16 bits (the Gluon matmul), or a device without CUDA
+    (the interpreter, where the rewrite is tested)."""
+    rows = x.shape[0]
+    if not isinstance(rows, int) or rows < GRAPH_MIN_ROWS or x.dtype != weight.dtype or \
+            x.dtype not in runtime.KERNEL_DTYPES:
+        return False
+    if x.device.type != "cuda":
+        return True
+    return (_rms_norm_linear_silu_hopper is not None and x.dtype != torch.float32
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def _is_live(node: torch.fx.Node) -> bool:
+    """Whether the graph's result depends on ``node`` (the rewrites leave dead nodes for one
+    dead-code pass at the end)."""
+    return node.op == "output" or any(_is_live(user) for user in node.users)
+
+
+def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
+    """``silu_and_mul(merged_linear(x, [Wg, Wu], [None, None]))`` whose merged output feeds
+    nothing else -> ``linear_swiglu(x, [Wg, Wu])``."""
+    sites = []
+    for act in graph.find_nodes(op="call_function", target=torch.ops.gemslib.silu_and_mul.default):
+        merged = act.args[0]
+        if not (isinstance(merged, torch.fx.Node)
+                and merged.target is torch.ops.gemslib.merged_linear.default):
+            continue
+        x, weights, biases = merged.args
+        if len(weights) != 2 or any(b is not None for b in biases) or \
+                weights[0].meta["val"].shape != weights[1].meta["val"].shape or \
+                any(user is not act and _is_live(user) for user in merged.users) or \
+                not _takes_graph_site(x.meta["val"], weights[0].meta["val"]):
+            continue
+        with graph.inserting_before(act):
+            fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x, list(weights))
+        act.replace_all_uses_with(fused)
+        graph.erase_node(act)
+        sites.append(f"{act.name} over {merged.name}")
+    return sites
+
+
+GRAPH_REWRITES = (GraphRewrite("linear_swiglu", _fuse_linear_swiglu),)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gemslib
-from conftest import ON_GPU, random_tensor
+from conftest import DEVICE, ON_GPU, random_tensor
 from gemslib import runtime
 from gemslib.fused import rms_norm_swiglu as swiglu_ops
 
@@ -30,22 +30,28 @@ def _inputs(x_shape, n_out, dtype):
 
 
 def _assert_close(actual, x, norm_weight, gate_up_weight, eps=1e-6):
-    """Within the rounding the fused form makes: x * g rounded to the input dtype, fp32 sums
-    over K, the output rounded once. Each projection's error is bounded as a dot product's
-    (by the sums of absolute values, B_G and B_U); the product silu(G) U then errs by at most
-    1.1 e_G |U| + |G| e_U + e_G e_U (|silu'| <= 1.1, |silu(G)| <= |G|)."""
-    x64, g64, w64 = x.double(), norm_weight.double(), gate_up_weight.double()
-    expected = swiglu_ops.rms_norm_swiglu_reference(x64, g64, w64, eps)
-    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * g64
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    _assert_swiglu_close(actual, normed, gate_up_weight, x.dtype)
+
+
+def _assert_swiglu_close(actual, normed, gate_up_weight, dtype):
+    """silu(n @ Wg.T) * (n @ Wu.T) for n = ``normed`` (float64), within the rounding the fused
+    form makes: x * g rounded to the input dtype, fp32 sums over K, the output rounded once.
+    Each projection's error is bounded as a dot product's (by the sums of absolute values,
+    B_G and B_U); the product silu(G) U then errs by at most 1.1 e_G |U| + |G| e_U + e_G e_U
+    (|silu'| <= 1.1, |silu(G)| <= |G|)."""
+    w64 = gate_up_weight.double()
+    expected = swiglu_ops.linear_swiglu_reference(normed, w64)
     gate, up = torch.nn.functional.linear(normed, w64).chunk(2, dim=-1)
     bound_gate, bound_up = (normed.abs() @ w64.abs().t()).chunk(2, dim=-1)
-    u = _UNIT_ROUNDOFF[x.dtype]
-    relative = 2 * u + x.shape[-1] * 2.0 ** -24
+    u = _UNIT_ROUNDOFF[dtype]
+    relative = 2 * u + normed.shape[-1] * 2.0 ** -24
     error_gate, error_up = relative * bound_gate, relative * bound_up
     tolerance = 1.1 * error_gate * up.abs() + gate.abs() * error_up + error_gate * error_up \
         + u * expected.abs() + 1e-30
     error = (actual.double() - expected).abs()
-    assert actual.shape == expected.shape and actual.dtype == x.dtype
+    assert actual.shape == expected.shape and actual.dtype == dtype
     assert bool((error <= tolerance).all()), \
         f"max error {error.max().item():.3g}, worst error / tolerance {(error / tolerance).max().item():.3g}"
 
@@ -194,3 +200,72 @@ def test_bf16_is_right_everywhere():
 def test_eps_must_be_a_float_as_torch_requires(eps):
     with pytest.raises(TypeError, match="argument 'eps' must be float"):
         gemslib.rms_norm_swiglu(*_inputs((3, 8), 4, torch.float32), eps=eps)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_swiglu: the graph's form (the projections of x itself) and the rewrite that makes it
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("x_shape,n_out", [((1, 64), 48), ((40, 100), 70), ((130, 64), 130)]
+                         + ([((4096, 3584), 18944), ((300, 1000), 777)] if ON_GPU else []))
+@pytest.mark.parametrize("merged", [True, False], ids=["end-to-end", "apart"])
+def test_linear_swiglu_matches_reference(x_shape, n_out, dtype, merged):
+    """Weights that lie end to end are read in place (the merged parameters), others copied;
+    on sm_90, 16-bit inputs of 128 or more rows take the Gluon matmul without its pre-pass."""
+    x, _, gate_up_weight = _inputs(x_shape, n_out, dtype)
+    weights = list(gate_up_weight.chunk(2)) if merged else \
+        [w.clone() for w in gate_up_weight.chunk(2)]
+    out = torch.ops.gemslib.linear_swiglu(x, weights)
+    _assert_swiglu_close(out, x.double(), gate_up_weight, dtype)
+
+
+def test_linear_swiglu_takes_strided_rows():
+    x = random_tensor((130, 96), torch.float16, scale=1.0)[:, :64]
+    _, _, weight = _inputs((130, 64), 40, torch.float16)
+    _assert_swiglu_close(torch.ops.gemslib.linear_swiglu(x, list(weight.chunk(2))), x.double(),
+                         weight, torch.float16)
+
+
+def test_linear_swiglu_passes_opcheck():
+    x, _, weight = _inputs((3, 16), 8, torch.float32)
+    torch.library.opcheck(torch.ops.gemslib.linear_swiglu, (x, list(weight.chunk(2))))
+
+
+def _tiny_llama(dtype, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
+def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens):
+    """backend="gemslib": each layer's merged gate/up projection and silu_and_mul become one
+    linear_swiglu at GRAPH_MIN_ROWS rows or more (the (add_)rms_norm before it stays), none
+    below; logits within the dtype's rounding of eager's, and eager unchanged after."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(dtype)
+    ids = torch.randint(0, 96, tokens, device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+        again = model(ids).logits.float()
+    fusions = gemslib.fusion_report()
+    fused = tokens[0] * tokens[1] >= swiglu_ops.GRAPH_MIN_ROWS
+    assert fusions.get("linear_swiglu", 0) == (2 if fused else 0), fusions
+    assert fusions["silu_and_mul"] == 2 and fusions["merged_linear"] == 4 and \
+        fusions["add_rms_norm"] == 4, fusions
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(again, expected)
