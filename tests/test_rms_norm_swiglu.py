@@ -110,7 +110,7 @@ def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_ou
     calls = []
     hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_swiglu
     monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_swiglu",
-                        lambda *args: calls.append(args) or hopper_forward(*args))
+                        lambda *args, **kwargs: calls.append(args) or hopper_forward(*args, **kwargs))
     out = gemslib.rms_norm_swiglu(x, norm_weight, weight)
     assert len(calls) == int(HOPPER)
     _assert_close(out, x, norm_weight, weight)
@@ -211,14 +211,22 @@ def test_eps_must_be_a_float_as_torch_requires(eps):
 @pytest.mark.parametrize("x_shape,n_out", [((1, 64), 48), ((40, 100), 70), ((130, 64), 130)]
                          + ([((4096, 3584), 18944), ((300, 1000), 777)] if ON_GPU else []))
 @pytest.mark.parametrize("merged", [True, False], ids=["end-to-end", "apart"])
-def test_linear_swiglu_matches_reference(x_shape, n_out, dtype, merged):
+def test_linear_swiglu_matches_reference(x_shape, n_out, dtype, merged, monkeypatch):
     """Weights that lie end to end are read in place (the merged parameters), others copied;
-    on sm_90, 16-bit inputs of 128 or more rows take the Gluon matmul without its pre-pass."""
+    on sm_90, 16-bit inputs of 128 or more rows take the Gluon matmul without its pre-pass
+    (counted)."""
     x, _, gate_up_weight = _inputs(x_shape, n_out, dtype)
     weights = list(gate_up_weight.chunk(2)) if merged else \
         [w.clone() for w in gate_up_weight.chunk(2)]
+    normalized = []
+    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_swiglu
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_swiglu",
+                        lambda *args, normalize: normalized.append(normalize) or
+                        hopper_forward(*args, normalize=normalize))
     out = torch.ops.gemslib.linear_swiglu(x, weights)
     _assert_swiglu_close(out, x.double(), gate_up_weight, dtype)
+    hopper = HOPPER and dtype != torch.float32 and x_shape[0] >= 128
+    assert normalized == ([False] if hopper else [])
 
 
 def test_linear_swiglu_takes_strided_rows():
