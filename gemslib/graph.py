@@ -153,15 +153,17 @@ def _real_values(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], Any]:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if len(inputs) == len(placeholders):
-        pairs = list(zip(placeholders, inputs))
-    elif any(is_traceable_wrapper_subclass(value) for value in inputs):
+    if any(is_traceable_wrapper_subclass(value) for value in inputs):
+        # the graph's inputs are the leaves, even where there are as many as the subclasses
+        # (a DTensor has one: its local shard)
         tensor_placeholders = [node for node in placeholders
                                if isinstance(node.meta.get("val"), torch.Tensor)]
         leaves = list(_tensor_leaves(inputs))
         if len(leaves) != len(tensor_placeholders):
             return {}.get
         pairs = list(zip(tensor_placeholders, leaves))
+    elif len(inputs) == len(placeholders):
+        pairs = list(zip(placeholders, inputs))
     else:  # another graph of the compile (a training graph's backward)
         return {}.get
 

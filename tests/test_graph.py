@@ -529,3 +529,51 @@ def test_a_residual_add_before_functional_rms_norm_runs_add_rms_norm(dtype):
     assert gemslib.fusion_report() == {"add_rms_norm": 1}, gemslib.fusion_report()
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())
+
+
+class _Sharded(torch.Tensor):
+    """A traceable wrapper subclass of one inner tensor (as a DTensor holds its local shard),
+    whose shape is the whole: rows times the shard's."""
+
+    @staticmethod
+    def __new__(cls, shard, ranks):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, (shard.shape[0] * ranks, *shard.shape[1:]), dtype=shard.dtype,
+            device=shard.device)
+
+    def __init__(self, shard, ranks):
+        self.shard = shard
+
+    def __tensor_flatten__(self):
+        return ["shard"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Sharded holds inputs only, not {func}")
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _Sharded(inner["shard"], outer_size[0] // inner["shard"].shape[0])
+
+
+def test_subclass_inputs_map_to_their_leaves_even_one_leaf_each():
+    """The backend's inputs are subclasses with one leaf each (DTensor parameters), so the
+    graph has as many placeholders as inputs: each placeholder is still the leaf's, the
+    shard, not the whole."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gemslib import graph as passes
+
+    shards = [torch.randn(4, 8), torch.randn(2, 8)]
+    inputs = [_Sharded(shard, ranks=2) for shard in shards]
+    traced = torch.fx.Graph()
+    with FakeTensorMode() as fake_mode:
+        for i, shard in enumerate(shards):
+            traced.placeholder(f"arg{i}").meta["val"] = fake_mode.from_tensor(shard)
+    token = passes._compiling_inputs.set(inputs)
+    try:
+        real_value = passes._real_values(traced)
+    finally:
+        passes._compiling_inputs.reset(token)
+    placeholders = traced.find_nodes(op="placeholder")
+    assert [real_value(node) is shard for node, shard in zip(placeholders, shards)] == [True, True]
