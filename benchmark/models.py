@@ -66,51 +66,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from gemslib.models import MODELS, SEED, ModelSpec, build_model, hf_config  # noqa: F401 (re-exported)
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-SEED = 0
 
 
-# ---- the models ----
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """One model family at one size. ``layers`` is how many decoder layers the benchmark builds
-    (fewer than the real model's: the layers repeat, and the time per layer is what compares)."""
-    title: str
-    family: str           # "llama", "qwen2" or "mistral": the transformers classes
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    rope_theta: float
-    eps: float
-    layers: int
-    max_positions: int
-
-    def tiny(self) -> "ModelSpec":
-        """The same family at a size the Triton interpreter runs in seconds."""
-        return dataclasses.replace(self, title=self.title + " (tiny)", hidden=64,
-                                   intermediate=128, heads=4, kv_heads=2, head_dim=16,
-                                   vocab=512, layers=2, max_positions=512)
-
-
-MODELS = {
-    "llama3-8b": ModelSpec("Llama-3-8B", "llama", hidden=4096, intermediate=14336, heads=32,
-                           kv_heads=8, head_dim=128, vocab=128256, rope_theta=500000.0,
-                           eps=1e-5, layers=8, max_positions=8192),
-    # Qwen2's q, k and v projections carry biases (its attention module always has them)
-    "qwen2-7b": ModelSpec("Qwen2-7B", "qwen2", hidden=3584, intermediate=18944, heads=28,
-                          kv_heads=4, head_dim=128, vocab=152064, rope_theta=1000000.0,
-                          eps=1e-6, layers=4, max_positions=32768),
-    # Mistral-7B v0.3's form: no sliding window (v0.1's 4096-token window would turn the
-    # causal SDPA into an explicit mask at S 4096)
-    "mistral-7b": ModelSpec("Mistral-7B", "mistral", hidden=4096, intermediate=14336, heads=32,
-                            kv_heads=8, head_dim=128, vocab=32000, rope_theta=1000000.0,
-                            eps=1e-5, layers=8, max_positions=32768),
-}
+# ---- the models (gemslib.models) and the ways ----
 
 DEFAULT_WAYS = ("eager", "enable", "gemslib", "inductor", "liger", "flaggems")
 WAYS = DEFAULT_WAYS + ("gemslib-cudagraphs", "inductor-cudagraphs")
@@ -131,47 +93,6 @@ def shape_key(batch: int, seq: int) -> str:
 def model_spec(name: str, tiny: bool = False, layers: int | None = None) -> ModelSpec:
     spec = MODELS[name].tiny() if tiny else MODELS[name]
     return dataclasses.replace(spec, layers=layers) if layers else spec
-
-
-def hf_config(spec: ModelSpec):
-    """The transformers config of ``spec`` (sdpa attention, untied embeddings)."""
-    import transformers
-
-    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden,
-                  intermediate_size=spec.intermediate, num_hidden_layers=spec.layers,
-                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                  head_dim=spec.head_dim, rms_norm_eps=spec.eps, rope_theta=spec.rope_theta,
-                  max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
-                  attn_implementation="sdpa")
-    if spec.family == "llama":
-        return transformers.LlamaConfig(**common)
-    if spec.family == "qwen2":
-        return transformers.Qwen2Config(**common, use_sliding_window=False)
-    if spec.family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=None)
-    raise ValueError(f"unknown model family {spec.family!r}")
-
-
-def build_model(spec: ModelSpec, device, dtype):
-    """The model with transformers' random initialisation, seeded and made on ``device`` in
-    float32 (the same weights in every process on that device), then cast to ``dtype``."""
-    import torch
-    import transformers
-
-    classes = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-               "mistral": transformers.MistralForCausalLM}
-    config = hf_config(spec)
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model = classes[spec.family](config)
-    # the parameters only: the rotary inv_freq buffers stay float32, as from_pretrained(dtype=)
-    # leaves them (model.to(dtype) would round them, and the angles at position 4096 with them)
-    buffers = dict(model.named_buffers())
-    model.to(dtype)
-    for name, buffer in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, buffer)
-    return model.eval()
 
 
 def input_ids(spec: ModelSpec, batch: int, seq: int, device):
