@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import re
@@ -272,7 +273,9 @@ class CustomOp:
                  backward: Callable | None = None, uses: Sequence[CustomOp] = (),
                  differentiable_backward: bool = False):
         self.name, self.impl = name, impl
-        self.op = torch.library.custom_op(f"gemslib::{name}", impl, mutates_args=mutates_args)
+        self.op = torch.library.custom_op(f"gemslib::{name}",
+                                          _recordable(name, impl, bool(mutates_args)),
+                                          mutates_args=mutates_args)
         self.op.register_fake(fake)
         self.eager_function: type[torch.autograd.Function] | None = None
         if backward is None:
@@ -712,6 +715,8 @@ class TunedKernel:
         ``restore`` lists tensors the kernel overwrites that are also inputs (in-place calls):
         they are saved and restored around autotuning runs. ``config`` forces a config (tuner).
         """
+        if _workload is not None:
+            _workload.launches.append((self, tuple(int(size) for size in shape)))
         if config is None:
             config = self._forced
             if config is not None:
@@ -852,6 +857,90 @@ class TunedKernel:
         best = min(timings, key=lambda item: item[0])[1]
         log.debug("gemslib autotune %s: picked %s", self.name, best.launch_kwargs)
         return best
+
+
+# --------------------------------------------------------------------------------------------
+# A workload's calls, recorded for the tuner (python -m gemslib.tune --model)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordedCall:
+    """One custom-op call that launched ``kernel`` at ``shape``, kept to be run again: ``run()``
+    calls the op's implementation on copies of the arguments it was called with (fresh copies
+    each time for an op that writes into its inputs)."""
+    op: str
+    kernel: "TunedKernel"
+    shape: tuple[int, ...]
+    impl: Callable
+    args: tuple
+    kwargs: dict
+    mutates: bool
+
+    def run(self):
+        args, kwargs = (_copied((self.args, self.kwargs)) if self.mutates
+                        else (self.args, self.kwargs))
+        return self.impl(*args, **kwargs)
+
+
+class _Workload:
+    def __init__(self):
+        self.launches: list[tuple[TunedKernel, tuple[int, ...]]] = []
+        self.calls: dict[tuple[str, tuple[int, ...]], RecordedCall] = {}
+
+
+_workload: _Workload | None = None
+
+
+@contextlib.contextmanager
+def recording_calls():
+    """Record, inside the block, the first custom-op call (through ``torch.ops.gemslib``, as a
+    compiled graph makes them) that launches each (tuned kernel, shape): yields a dict
+    ``{(kernel's "op.name", shape): RecordedCall}`` that fills as the block runs. Call plans
+    are off meanwhile, so every launch is seen."""
+    global _workload, _forcing
+    outer, _workload = _workload, _Workload()
+    _forcing += 1
+    try:
+        yield _workload.calls
+    finally:
+        _forcing -= 1
+        _workload = outer
+
+
+def _copied(value):
+    """``value`` with every tensor copied into new memory of its strides."""
+    if isinstance(value, torch.Tensor):
+        try:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device=value.device).copy_(value)
+        except RuntimeError:  # overlapping strides (an expanded tensor)
+            return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+def _recordable(name: str, impl: Callable, mutates: bool) -> Callable:
+    """``impl`` as the custom op runs it: as it is, unless a workload is being recorded."""
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        workload = _workload
+        if workload is None:
+            return impl(*args, **kwargs)
+        before = len(workload.launches)
+        saved = _copied((args, kwargs))  # before the call: an in-place op changes its inputs
+        out = impl(*args, **kwargs)
+        for kernel, shape in workload.launches[before:]:
+            key = (f"{kernel.op}.{kernel.name}", shape)
+            if key not in workload.calls:
+                workload.calls[key] = RecordedCall(name, kernel, shape, impl, *saved, mutates)
+        return out
+    # the schema is inferred from the signature, its string annotations resolved in impl's module
+    run.__signature__ = inspect.signature(impl, eval_str=True)
+    return run
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,14 +70,17 @@ class BucketResult:
     reference: runtime.LaunchConfig
     reference_ms: float
     timings: list[Timing] = field(default_factory=list)
+    kept: runtime.LaunchConfig | None = None  # the config to keep at a tie (None: reference)
 
     @property
     def best(self) -> Timing:
-        """The fastest right candidate; the reference if it is within KEEP_MARGIN of that (a
-        change must gain more than the timings' noise)."""
+        """The fastest right candidate; the kept config (default.yaml's, or for a model the
+        file in use's) if it is within KEEP_MARGIN of that (a change must gain more than the
+        timings' noise)."""
         timed = [t for t in self.timings if t.ms is not None]
         fastest = min(timed, key=lambda t: t.ms)
-        reference = next((t for t in timed if t.config == self.reference), None)
+        kept = self.kept or self.reference
+        reference = next((t for t in timed if t.config == kept), None)
         if reference is not None and reference.ms <= fastest.ms * (1 + KEEP_MARGIN):
             return reference
         return fastest
@@ -186,7 +189,6 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     """Check and time the candidates on bucket ``index``'s problem; see the module docstring."""
     kernel, bucket = space.kernel, space.buckets[index]
     run = bucket.make(device)
-    selected, default = runtime.active_configs()
     shape = problem_shape(space, run)
     if shape is None:
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} does not launch it")
@@ -195,6 +197,20 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
         raise TuneError(f"{op}.{kernel.name}: the problem {bucket.label} (shape "
                         f"{dict(zip(kernel.shape_keys, shape))}) lands in bucket {landed}, "
                         f"not {index}")
+    return time_candidates(op, space, index, bucket, run, shape, timer, quick, progress,
+                           f"[{index + 1}/{len(space.buckets)}] {bucket.label}")
+
+
+def time_candidates(op: str, space: registry.TuneSpace, index: int, bucket: registry.TuneBucket,
+                    run: Callable[[], object], shape: tuple[int, ...],
+                    timer: Callable[[Callable], float], quick: bool,
+                    progress: Callable[[str], None], where: str,
+                    keep_in_use: bool = False) -> BucketResult:
+    """Check and time the candidates on ``run`` (a problem whose launches of the kernel have
+    ``shape``), against default.yaml's config for that shape; ``where`` names the problem in
+    the progress line. ``keep_in_use``: at a tie the file in use's config stays."""
+    kernel = space.kernel
+    selected, default = runtime.active_configs()
     reference = _bucket_config(default, kernel, shape) or launch_config(space.candidates[0])
     with kernel.forced(reference):
         try:
@@ -206,6 +222,8 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     # tuned config is never slower than it by the run's own measure
     result = BucketResult(op, kernel.name, index, bucket, shape, reference, math.nan)
     in_use = _bucket_config(selected, kernel, shape)
+    if keep_in_use:
+        result.kept = in_use
     for config in candidates_for(space, in_use, reference, quick):
         timing = Timing(config)
         with kernel.forced(config):
@@ -223,12 +241,17 @@ def tune_bucket(op: str, space: registry.TuneSpace, index: int, device: torch.de
     if timed_reference.ms is None:  # it disagreed with its own earlier output
         raise TuneError(f"{op}.{kernel.name} {bucket.label}: the reference config "
                         f"{_flow(reference)} is not reproducible ({timed_reference.why})")
-    result.reference_ms = reference_ms = timed_reference.ms
+    result.reference_ms = timed_reference.ms
     best = result.best
     rejected = [t for t in result.timings if t.ms is None]
-    progress(f"{op}.{kernel.name} [{index + 1}/{len(space.buckets)}] {bucket.label}: "
-             f"best {_flow(best.config)} {best.ms * 1e3:.1f} us; default.yaml's "
-             f"{reference_ms * 1e3:.1f} us ({reference_ms / best.ms:.2f}x); "
+    compared, compared_ms = "default.yaml's", timed_reference.ms
+    if keep_in_use:
+        compared = "the file in use's"
+        compared_ms = next((t.ms for t in result.timings if t.config == (in_use or reference)),
+                           None) or timed_reference.ms
+    progress(f"{op}.{kernel.name} {where}: "
+             f"best {_flow(best.config)} {best.ms * 1e3:.1f} us; {compared} "
+             f"{compared_ms * 1e3:.1f} us ({compared_ms / best.ms:.2f}x); "
              f"{len(result.timings) - len(rejected)} timed"
              + (f", {len(rejected)} rejected ({rejected[0].why})" if rejected else ""))
     return result
@@ -300,16 +323,22 @@ def render_yaml(results: list[BucketResult], kept: runtime.TuneConfigFile | None
             for kernel, buckets in kept.ops[op].items():
                 lines.append(f"    {kernel}:")
                 for bucket in buckets:
-                    head = "      - "
-                    if bucket.max is not None:
-                        lines.append(f"{head}max: {_bound(bucket.max)}")
-                        head = "        "
-                    if bucket.autotune:
-                        lines.append(f"{head}autotune:")
-                        lines += [f"          - {_flow(c)}" for c in bucket.configs]
-                    else:
-                        lines.append(f"{head}config: {_flow(bucket.configs[0])}")
+                    lines += bucket_lines(bucket)
     return "\n".join(lines) + "\n"
+
+
+def bucket_lines(bucket: runtime.Bucket) -> list[str]:
+    """A loaded bucket as the YAML lines of a kernel's list that give it back."""
+    lines, head = [], "      - "
+    if bucket.max is not None:
+        lines.append(f"{head}max: {_bound(bucket.max)}")
+        head = "        "
+    if bucket.autotune:
+        lines.append(f"{head}autotune:")
+        lines += [f"          - {_flow(c)}" for c in bucket.configs]
+    else:
+        lines.append(f"{head}config: {_flow(bucket.configs[0])}")
+    return lines
 
 
 def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int) -> int:
@@ -395,6 +424,18 @@ def summary(results: list[BucketResult]) -> list[str]:
     return lines
 
 
+def _model_names() -> list[str]:
+    from gemslib import models
+    return list(models.MODELS)
+
+
+def _batch_by_seq(text: str) -> tuple[int, int]:
+    batch, _, seq = text.partition("x")
+    if not (batch.isdigit() and seq.isdigit() and int(batch) > 0 and int(seq) > 0):
+        raise argparse.ArgumentTypeError(f"expected BxS with positive integers, got {text!r}")
+    return int(batch), int(seq)
+
+
 def main(argv: list[str] | None = None) -> int:
     from gemslib.__main__ import doc_summary
 
@@ -411,7 +452,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write every candidate's time to this JSON file")
     parser.add_argument("--jobs", type=int, default=min(14, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the candidates first (1: compile while timing)")
+    parser.add_argument("--model", metavar="CONFIG",
+                        help="tune the calls one model makes instead: a name of the built-in "
+                             "table (" + ", ".join(_model_names()) + ") or a transformers "
+                             "config.json (see gemslib/tune_model.py)")
+    parser.add_argument("--shapes", nargs="+", type=_batch_by_seq, default=[(1, 4096)],
+                        metavar="BxS", help="with --model: the forwards recorded (default 1x4096)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="with --model: decoder layers built (default 2; they repeat)")
     args = parser.parse_args(argv)
+    if args.model is not None:
+        if args.ops:
+            parser.error("--ops and --model: --model tunes the kernels the model launches")
+        if args.layers < 1:
+            parser.error(f"--layers must be at least 1, got {args.layers}")
+        if not gpu_available():
+            print("python -m gemslib.tune: needs a CUDA GPU and there is no CUDA GPU here; "
+                  "nothing was written.", file=sys.stderr)
+            return NO_GPU_EXIT
+        from gemslib import tune_model
+        return tune_model.main(args)
     try:
         spaces = tune_spaces(args.ops)  # unknown names fail before anything runs
     except ValueError as err:
