@@ -44,14 +44,24 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 
 @triton.jit
 def _rms_norm_swiglu_kernel(
-    x_ptr, norm_weight_ptr, weight_ptr, out_ptr, n_rows, n_out, n_in, eps, stride_x_row,
-    stride_weight_row, stride_out_row, IEEE: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr, norm_weight_ptr, weight_ptr, out_ptr, part_ptr, part_sum_squares_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, eps, split_len, n_splits, stride_x_row, stride_weight_row,
+    stride_out_row, IEEE: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program, in grouped order (GROUP_M
-    row tiles sweep the columns together). x (n_rows, n_in) and W (2 n_out, n_in) with unit
-    last strides: the gate tile reads W's rows j, the up tile rows n_out + j. Without
-    NORMALIZE the projections are of x itself (linear_swiglu; norm_weight_ptr is not read)."""
+    """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
+    order (GROUP_M row tiles sweep the columns together). x (n_rows, n_in) and W (2 n_out,
+    n_in) with unit last strides: the gate tile reads W's rows j, the up tile rows n_out + j.
+    Without NORMALIZE the projections are of x itself (linear_swiglu; norm_weight_ptr is not
+    read).
+
+    SPLIT_K > 1 (decode: few rows, and the column tiles alone are too few programs to keep
+    every SM streaming W): axis 1 splits K into n_splits ranges of split_len. Each program
+    stores its fp32 gate and up partial tiles in part (n_splits, n_rows, 2 n_out) and its rows'
+    partial sums of squares in part_sum_squares (n_splits, n_rows); the last program of a tile
+    to arrive (int32 counters in arrivals, one per tile, zero between launches) adds the
+    splits in order (the result does not depend on arrival order) and finishes the tile. With
+    SPLIT_K 1 the three are None."""
     i_tile = tl.program_id(0)
     n_m_tiles = tl.cdiv(n_rows, BLOCK_M)
     n_n_tiles = tl.cdiv(n_out, BLOCK_N)
@@ -68,13 +78,20 @@ def _rms_norm_swiglu_kernel(
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
     p_gate = weight_ptr + o_n.to(tl.int64)[None, :] * stride_weight_row  # read as W.T tiles
     p_up = weight_ptr + (n_out + o_n).to(tl.int64)[None, :] * stride_weight_row
+    if SPLIT_K > 1:
+        i_split = tl.program_id(1)
+        k_begin = i_split * split_len
+        k_end = tl.minimum(n_in, k_begin + split_len)
+    else:
+        k_begin = 0
+        k_end = n_in
 
     b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for i_k in range(0, n_in, BLOCK_K):
+    for i_k in range(k_begin, k_end, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
-        m_k = o_k < n_in
+        m_k = o_k < k_end
         m_w = m_k[:, None] & m_n[None, :]
         b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_wg = tl.load(p_gate + o_k[:, None], mask=m_w, other=0.0)
@@ -93,18 +110,43 @@ def _rms_norm_swiglu_kernel(
             b_gate = tl.dot(b_xg, b_wg, b_gate)
             b_up = tl.dot(b_xg, b_wu, b_up)
 
-    if NORMALIZE:
-        b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
-        b_gate = b_gate * b_rstd[:, None]
-        b_up = b_up * b_rstd[:, None]
-    b_out = b_gate / (1.0 + tl.exp(-b_gate)) * b_up
-    tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
-             b_out.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+    m_tile = m_m[:, None] & m_n[None, :]
+    finish = True
+    if SPLIT_K > 1:
+        p_part = part_ptr + (i_split * n_rows + o_m).to(tl.int64)[:, None] * (2 * n_out) \
+            + o_n[None, :]
+        tl.store(p_part, b_gate, mask=m_tile)
+        tl.store(p_part + n_out, b_up, mask=m_tile)
+        # every column tile stores the same sums for its rows and split: harmless
+        tl.store(part_sum_squares_ptr + i_split * n_rows + o_m, b_sum_squares, mask=m_m)
+        counter = i_m * n_n_tiles + i_n
+        # acq_rel: the stores above are visible to whichever program arrives last
+        finish = tl.atomic_add(arrivals_ptr + counter, 1) == n_splits - 1
+        if finish:
+            b_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            b_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for i_s in range(0, n_splits):  # in split order: deterministic sums
+                p_part = part_ptr + (i_s * n_rows + o_m).to(tl.int64)[:, None] * (2 * n_out) \
+                    + o_n[None, :]
+                b_gate += tl.load(p_part, mask=m_tile, other=0.0, cache_modifier=".cg")
+                b_up += tl.load(p_part + n_out, mask=m_tile, other=0.0, cache_modifier=".cg")
+                b_sum_squares += tl.load(part_sum_squares_ptr + i_s * n_rows + o_m,
+                                         mask=m_m, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + counter, 0)  # ready for the next launch
+    if finish:
+        if NORMALIZE:
+            b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
+            b_gate = b_gate * b_rstd[:, None]
+            b_up = b_up * b_rstd[:, None]
+        b_out = b_gate / (1.0 + tl.exp(-b_gate)) * b_up
+        tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
+                 b_out.to(out_ptr.dtype.element_ty), mask=m_tile)
 
 
 RMS_NORM_SWIGLU = runtime.TunedKernel(
     "rms_norm_swiglu", "rms_norm_swiglu", _rms_norm_swiglu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"),
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"),
     shape_keys=("rows", "n", "k", "elem_bytes"))
 
 
@@ -138,15 +180,32 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
         hopper.forward_swiglu(x_rows, norm_weight.contiguous() if normalize else None, weight,
                               eps, out_rows, normalize=normalize)
         return out
-    # positional (TunedKernel.launch forwards them so): tensors (the norm weight's pointer is
-    # not read without normalize); sizes and eps; strides; flags
+    shape = (n_rows, n_out, n_in, x.element_size())
+    config = RMS_NORM_SWIGLU.planned_config(shape)
+    meta = config.meta_dict
+    n_tiles = runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"])
+    if meta["SPLIT_K"] > 1:
+        # whole BLOCK_K steps per split
+        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
+            * meta["BLOCK_K"]
+        n_splits = runtime.cdiv(n_in, split_len)
+        part_len = n_splits * n_rows * 2 * n_out
+        arrivals, parts = runtime.split_scratch(x.device, n_tiles, part_len + n_splits * n_rows)
+        part, part_sum_squares = parts[:part_len], parts[part_len:]
+    else:
+        split_len, n_splits = n_in, 1
+        arrivals = part = part_sum_squares = None
+    # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors (the
+    # norm weight's pointer is not read without normalize); sizes and eps; strides; flags
     RMS_NORM_SWIGLU.launch(
-        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),),
+        lambda meta: (runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"]),
+                      n_splits if meta["SPLIT_K"] > 1 else 1),
         x_rows, norm_weight.contiguous() if normalize else x_rows, weight, out_rows,
-        n_rows, n_out, n_in, eps,
+        part, part_sum_squares, arrivals,
+        n_rows, n_out, n_in, eps, split_len, n_splits,
         x_rows.stride(0), weight.stride(0), out_rows.stride(0),
         x.dtype == torch.float32, normalize,
-        shape=(n_rows, n_out, n_in, x.element_size()))
+        shape=shape, config=config)
     return out
 
 
@@ -402,15 +461,17 @@ TUNING = (
     TuneSpace(
         RMS_NORM_SWIGLU,
         # two accumulators per tile: the register budget of one twice as wide
-        tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": w,
-               "num_stages": s}
+        tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SPLIT_K": 1,
+               "num_warps": w, "num_stages": s}
               for m, n, k in ((128, 64, 64), (128, 128, 64), (64, 128, 64), (128, 64, 128))
               for w in (4, 8) for s in (3, 4))
-        # decode: 16 rows, narrow column tiles, long K steps
-        + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "num_warps": w,
-                 "num_stages": s}
+        # decode: 16 rows, narrow column tiles, long K steps, K split over more programs
+        # (the sweep of benchmark.experiments.decode_gemv, whose GEMV streamed the merged
+        # gate | up weight at 81% of the copy rate)
+        + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "SPLIT_K": split,
+                 "num_warps": w, "num_stages": s}
                 for n, k in ((32, 128), (64, 128), (64, 256))
-                for w in (2, 4) for s in (3, 4)),
+                for split in (1, 2, 4) for w in (4, 8) for s in (3, 4)),
         (TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I14336 K4096", _tune_problem((1, 16))),
          TuneBucket({"elem_bytes": 2}, "M4096 I14336 K4096", _tune_problem((4096,))),
          # fp32 (IEEE products, a few percent of the 16-bit rate): a smaller problem

@@ -87,9 +87,29 @@ def test_group_order_covers_every_tile():
     last group, and each output tile written exactly once."""
     inputs = _inputs((100, 32), 70, torch.float32)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 3)), 4, 1)
+                                   ("GROUP_M", 3), ("SPLIT_K", 1)), 4, 1)
     with swiglu_ops.RMS_NORM_SWIGLU.forced(config):
         _assert_close(gemslib.rms_norm_swiglu(*inputs), *inputs)
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("normalize", [True, False], ids=["rms_norm_swiglu", "linear_swiglu"])
+def test_split_k_sums_every_split_and_resets_its_counters(split, normalize):
+    """K split over programs (decode): uneven last splits (K 100 in 16-wide steps), more splits
+    than K steps allow (8: fewer are launched), several row and column tiles; twice in a row,
+    so the arrival counters the last program resets are reused."""
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 1), ("SPLIT_K", split)), 4, 1)
+    for rows in (5, 40, 5):
+        x, norm_weight, weight = _inputs((rows, 100), 37, torch.float32)
+        with swiglu_ops.RMS_NORM_SWIGLU.forced(config) as shapes:
+            if normalize:
+                _assert_close(gemslib.rms_norm_swiglu(x, norm_weight, weight), x, norm_weight,
+                              weight)
+            else:
+                _assert_swiglu_close(torch.ops.gemslib.linear_swiglu(x, list(weight.chunk(2))),
+                                     x.double(), weight, torch.float32)
+        assert shapes == [(rows, 37, 100, 4)]
 
 
 HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False),
