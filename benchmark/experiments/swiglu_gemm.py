@@ -1,7 +1,7 @@
 """Experiment: an MLP's up half in one Hopper matmul, silu(x @ Wg.T) * (x @ Wu.T), against
 cuBLAS's merged gate|up GEMM followed by gemslib's silu_and_mul (what the backend runs today).
 
-    python -m benchmark.experiments.swiglu_gemm [--quick]
+    python -m benchmark.experiments.swiglu_gemm [--quick | --decode]
 
 ``_rms_norm_linear_silu_hopper.forward_swiglu`` (the warp-specialised Gluon matmul with its
 SWIGLU epilogue: one xg tile, a gate and an up accumulator, only the (M, I) result written)
@@ -11,7 +11,9 @@ each against a float64 reference (beside cuBLAS + silu_and_mul's own), the times
 GEMM alone, GEMM + silu_and_mul, the fused kernel, and their TFLOP/s (2 M K 2I FLOPs). The
 question it answers: does dropping the (M, 2I) write and the silu_and_mul pass (Qwen2-7B, M
 4096: 310 MB read + 155 MB written, ~0.11 ms at the copy rate) pay more than the matmul loses
-against cuBLAS? Needs an sm_90 GPU. Results: benchmark/NOTES.md.
+against cuBLAS? ``--decode``: M 1 and 16, the split-K Triton kernel (as linear_swiglu, the
+config in use) against cuBLAS's GEMM alone and + silu_and_mul, with the weights' bytes as a
+share of the copy rate. Needs an sm_90 GPU. Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
@@ -68,11 +70,48 @@ def run(quick: bool = False) -> None:
                   f"{normed_error:.2e}", flush=True)
 
 
+def run_decode(rows=(1, 16)) -> None:
+    """The decode rows: rms_norm_swiglu's split-K Triton kernel (the config in use) as
+    linear_swiglu, against cuBLAS's merged GEMM alone and + silu_and_mul; the weights' bytes
+    over the time, as a share of the copy rate measured here."""
+    import triton.testing
+
+    import gemslib
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+    source = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    copy_ms = bench(lambda: source.clone())
+    copy_rate = 2 * source.numel() / copy_ms / 1e9  # GB/s, read + written
+    print(f"copy {copy_rate:.0f} GB/s", flush=True)
+    for name, (k, inter) in SHAPES.items():
+        weight = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        weights = list(weight.chunk(2))
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            expected = torch.nn.functional.silu((x.double() @ weight.double().T)[:, :inter]) \
+                * (x.double() @ weight.double().T)[:, inter:]
+            error = _relative_error(torch.ops.gemslib.linear_swiglu(x, weights), expected)
+            gemm = bench(lambda: x @ weight.T)
+            unfused = bench(lambda: gemslib.silu_and_mul(x @ weight.T))
+            fused = bench(lambda: torch.ops.gemslib.linear_swiglu(x, weights))
+            nbytes = weight.numel() * 2
+            print(f"{name:12s} M{m:3d}  GEMM {gemm * 1e3:6.1f} us "
+                  f"({nbytes / gemm / 1e9 / copy_rate:4.0%} of copy)  GEMM+silu_and_mul "
+                  f"{unfused * 1e3:6.1f}  fused {fused * 1e3:6.1f} "
+                  f"({nbytes / fused / 1e9 / copy_rate:4.0%}; {gemm / fused:.3f}x the GEMM "
+                  f"alone)  rel. error {error:.2e}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("swiglu_gemm: needs an sm_90 GPU", file=sys.stderr)
         return 1
-    run(quick="--quick" in argv)
+    if "--decode" in argv:
+        run_decode()
+    else:
+        run(quick="--quick" in argv)
     return 0
 
 
