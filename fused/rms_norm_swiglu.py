@@ -263,9 +263,10 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
     """``silu(n @ Wg.T) * (n @ Wu.T)`` with ``n = rms_norm(x, norm_weight, eps)``, one kernel.
 
     x (..., K), norm_weight (K,), gate_up_weight (2I, K): Wg's rows then Wu's (as a merged
-    gate/up projection holds them), or the pair (Wg, Wu), each (I, K), which is stacked into
-    a new tensor on every call (pass the stacked one to avoid that copy). One dtype; returns
-    (..., I) in it. Differentiable in every tensor argument (the backward uses torch).
+    gate/up projection holds them), or the pair (Wg, Wu), each (I, K): read in place where
+    they lie end to end in one buffer (rows of one merged weight) and no gradient is wanted,
+    else stacked into a new tensor on every call. One dtype; returns (..., I) in it.
+    Differentiable in every tensor argument (the backward uses torch).
     """
     if isinstance(gate_up_weight, (tuple, list)):
         if len(gate_up_weight) != 2 or not all(isinstance(w, torch.Tensor)
@@ -276,7 +277,12 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
             raise ValueError("gemslib.rms_norm_swiglu: gate and up weights must have one shape, "
                              f"got {tuple(gate_up_weight[0].shape)} and "
                              f"{tuple(gate_up_weight[1].shape)}")
-        gate_up_weight = torch.cat(list(gate_up_weight))
+        pair, stacked = list(gate_up_weight), None
+        if not (torch.is_grad_enabled() and any(w.requires_grad for w in pair)):
+            # one view where they lie end to end (a merged projection's); under autograd a
+            # view across two tensors would give the second no gradient
+            stacked = end_to_end(pair)
+        gate_up_weight = stacked if stacked is not None else torch.cat(pair)
     _check(x, norm_weight, gate_up_weight)
     eps = checks.as_float("gemslib.rms_norm_swiglu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, gate_up_weight):

@@ -71,6 +71,31 @@ def test_a_pair_of_weights_is_the_stacked_weight():
                                rtol=0, atol=0)
 
 
+def test_a_pair_that_lies_end_to_end_is_read_in_place_unless_grad_is_wanted(monkeypatch):
+    """Rows of one merged weight: no copy; under autograd (a view across both would give the
+    second no gradient) and for tensors apart: stacked, with both gradients."""
+    x, norm_weight, gate_up_weight = _inputs((7, 40), 30, torch.float32)
+    stacks = []
+    cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda tensors, *a, **k: stacks.append(1) or cat(tensors, *a, **k))
+    expected = gemslib.rms_norm_swiglu(x, norm_weight, gate_up_weight)
+    assert torch.equal(gemslib.rms_norm_swiglu(x, norm_weight, tuple(gate_up_weight.chunk(2))),
+                       expected) and stacks == []
+    apart = tuple(w.clone() for w in gate_up_weight.chunk(2))
+    assert torch.equal(gemslib.rms_norm_swiglu(x, norm_weight, apart), expected)
+    assert stacks == [1]
+    # two parameters on rows of one buffer, as merged_linear leaves a model's
+    buffer = gate_up_weight.clone()
+    gate, up = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    gate.data, up.data = buffer[:30], buffer[30:]
+    out = gemslib.rms_norm_swiglu(x, norm_weight, (gate, up))
+    assert stacks == [1, 1]  # (the backward's own arithmetic concatenates too)
+    out.sum().backward()
+    stacked = gate_up_weight.clone().requires_grad_()
+    gemslib.rms_norm_swiglu(x, norm_weight, stacked).sum().backward()
+    torch.testing.assert_close(torch.cat([gate.grad, up.grad]), stacked.grad)
+
+
 @pytest.mark.parametrize("rows", [3, 100], ids=["decode-bucket", "matmul-bucket"])
 def test_strided_inputs(rows):
     """x as a transposed view, the weight with a non-unit last stride (copied), a strided
