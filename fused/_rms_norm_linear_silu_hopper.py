@@ -226,6 +226,21 @@ def eligible(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return layout.tma_addressable(weight) and weight.shape[1] * weight.element_size() % 16 == 0
 
 
+def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a graph rewrite should hand a site of these (fake) x (M, K) and weight values
+    to a fused op of this path (rms_norm_linear_silu, linear_swiglu): on CUDA where the call
+    will take it (static M >= MIN_ROWS, fp16 or bf16, one dtype, sm_90: what is known before
+    the weights' alignment), since below it cuBLAS streams the weights faster than the Triton
+    kernels do; without CUDA (the interpreter, where the rewrites are tested) at the same rows
+    in any kernel dtype."""
+    rows = x.shape[0]
+    if not isinstance(rows, int) or rows < MIN_ROWS or weight.dtype != x.dtype:
+        return False
+    if x.device.type != "cuda":
+        return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return x.dtype in _GL_DTYPES and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
 def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None, eps: float, out_rows: torch.Tensor) -> None:
     """Write silu(rms_norm(x) @ W.T + b) into out_rows (M, N), contiguous; ``eligible``

@@ -356,23 +356,9 @@ _linear_swiglu_op = torch.library.custom_op("gemslib::linear_swiglu", _linear_sw
 _linear_swiglu_op.register_fake(
     lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
 
-# below this many rows the merged GEMM streams the weights (cuBLAS's split-K forms), which
-# the Triton kernel, with no split-K, does not match
-GRAPH_MIN_ROWS = 128
-
-
 def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear_swiglu is the faster form for a site of these (fake) values: static rows,
-    at least GRAPH_MIN_ROWS, on sm_90 in 16 bits (the Gluon matmul), or a device without CUDA
-    (the interpreter, where the rewrite is tested)."""
-    rows = x.shape[0]
-    if not isinstance(rows, int) or rows < GRAPH_MIN_ROWS or x.dtype != weight.dtype or \
-            x.dtype not in runtime.KERNEL_DTYPES:
-        return False
-    if x.device.type != "cuda":
-        return True
-    return (_rms_norm_linear_silu_hopper is not None and x.dtype != torch.float32
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    hopper = _rms_norm_linear_silu_hopper
+    return hopper is not None and hopper.graph_site_fuses(x, weight)
 
 
 def _is_live(node: torch.fx.Node) -> bool:

@@ -134,10 +134,10 @@ def slice_bounds(node: torch.fx.Node) -> tuple[int, int, int, int] | None:
     return dim, min(max(start, 0), size), min(max(end, 0), size), step
 
 
-def _rewrites():
+def _rewrites(after_patterns: bool):
     from gemslib import registry
     return [rewrite for operator in registry.operators().values()
-            for rewrite in operator.graph_rewrites]
+            for rewrite in operator.graph_rewrites if rewrite.after_patterns == after_patterns]
 
 
 def _real_values(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], Any]:
@@ -195,11 +195,11 @@ def _tensor_leaves(values):
             yield value
 
 
-def _apply_rewrites(graph: torch.fx.Graph) -> int:
+def _apply_rewrites(graph: torch.fx.Graph, after_patterns: bool = False) -> int:
     real_value, fused = _real_values(graph), 0
     for _ in range(8):  # each round may enable another rewrite's site; a few suffice
         round_fused = 0
-        for rewrite in _rewrites():
+        for rewrite in _rewrites(after_patterns):
             for site in rewrite.rewrite(graph, real_value):
                 _report[rewrite.fusion] = _report.get(rewrite.fusion, 0) + 1
                 log.debug("gemslib %s: %s", rewrite.fusion, site)
@@ -217,7 +217,7 @@ def _passes_base():
 
 class GemslibPasses(_passes_base()):
     """The inductor post-grad pass: every operator's ``GRAPH_REWRITES``, then its
-    ``GRAPH_PATTERNS``."""
+    ``GRAPH_PATTERNS``, then the rewrites marked ``after_patterns``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
@@ -235,6 +235,10 @@ class GemslibPasses(_passes_base()):
                 stable_topological_sort(graph)
                 graph.eliminate_dead_code()
                 replaced += matched
+        late = _apply_rewrites(graph, after_patterns=True)
+        if late:
+            graph.eliminate_dead_code()
+            replaced += late
         if replaced:
             _free_layouts(graph)
             log.debug("gemslib: %d sites replaced in one graph", replaced)

@@ -121,11 +121,13 @@ class GraphRewrite:
     ``real_value(placeholder)`` is the real tensor the compiled graph was called with for that
     input (a parameter), or None where it is not known; a rewrite that needs one must leave the
     site alone without it. Rewrites run before the patterns, repeatedly until none fuses
-    anything more, so one may build on another's output.
+    anything more, so one may build on another's output; ``after_patterns`` ones run after
+    the patterns instead (they read the patterns' gemslib nodes, e.g. an rms_norm).
     """
 
     fusion: str  # the name fusion_report() counts it under
     rewrite: Callable[[Any, Callable[[Any], Any]], Sequence[str]]
+    after_patterns: bool = False
 
 
 @dataclass(frozen=True)

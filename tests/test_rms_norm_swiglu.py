@@ -303,8 +303,8 @@ def _tiny_llama(dtype, layers=2):
 @pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
 def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens):
     """backend="gemslib": each layer's merged gate/up projection and silu_and_mul become one
-    linear_swiglu at GRAPH_MIN_ROWS rows or more (the (add_)rms_norm before it stays), none
-    below; logits within the dtype's rounding of eager's, and eager unchanged after."""
+    linear_swiglu at the Hopper path's MIN_ROWS or more (the (add_)rms_norm before it stays),
+    none below; logits within the dtype's rounding of eager's, and eager unchanged after."""
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     model = _tiny_llama(dtype)
@@ -314,7 +314,7 @@ def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens):
         logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
         again = model(ids).logits.float()
     fusions = gemslib.fusion_report()
-    fused = tokens[0] * tokens[1] >= swiglu_ops.GRAPH_MIN_ROWS
+    fused = tokens[0] * tokens[1] >= swiglu_ops._rms_norm_linear_silu_hopper.MIN_ROWS
     assert fusions.get("linear_swiglu", 0) == (2 if fused else 0), fusions
     assert fusions["silu_and_mul"] == 2 and fusions["merged_linear"] == 4 and \
         fusions["add_rms_norm"] == 4, fusions
