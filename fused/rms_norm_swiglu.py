@@ -463,8 +463,14 @@ TUNING = (
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "SPLIT_K": split,
                  "num_warps": w, "num_stages": s}
                 for n, k in ((32, 128), (64, 128), (64, 256))
-                for split in (1, 2, 4) for w in (4, 8) for s in (3, 4)),
-        (TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I14336 K4096", _tune_problem((1, 16))),
+                for split in (1, 2, 4, 8) for w in (4, 8) for s in (3, 4)),
+        # decode by width: a tensor-parallel quarter or half of an MLP has a quarter or half
+        # of the column tiles, so it wants more of K split (Llama-3-8B's I over 4 and 2)
+        (TuneBucket({"rows": 64, "n": 4864, "elem_bytes": 2}, "M1 + M16 I3584 K4096",
+                    _tune_problem((1, 16), n_out=3584)),
+         TuneBucket({"rows": 64, "n": 9472, "elem_bytes": 2}, "M1 + M16 I7168 K4096",
+                    _tune_problem((1, 16), n_out=7168)),
+         TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I14336 K4096", _tune_problem((1, 16))),
          TuneBucket({"elem_bytes": 2}, "M4096 I14336 K4096", _tune_problem((4096,))),
          # fp32 (IEEE products, a few percent of the 16-bit rate): a smaller problem
          TuneBucket(None, "M1024 I4096 K4096 fp32",
