@@ -317,13 +317,6 @@ _rms_norm_linear_silu_op = runtime.CustomOp(
 # --------------------------------------------------------------------------------------------
 
 
-def _live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The users the graph's result depends on (the rewrites leave dead nodes behind)."""
-    def live(user):
-        return user.op == "output" or any(live(u) for u in user.users)
-    return [user for user in node.users if live(user)]
-
-
 def _silu_chain(act: torch.fx.Node, source: torch.fx.Node) -> set[torch.fx.Node]:
     """The nodes between ``source`` and ``act`` (silu(source) as inductor decomposes it)."""
     chain, todo = set(), [act]
@@ -342,7 +335,7 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
     intermediates feed nothing else -> ``rms_norm_linear_silu(x, g, W, b, eps)``, where the
     fused path takes the site."""
     from gemslib.fused.merged_linear import _projection
-    from gemslib.graph import call_node
+    from gemslib.graph import call_node, live_users
     from gemslib.ops.silu import _silu_source
 
     sites = []
@@ -366,11 +359,11 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
         x, norm_weight, eps = norm.args
         chain = _silu_chain(act, source)
         if norm_weight is None or not isinstance(eps, float) or \
-                any(u is not normed for u in _live_users(norm)) or \
-                _live_users(normed) != [x2d if x2d is not normed else mm] or \
-                (x2d is not normed and _live_users(x2d) != [mm]) or \
-                (source is not mm and _live_users(mm) != [source]) or \
-                any(u not in chain for n in [source, *chain - {act}] for u in _live_users(n)):
+                any(u is not normed for u in live_users(norm)) or \
+                live_users(normed) != [x2d if x2d is not normed else mm] or \
+                (x2d is not normed and live_users(x2d) != [mm]) or \
+                (source is not mm and live_users(mm) != [source]) or \
+                any(u not in chain for n in [source, *chain - {act}] for u in live_users(n)):
             continue
         values = [n.meta["val"] for n in (x, norm_weight, weight) + ((bias,) if bias else ())]
         if len({v.dtype for v in values}) != 1 or not (

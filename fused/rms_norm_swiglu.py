@@ -28,7 +28,7 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
-from gemslib.graph import call_node
+from gemslib.graph import call_node, live_users
 from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -361,12 +361,6 @@ def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return hopper is not None and hopper.graph_site_fuses(x, weight)
 
 
-def _is_live(node: torch.fx.Node) -> bool:
-    """Whether the graph's result depends on ``node`` (the rewrites leave dead nodes for one
-    dead-code pass at the end)."""
-    return node.op == "output" or any(_is_live(user) for user in node.users)
-
-
 def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
     """``silu_and_mul(merged_linear(x, [Wg, Wu], [None, None]))`` whose merged output feeds
     nothing else -> ``linear_swiglu(x, [Wg, Wu])``."""
@@ -379,7 +373,7 @@ def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
         x, weights, biases = merged.args
         if len(weights) != 2 or any(b is not None for b in biases) or \
                 weights[0].meta["val"].shape != weights[1].meta["val"].shape or \
-                any(user is not act and _is_live(user) for user in merged.users) or \
+                any(user is not act for user in live_users(merged)) or \
                 not _takes_graph_site(x.meta["val"], weights[0].meta["val"]):
             continue
         with graph.inserting_before(act):

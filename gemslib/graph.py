@@ -112,6 +112,14 @@ def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
     return node
 
 
+def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of ``node`` that the graph's result depends on (a rewrite leaves the nodes it
+    replaced for one dead-code pass at the end, so ``node.users`` still lists them)."""
+    def live(user):
+        return user.op == "output" or any(live(u) for u in user.users)
+    return [user for user in node.users if live(user)]
+
+
 def slice_bounds(node: torch.fx.Node) -> tuple[int, int, int, int] | None:
     """(dim, start, end, step) of an ``aten.slice.Tensor`` node, normalised as torch does
     (dim non-negative, None and negative bounds resolved, bounds clamped to the sliced dim's
