@@ -16,12 +16,12 @@ shapes (benchmark/NOTES.md, RMSNorm + Linear + SiLU); the in-loop fusion of the 
 ``rms_norm_linear_silu.py`` (which serves every other call) cost another 1.6x on top. The
 operand fed to the tensor cores is the same x * g rounded to x's dtype as there.
 
-The same matmul with ``SWIGLU`` (``forward_swiglu``) computes an MLP's up half,
-silu(n @ Wg.T) * (n @ Wu.T) over a stacked W = [Wg | Wu] (2I, K): each stage brings a
-[128, 64] block of gate rows and the matching block of up rows, one xg tile feeds a gate and
-an up accumulator (64 x 128 each per consumer), and the epilogue writes the (M, I) result
-only, never the (M, 2I) projection. Not yet used by an operator
-(``benchmark/experiments/swiglu_gemm.py`` measures it).
+The same matmul with ``SWIGLU`` (``forward_swiglu``, under ``rms_norm_swiglu`` and
+``linear_swiglu``) computes an MLP's up half, silu(n @ Wg.T) * (n @ Wu.T) over a stacked
+W = [Wg | Wu] (2I, K): each stage brings a [128, 64] block of gate rows and, below it in the
+same buffer, the matching block of up rows, so one 64 x 256 wgmma per consumer fills the
+gate and up columns of one accumulator, and the epilogue writes the (M, I) result only,
+never the (M, 2I) projection.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ def _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M: gl.constexpr):
 def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_m, n_tiles_n,
               n_k_steps, up_row, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               SWIGLU: gl.constexpr):
-    """SWIGLU: a stage holds two W blocks, the gate rows of the tile's columns and the up
-    rows ``up_row`` further down (W = [gate | up] stacked); else one."""
+    """SWIGLU: a stage's W buffer holds two blocks one above the other, the gate rows of the
+    tile's columns and the up rows ``up_row`` further down (W = [gate | up] stacked); else
+    one."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
     W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
@@ -103,7 +104,7 @@ def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_
             for i_block in gl.static_range(W_BLOCKS):
                 tma.async_copy_global_to_shared(
                     weight_desc, [i_block * up_row + i_n * BLOCK_N, i_k * BLOCK_K],
-                    ready.index(stage), weight_smem.index(stage * W_BLOCKS + i_block))
+                    ready.index(stage), weight_smem.index(stage).slice(i_block * BLOCK_N, BLOCK_N))
             i_step += 1
 
 
@@ -112,58 +113,53 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
               n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, SWIGLU: gl.constexpr):
     """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits.
-    SWIGLU: one xg tile feeds two accumulators, gate and up (a stage's two W blocks), and the
-    epilogue writes silu(r * gate) * (r * up); else silu(r * acc + b)."""
-    BLOCK_N: gl.constexpr = weight_smem.shape[1]
+    SWIGLU: a stage's W buffer is the gate block over the up block, so one wgmma of twice the
+    width fills [gate | up] columns of one accumulator (xg read once a step), and the epilogue
+    writes silu(r * gate) * (r * up); else silu(r * acc + b)."""
+    W_ROWS: gl.constexpr = weight_smem.shape[1]
+    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
+    BLOCK_N: gl.constexpr = W_ROWS // W_BLOCKS  # output columns of a tile
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+                                                         instr_shape=[16, W_ROWS, 16])
     # the epilogue's layout: 8 consecutive columns (16 bytes) per thread
     OUT_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8],
                                                 [4, 1], [1, 0])
-    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
     i_step = 0
     for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
         i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
-        b_acc = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC_LAYOUT)
-        b_acc_up = gl.zeros([ROWS, BLOCK_N], gl.float32, ACC_LAYOUT)
+        b_acc = gl.zeros([ROWS, W_ROWS], gl.float32, ACC_LAYOUT)
         for i_k in range(n_k_steps):
             stage = i_step % STAGES
             mbarrier.wait(ready.index(stage), (i_step // STAGES) & 1)
             xg_tile = xg_smem.index(stage * 2 + i_half)
-            weight_tile = weight_smem.index(stage * W_BLOCKS)
+            weight_tile = weight_smem.index(stage)
             b_acc = warpgroup_mma(xg_tile, weight_tile.permute((1, 0)), b_acc, is_async=True)
-            if SWIGLU:
-                up_tile = weight_smem.index(stage * W_BLOCKS + 1)
-                b_acc_up = warpgroup_mma(xg_tile, up_tile.permute((1, 0)), b_acc_up,
-                                         is_async=True)
-                # the previous step's two wgmmas are done: its stage goes back
-                b_acc, b_acc_up, _, _, _ = warpgroup_mma_wait(
-                    2, deps=[b_acc, b_acc_up, xg_tile, weight_tile, up_tile])
-            else:
-                # the previous step's wgmma is done: its stage goes back to the producer
-                b_acc, _, _ = warpgroup_mma_wait(1, deps=[b_acc, xg_tile, weight_tile])
+            # the previous step's wgmma is done: its stage goes back to the producer
+            b_acc, _, _ = warpgroup_mma_wait(1, deps=[b_acc, xg_tile, weight_tile])
             mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES), pred=i_k > 0)
             i_step += 1
-        if SWIGLU:
-            b_acc, b_acc_up = warpgroup_mma_wait(0, deps=[b_acc, b_acc_up])
-        else:
-            b_acc = warpgroup_mma_wait(0, deps=[b_acc])
+        b_acc = warpgroup_mma_wait(0, deps=[b_acc])
         mbarrier.arrive(empty.index((i_step + STAGES - 1) % STAGES))
 
         # epilogue, one store. (A bf16 tile converted straight from this 64 x 256 wgmma
         # layout trips an assertion in Triton 3.6's lowering; fp32 does not.)
-        b_z = gl.convert_layout(b_acc, OUT_LAYOUT)
         o_m = (i_m * 2 + i_half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        if rstd_ptr is not None:
-            b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
-            b_z = b_z * b_rstd[:, None]
         if SWIGLU:
-            b_up = gl.convert_layout(b_acc_up, OUT_LAYOUT)
-            if rstd_ptr is not None:
-                b_up = b_up * b_rstd[:, None]
-            b_out = b_z / (1.0 + gl.exp2(-LOG2E * b_z)) * b_up
+            if rstd_ptr is not None:  # r goes inside silu: applied in the accumulator's layout
+                o_m_acc = (i_m * 2 + i_half) * ROWS + gl.arange(
+                    0, ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+                b_acc = b_acc * gl.load(rstd_ptr + o_m_acc, mask=o_m_acc < n_rows,
+                                        other=0.0)[:, None]
+            # a thread holds column c and c + BLOCK_N alike: the split moves no data
+            b_gate, b_up = gl.split(gl.permute(gl.reshape(b_acc, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
+            b_out = gl.convert_layout(b_gate / (1.0 + gl.exp2(-LOG2E * b_gate)) * b_up,
+                                      OUT_LAYOUT)
         else:
+            b_z = gl.convert_layout(b_acc, OUT_LAYOUT)
+            if rstd_ptr is not None:
+                b_rstd = gl.load(rstd_ptr + o_m, mask=o_m < n_rows, other=0.0)
+                b_z = b_z * b_rstd[:, None]
             if bias_ptr is not None:
                 b_bias = gl.load(bias_ptr + o_n, mask=o_n < n_out, other=0.0)
                 b_z = b_z + b_bias.to(gl.float32)[None, :]
@@ -189,7 +185,9 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, 
     n_tiles_n = gl.cdiv(n_out, BLOCK_N)
     n_k_steps = gl.cdiv(n_in, BLOCK_K)
     xg_smem = gl.allocate_shared_memory(DTYPE, [STAGES * 2, ROWS, BLOCK_K], xg_desc.layout)
-    weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES * W_BLOCKS, BLOCK_N, BLOCK_K],
+    # SWIGLU: the [128, BLOCK_K] layout's swizzle repeats every 8 rows, so two blocks stacked
+    # are one [256, BLOCK_K] operand in the same layout
+    weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES, W_BLOCKS * BLOCK_N, BLOCK_K],
                                             weight_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -210,10 +208,11 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, 
                        [4, 1], [232, 40])
 
 
-def _shared_layouts(dtype: torch.dtype):
+def _shared_layouts(dtype: torch.dtype, block_n: int = BLOCK_N):
+    """The shared layouts of an xg block and a [block_n, BLOCK_K] weight block."""
     element = _GL_DTYPES[dtype]
     return (gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BLOCK_K], element),
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], element))
+            gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], element))
 
 
 def eligible(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -241,61 +240,58 @@ def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dtype in _GL_DTYPES and torch.cuda.get_device_capability(x.device) == (9, 0)
 
 
-def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None, eps: float, out_rows: torch.Tensor) -> None:
-    """Write silu(rms_norm(x) @ W.T + b) into out_rows (M, N), contiguous; ``eligible``
-    inputs with K >= 1."""
+def _scale_rows(x_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    """The pre-pass: (x * g in x's dtype, 1/rms fp32) for x_rows (M, K)."""
     n_rows, n_in = x_rows.shape
-    n_out = weight.shape[0]
     scaled = torch.empty((n_rows, n_in), dtype=x_rows.dtype, device=x_rows.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
+    _scale_rows_kernel[(n_rows,)](x_rows, norm_weight, scaled, rstd, n_in, x_rows.stride(0), eps,
+                                  BLOCK_K=SCALE_BLOCK, num_warps=4)
+    return scaled, rstd
+
+
+def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, swiglu, stages,
+                   group_m) -> None:
+    """The persistent matmul over ``scaled`` (M, K) rows and weight [block_n, BLOCK_K] blocks,
+    one program per SM at most."""
+    n_rows, n_in = scaled.shape
+    xg_layout, weight_layout = _shared_layouts(scaled.dtype, block_n)
+    xg_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], xg_layout)
+    weight_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], weight_layout)
+    tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, block_n)
+    programs = min(torch.cuda.get_device_properties(scaled.device).multi_processor_count, tiles)
+    _matmul_epilogue[(programs,)](
+        xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
+        bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=group_m, STAGES=stages,
+        SWIGLU=swiglu, num_warps=4)
+
+
+def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, eps: float, out_rows: torch.Tensor, *,
+            stages: int = STAGES, group_m: int = GROUP_M) -> None:
+    """Write silu(rms_norm(x) @ W.T + b) into out_rows (M, N), contiguous; ``eligible``
+    inputs with K >= 1. ``stages`` and ``group_m``: the ring's depth and the tile order's
+    group (experiments)."""
     with torch.cuda.device(x_rows.device):
-        _scale_rows_kernel[(n_rows,)](x_rows, norm_weight, scaled, rstd, n_in, x_rows.stride(0),
-                                      eps, BLOCK_K=SCALE_BLOCK, num_warps=4)
-        xg_layout, weight_layout = _shared_layouts(x_rows.dtype)
-        xg_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], xg_layout)
-        weight_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], weight_layout)
-        tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, BLOCK_N)
-        programs = min(torch.cuda.get_device_properties(x_rows.device).multi_processor_count,
-                       tiles)
-        _matmul_epilogue[(programs,)](
-            xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
-            bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
-            STAGES=STAGES, num_warps=4)
+        scaled, rstd = _scale_rows(x_rows, norm_weight, eps)
+        _launch_matmul(scaled, rstd, weight, bias, out_rows, weight.shape[0], BLOCK_N, False,
+                       stages, group_m)
 
 
 def forward_swiglu(x_rows: torch.Tensor, norm_weight: torch.Tensor | None,
                    gate_up_weight: torch.Tensor, eps: float, out_rows: torch.Tensor,
-                   normalize: bool = True) -> None:
+                   normalize: bool = True, *, stages: int = STAGES,
+                   group_m: int = GROUP_M) -> None:
     """Write silu(n @ Wg.T) * (n @ Wu.T) into out_rows (M, I), contiguous, for
     gate_up_weight (2I, K) = [Wg | Wu] stacked; n = rms_norm(x) * norm_weight (a pre-pass as
     ``forward``'s; norm_weight None: no weight) or, without ``normalize``, x itself (read by
     TMA: contiguous rows). CUDA sm_90, fp16 or bf16, K in whole 16 bytes."""
-    n_rows, n_in = x_rows.shape
-    n_out = gate_up_weight.shape[0] // 2
-    rstd = None
+    n_in = x_rows.shape[1]
     with torch.cuda.device(x_rows.device):
+        scaled, rstd = x_rows, None
         if normalize:
             if norm_weight is None:
                 norm_weight = torch.ones(n_in, dtype=x_rows.dtype, device=x_rows.device)
-            scaled = torch.empty((n_rows, n_in), dtype=x_rows.dtype, device=x_rows.device)
-            rstd = torch.empty(n_rows, dtype=torch.float32, device=x_rows.device)
-            _scale_rows_kernel[(n_rows,)](x_rows, norm_weight, scaled, rstd, n_in,
-                                          x_rows.stride(0), eps, BLOCK_K=SCALE_BLOCK,
-                                          num_warps=4)
-        else:
-            scaled = x_rows
-        element = _GL_DTYPES[x_rows.dtype]
-        xg_desc = TensorDescriptor.from_tensor(
-            scaled, [TILE_ROWS, BLOCK_K],
-            gl.NVMMASharedLayout.get_default_for([TILE_ROWS, BLOCK_K], element))
-        weight_desc = TensorDescriptor.from_tensor(
-            gate_up_weight, [SWIGLU_BLOCK_N, BLOCK_K],
-            gl.NVMMASharedLayout.get_default_for([SWIGLU_BLOCK_N, BLOCK_K], element))
-        tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, SWIGLU_BLOCK_N)
-        programs = min(torch.cuda.get_device_properties(x_rows.device).multi_processor_count,
-                       tiles)
-        _matmul_epilogue[(programs,)](
-            xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
-            bias_ptr=None, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=GROUP_M,
-            STAGES=STAGES, SWIGLU=True, num_warps=4)
+            scaled, rstd = _scale_rows(x_rows, norm_weight, eps)
+        _launch_matmul(scaled, rstd, gate_up_weight, None, out_rows,
+                       gate_up_weight.shape[0] // 2, SWIGLU_BLOCK_N, True, stages, group_m)

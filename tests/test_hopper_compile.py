@@ -507,7 +507,8 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         ptx = compiled.asm["ptx"]
         report[f"matmul swiglu {name} rstd {rstd}"] = {
             "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
-            "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
+            "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+            "n256": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16")}
     signature = {"x_ptr": f"*{name}", "norm_weight_ptr": f"*{name}", "xg_ptr": f"*{name}",
                  "rstd_ptr": "*fp32", "n_in": "i32", "stride_x_row": "i32", "eps": "fp32",
                  "BLOCK_K": "constexpr"}
@@ -524,8 +525,8 @@ print(json.dumps(report))
 def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
     """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
     matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
-    64 x 256 x 64 steps as wgmma; so does the matmul's SwiGLU form (two 64 x 128 x 64 wgmma a
-    step), with and without the norm's row scale."""
+    64 x 256 x 64 steps as wgmma; so does the matmul's SwiGLU form (the same 256-wide wgmma
+    over a stage's gate and up blocks), with and without the norm's row scale."""
     report = _run_compiler(_FUSED_COMPILER)
     assert len(report) == 8
     for variant, facts in report.items():
@@ -534,3 +535,5 @@ def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
         if variant.startswith("matmul"):
             assert facts["setmaxnreg"] >= 2, variant
             assert facts["wgmma"] >= 64 // 16, variant
+        if variant.startswith("matmul swiglu"):  # gate and up in one instruction per K step
+            assert facts["n256"] == facts["wgmma"], variant

@@ -4,10 +4,11 @@ cuBLAS's merged gate|up GEMM followed by gemslib's silu_and_mul (what the backen
     python -m benchmark.experiments.swiglu_gemm [--quick | --decode]
 
 ``_rms_norm_linear_silu_hopper.forward_swiglu`` (the warp-specialised Gluon matmul with its
-SWIGLU epilogue: one xg tile, a gate and an up accumulator, only the (M, I) result written)
-at the prefill MLP shapes of Llama-2-7B, Llama-3-8B / Mistral-7B, Qwen2-7B and Qwen2.5-14B,
-M = 2048 and 4096, without and with the RMSNorm pre-pass. Per shape: the relative error of
-each against a float64 reference (beside cuBLAS + silu_and_mul's own), the times of cuBLAS's
+SWIGLU epilogue: a stage's gate and up blocks as one 256-wide operand, only the (M, I) result
+written) at the prefill MLP shapes of Llama-2-7B, Llama-3-8B / Mistral-7B, Qwen2-7B and
+Qwen2.5-14B, M = 2048 and 4096, without and with the RMSNorm pre-pass, and at other ring
+depths and tile groups (``VARIANTS``). Per shape: the relative error of each against a
+float64 reference (beside cuBLAS + silu_and_mul's own), the times of cuBLAS's
 GEMM alone, GEMM + silu_and_mul, the fused kernel, and their TFLOP/s (2 M K 2I FLOPs). The
 question it answers: does dropping the (M, 2I) write and the silu_and_mul pass (Qwen2-7B, M
 4096: 310 MB read + 155 MB written, ~0.11 ms at the copy rate) pay more than the matmul loses
@@ -24,6 +25,7 @@ import torch
 
 SHAPES = {"llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336), "qwen2-7b": (3584, 18944),
           "qwen2.5-14b": (5120, 13824)}  # (K, I)
+VARIANTS = ((4, 8), (3, 16), (4, 16))  # (stages, group_m) timed beside the shipped (3, 8)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -61,13 +63,19 @@ def run(quick: bool = False) -> None:
             fused_ms = bench(lambda: hopper.forward_swiglu(x, None, weight, 1e-6, out,
                                                            normalize=False))
             normed_ms = bench(lambda: hopper.forward_swiglu(x, norm_weight, weight, 1e-6, out))
+            variants = {f"s{stages} g{group}": bench(
+                lambda: hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False,
+                                              stages=stages, group_m=group))
+                for stages, group in VARIANTS}
             flops = 2 * m * k * 2 * inter
             print(f"{name:12s} M{m:5d}  GEMM {gemm * 1e3:7.1f} us ({flops / gemm / 1e9:5.0f} "
                   f"TFLOP/s)  GEMM+silu_and_mul {unfused_ms * 1e3:7.1f}  fused "
                   f"{fused_ms * 1e3:7.1f} ({flops / fused_ms / 1e9:5.0f} TFLOP/s, "
                   f"{unfused_ms / fused_ms:.3f}x)  with the norm {normed_ms * 1e3:7.1f}  "
                   f"rel. error fused {errors[0]:.2e} unfused {errors[1]:.2e} normed "
-                  f"{normed_error:.2e}", flush=True)
+                  f"{normed_error:.2e}  " + "  ".join(
+                      f"{variant} {ms * 1e3:.1f}" for variant, ms in variants.items()),
+                  flush=True)
 
 
 def run_decode(rows=(1, 16)) -> None:
