@@ -91,7 +91,7 @@ def run_decode(rows=(1, 16)) -> None:
 
     source = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     copy_ms = bench(lambda: source.clone())
-    copy_rate = 2 * source.numel() / copy_ms / 1e9  # GB/s, read + written
+    copy_rate = 2 * source.numel() / copy_ms / 1e6  # GB/s, read + written
     print(f"copy {copy_rate:.0f} GB/s", flush=True)
     for name, (k, inter) in SHAPES.items():
         weight = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -106,9 +106,9 @@ def run_decode(rows=(1, 16)) -> None:
             fused = bench(lambda: torch.ops.gemslib.linear_swiglu(x, weights))
             nbytes = weight.numel() * 2
             print(f"{name:12s} M{m:3d}  GEMM {gemm * 1e3:6.1f} us "
-                  f"({nbytes / gemm / 1e9 / copy_rate:4.0%} of copy)  GEMM+silu_and_mul "
+                  f"({nbytes / gemm / 1e6 / copy_rate:4.0%} of copy)  GEMM+silu_and_mul "
                   f"{unfused * 1e3:6.1f}  fused {fused * 1e3:6.1f} "
-                  f"({nbytes / fused / 1e9 / copy_rate:4.0%}; {gemm / fused:.3f}x the GEMM "
+                  f"({nbytes / fused / 1e6 / copy_rate:4.0%}; {gemm / fused:.3f}x the GEMM "
                   f"alone)  rel. error {error:.2e}", flush=True)
 
 
