@@ -9,8 +9,8 @@ launch reading x once and streaming one weight matrix, with a wider N for the ti
 
 The weights must not be concatenated at every call (that copies them all), nor kept twice. The
 graph rewrite below therefore merges a site's parameters once, when the graph is compiled: it
-copies them into one buffer and points each parameter's ``.data`` at its rows of that buffer,
-so the model keeps one copy, its eager forward is unchanged, and an in-place update of a
+copies them into one buffer and points each parameter at its rows of that buffer, so the model
+keeps one copy, its eager forward is unchanged, and an in-place update of a
 parameter (``load_state_dict``, an optimizer step) updates the merged matrix too. At every call
 the operator checks that its weights still lie end to end in one buffer and runs one GEMM over
 them; weights that do not (a parameter replaced since) are computed one by one, correct and
@@ -34,20 +34,31 @@ from gemslib.registry import GraphRewrite, SelfCheck
 # --------------------------------------------------------------------------------------------
 
 
+_MERGED_ROWS = "_gemslib_merged_rows"  # attribute of a merged parameter: the buffer it aliases
+
+
 def end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """One view over ``tensors`` when they lie end to end in one storage (contiguous, the same
-    trailing shape, each starting where the previous one ends), else None.
+    """One view over ``tensors`` when they lie end to end in memory (contiguous, the same
+    trailing shape, each starting where the previous one ends), in one storage or in the one
+    buffer their merge made (see ``_merge_once``), else None.
 
     Tensors of shapes (N_i, *rest) give a view of shape (sum_i N_i, *rest)."""
     first = tensors[0]
-    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    buffer = getattr(first, _MERGED_ROWS, None)
+    if buffer is not None and any(getattr(t, _MERGED_ROWS, None) is not buffer for t in tensors):
+        buffer = None
+    base = first if buffer is None else buffer
+    base_address = base.untyped_storage().data_ptr()
+    start = (first.data_ptr() - base_address) // first.element_size()
+    offset = start
     for t in tensors:
         if (t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()
-                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+                or t.data_ptr() != base_address + offset * t.element_size()
+                or (buffer is None and t.untyped_storage().data_ptr() != base_address)):
             return None
         offset += t.numel()
     rows = sum(t.shape[0] for t in tensors)
-    return first.as_strided((rows, *first.shape[1:]), first.stride())
+    return base.as_strided((rows, *first.shape[1:]), first.stride(), start)
 
 
 def _merged_linear_impl(x: torch.Tensor, weights: list[torch.Tensor],
@@ -130,7 +141,10 @@ def _site_key(x2d: torch.fx.Node, source: torch.fx.Node, weight, bias):
 
 def _merge_once(tensors: list[torch.Tensor]) -> bool:
     """Point ``tensors`` (parameters) at consecutive rows of one new buffer, unless they lie
-    end to end already; False when one of them belongs to another merged group."""
+    end to end already; False when one of them belongs to another merged group. Each gets a
+    storage of its own over its rows (the buffer kept alive by an attribute), not a view of
+    the buffer: dynamo cannot fakeify tensor-subclass parameters (DTensor shards) whose inner
+    tensors share one storage, so a sharded model's next compile would crash."""
     if end_to_end(tensors) is not None:
         return True
     if any(_was_merged(t) for t in tensors) or len({id(t) for t in tensors}) != len(tensors):
@@ -141,7 +155,11 @@ def _merge_once(tensors: list[torch.Tensor]) -> bool:
         merged = torch.cat([t.detach() for t in tensors])
         start = 0
         for t in tensors:
-            t.data = merged[start:start + t.shape[0]]
+            rows = merged[start:start + t.shape[0]]
+            storage = torch._C._construct_storage_from_data_pointer(
+                rows.data_ptr(), rows.device, rows.numel() * rows.element_size())
+            t.set_(storage, 0, rows.shape, rows.stride())
+            setattr(t, _MERGED_ROWS, merged)
             start += t.shape[0]
             _remember_merged(t)
     return True

@@ -28,7 +28,8 @@ def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(
     after it fuse (they read its full result), nothing fuses across it, and every rank makes
     the same fusions. Each rank merges its shards of q, k, v (and of gate, up), which are
     sharded alike (column-parallel), into one GEMM: the DTensor parameters reach the graph as
-    their local shards, which the rewrite merges."""
+    their local shards, which the rewrite merges; a second compile of the model with its
+    shards merged works too."""
     port = _free_port()
     processes, outs = [], []
     for rank in range(2):
@@ -51,6 +52,7 @@ def test_a_sharded_llama_stays_right_eager_under_enable_and_through_the_backend(
         for way in ("eager", "enable", "backend"):
             assert result[way] <= 1e-5, (way, result)
         assert result["eager_unchanged"], result
+        assert result["recompiled"] <= 1e-5, result
         assert result["fusions"] == {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2,
                                      "attention": 2, "merged_linear": 4,
                                      "silu_and_mul": 2}, result["fusions"]
