@@ -2,7 +2,8 @@
 
 ``python -m benchmark --models [...]`` runs the real-model prefill benchmark instead
 (transformers models at real sizes, each way in its own process; ``benchmark/models.py``,
-``python -m benchmark --models --help`` lists its options).
+``python -m benchmark --models --help`` lists its options; ``--models --decode`` the decode
+one, ``--models --tensor-parallel`` the tensor-parallel one).
 
 Discovers ``benchmark/bench_*.py``, measures the machine's ceilings, times gemslib and every
 importable peer on the same inputs, forward and backward kernels, prints one table, writes
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     from gemslib.__main__ import doc_summary
 
     arguments = sys.argv[1:] if argv is None else list(argv)
+    if "--models" in arguments and "--tensor-parallel" in arguments:  # sharded over GPUs
+        from benchmark import tensor_parallel
+
+        return tensor_parallel.main([a for a in arguments
+                                     if a not in ("--models", "--tensor-parallel")])
     if "--models" in arguments and "--decode" in arguments:  # the real-model decode one
         from benchmark import decode
 
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", action="store_true",
                         help="with --models: the real-model decode benchmark "
                              "(benchmark/decode.py; --models --decode --help lists its options)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="with --models: TP 2 against TP 1 under torchrun "
+                             "(benchmark/tensor_parallel.py; --models --tensor-parallel --help)")
     direction = parser.add_mutually_exclusive_group()
     direction.add_argument("--forward-only", action="store_true",
                            help="skip the backward kernels (timed by default)")

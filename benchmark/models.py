@@ -448,11 +448,19 @@ def _tail(path: Path, lines: int = 1) -> str:
     return " / ".join(text[-lines:])[-300:]
 
 
-def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True) -> dict:
+def job_name(job: dict) -> str:
+    """The stem of a job's files in the work directory."""
+    return job["model"] + "_" + job["way"] if job.get("model") else job["way"]
+
+
+def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True,
+            name: str | None = None, command=None) -> dict:
     """Run one job in its own process (its own session, so a timeout kills the whole group it
     started, inductor's compile workers included). Returns the worker's result, or a result
-    whose status says what went wrong (timeout, crash with the exit code and the last line)."""
-    name = job["model"] + "_" + job["way"] if job.get("model") else job["way"]
+    whose status says what went wrong (timeout, crash with the exit code and the last line).
+    ``name``: the stem of its files (default :func:`job_name`); ``command(job, job_path)``: its
+    command line (default :func:`worker_command`)."""
+    name = name or job_name(job)
     job_path, log_path = work_dir / f"{name}.job.json", work_dir / f"{name}.log"
     job = dict(job, result=str(work_dir / f"{name}.result.json"))
     Path(job["result"]).unlink(missing_ok=True)
@@ -462,7 +470,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True) 
     status = None
     try:
         with open(log_path, "w") as log:
-            process = subprocess.Popen(worker_command(job, job_path), cwd=REPO_ROOT,
+            process = subprocess.Popen((command or worker_command)(job, job_path), cwd=REPO_ROOT,
                                        env=_worker_env(cache_root), stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
             try:
