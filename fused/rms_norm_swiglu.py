@@ -453,10 +453,11 @@ TUNING = (
               for w in (4, 8) for s in (3, 4))
         # decode: 16 rows, narrow column tiles, long K steps, K split over more programs
         # (the sweep of benchmark.experiments.decode_gemv, whose GEMV streamed the merged
-        # gate | up weight at 81% of the copy rate)
+        # gate | up weight at 81% of the copy rate; the K-long tiles read longer runs of
+        # each weight row)
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "SPLIT_K": split,
                  "num_warps": w, "num_stages": s}
-                for n, k in ((32, 128), (64, 128), (64, 256))
+                for n, k in ((32, 128), (64, 128), (64, 256), (32, 256), (16, 512), (32, 512))
                 for split in (1, 2, 4, 8) for w in (4, 8) for s in (3, 4)),
         # decode by width: a tensor-parallel quarter or half of an MLP has a quarter or half
         # of the column tiles, so it wants more of K split (Llama-3-8B's I over 4 and 2)
@@ -464,7 +465,10 @@ TUNING = (
                     _tune_problem((1, 16), n_out=3584)),
          TuneBucket({"rows": 64, "n": 9472, "elem_bytes": 2}, "M1 + M16 I7168 K4096",
                     _tune_problem((1, 16), n_out=7168)),
-         TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I14336 K4096", _tune_problem((1, 16))),
+         TuneBucket({"rows": 64, "n": 16384, "elem_bytes": 2}, "M1 + M16 I14336 K4096",
+                    _tune_problem((1, 16))),
+         TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I18944 K3584",
+                    _tune_problem((1, 16), n_out=18944, n_in=3584)),
          TuneBucket({"elem_bytes": 2}, "M4096 I14336 K4096", _tune_problem((4096,))),
          # fp32 (IEEE products, a few percent of the 16-bit rate): a smaller problem
          TuneBucket(None, "M1024 I4096 K4096 fp32",
