@@ -38,10 +38,8 @@ def _eager(x, norm_weight, gate_up_weight):
     return F.silu(gate) * up
 
 
-def _shapes(quick: bool):
-    if quick:
-        yield from QUICK
-        return
+def mlp_shapes():
+    """(label, K, I, M) of every MLP shape: each family at its whole I and TP parts of it."""
     for name, n_in, inter in MLPS:
         for part in TP_PARTS:
             for rows in ROWS:
@@ -53,7 +51,7 @@ def cases(quick: bool = False, backward: bool = False):
     liger_swiglu = optional_peer("liger_kernel.ops.swiglu")
     size = torch.finfo(DTYPE).bits // 8
     compiled_eager = compiled(_eager)
-    for name, n_in, inter, rows in _shapes(quick):
+    for name, n_in, inter, rows in (QUICK if quick else mlp_shapes()):
         x = torch.randn(rows, n_in, device="cuda", dtype=DTYPE)
         norm_weight = torch.rand(n_in, device="cuda", dtype=DTYPE) + 0.5
         weight = torch.randn(2 * inter, n_in, device="cuda", dtype=DTYPE) * n_in ** -0.5
