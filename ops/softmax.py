@@ -655,7 +655,8 @@ _ROW_CANDIDATES = tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
                         for m, n in ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 1024),
                                      (1, 2048), (2, 2048), (1, 4096), (2, 4096), (1, 8192),
                                      (1, 16384))
-                        for w in (4, 8, 16))
+                        for w in (4, 8, 16)) \
+    + tuple({"BLOCK_M": 1, "BLOCK_N": 32768, "num_warps": w} for w in (16, 32))  # 32000 in one read
 
 TUNING = (
     TuneSpace(SOFTMAX_FWD, _ROW_CANDIDATES,
