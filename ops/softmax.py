@@ -668,7 +668,8 @@ TUNING = (
               ({"CHUNK": 0, "num_warps": 8},)
               + tuple({"CHUNK": c, "num_warps": w} for c in (2048, 4096, 8192, 16384, 32768)
                       for w in (2, 4, 8, 16)),
-              _buckets((({"cols": 65536}, 2048, 50257), (None, 1024, 131072)), "split")),
+              _buckets((({"cols": 32768}, 8192, 32000), ({"cols": 65536}, 2048, 50257),
+                        (None, 1024, 131072)), "split")),
     TuneSpace(SOFTMAX_BWD, _ROW_CANDIDATES,
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
                         ({"cols": 8192}, 16384, 4096), (None, 8192, 32000)), "bwd")),
