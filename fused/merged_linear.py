@@ -9,8 +9,8 @@ launch reading x once and streaming one weight matrix, with a wider N for the ti
 
 The weights must not be concatenated at every call (that copies them all), nor kept twice. The
 graph rewrite below therefore merges a site's parameters once, when the graph is compiled: it
-copies them into one buffer and points each parameter at its rows of that buffer, so the model
-keeps one copy, its eager forward is unchanged, and an in-place update of a
+copies them into one buffer and points each parameter's ``.data`` at its rows of that buffer
+(a DTensor shard: see ``_merge_once``), so the model keeps one copy, its eager forward is unchanged, and an in-place update of a
 parameter (``load_state_dict``, an optimizer step) updates the merged matrix too. At every call
 the operator checks that its weights still lie end to end in one buffer and runs one GEMM over
 them; weights that do not (a parameter replaced since) are computed one by one, correct and
@@ -34,7 +34,7 @@ from gemslib.registry import GraphRewrite, SelfCheck
 # --------------------------------------------------------------------------------------------
 
 
-_MERGED_ROWS = "_gemslib_merged_rows"  # attribute of a merged parameter: the buffer it aliases
+_MERGED_ROWS = "_gemslib_merged_rows"  # attribute of a merged shard: the buffer it aliases
 
 
 def end_to_end(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -140,10 +140,11 @@ def _site_key(x2d: torch.fx.Node, source: torch.fx.Node, weight, bias):
 
 
 def _merge_once(tensors: list[torch.Tensor]) -> bool:
-    """Point ``tensors`` (parameters) at consecutive rows of one new buffer, unless they lie
-    end to end already; False when one of them belongs to another merged group. Each gets a
-    storage of its own over its rows (the buffer kept alive by an attribute), not a view of
-    the buffer: dynamo cannot fakeify tensor-subclass parameters (DTensor shards) whose inner
+    """Point ``tensors`` at consecutive rows of one new buffer, unless they lie end to end
+    already; False when one of them belongs to another merged group. A parameter's ``.data``
+    becomes a view of its rows. A tensor subclass's inner tensor (a DTensor shard's local
+    tensor, which is not a Parameter) gets a storage of its own over its rows instead, the
+    buffer kept alive by an attribute: dynamo cannot fakeify subclass tensors whose inner
     tensors share one storage, so a sharded model's next compile would crash."""
     if end_to_end(tensors) is not None:
         return True
@@ -156,10 +157,13 @@ def _merge_once(tensors: list[torch.Tensor]) -> bool:
         start = 0
         for t in tensors:
             rows = merged[start:start + t.shape[0]]
-            storage = torch._C._construct_storage_from_data_pointer(
-                rows.data_ptr(), rows.device, rows.numel() * rows.element_size())
-            t.set_(storage, 0, rows.shape, rows.stride())
-            setattr(t, _MERGED_ROWS, merged)
+            if isinstance(t, torch.nn.Parameter):
+                t.data = rows
+            else:
+                storage = torch._C._construct_storage_from_data_pointer(
+                    rows.data_ptr(), rows.device, rows.numel() * rows.element_size())
+                t.set_(storage, 0, rows.shape, rows.stride())
+                setattr(t, _MERGED_ROWS, merged)
             start += t.shape[0]
             _remember_merged(t)
     return True

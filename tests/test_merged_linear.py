@@ -93,22 +93,17 @@ def test_rewrite_merges_only_projections_of_one_input_alike():
 
 
 def test_merged_parameters_are_one_copy_and_a_replaced_one_is_used():
-    """After the compile the merged parameters lie end to end in one buffer the size of them
-    all (nothing kept twice), each through a storage of its own; a parameter replaced
-    afterwards is what the compiled model uses."""
+    """After the compile each merged parameter is a view of one buffer the size of them all
+    (nothing kept twice); a parameter replaced afterwards is what the compiled model uses."""
     torch._dynamo.reset()
     module = _Projections().eval()
     x, y, z = (torch.randn(2, 16, device=DEVICE) for _ in range(3))
     compiled = torch.compile(module, backend="gemslib", fullgraph=True)
     with torch.no_grad():
         compiled(x, y, z)
-    a, b = module.a.weight, module.b.weight
-    buffer = getattr(a, ml._MERGED_ROWS)
-    assert getattr(b, ml._MERGED_ROWS) is buffer
-    assert buffer.nbytes == a.nbytes + b.nbytes
-    assert (a.data_ptr(), b.data_ptr()) == (buffer.data_ptr(), buffer.data_ptr() + a.nbytes)
-    assert a.untyped_storage().nbytes() == a.nbytes  # not a view of the buffer
-    assert torch.equal(ml.end_to_end([a, b]), buffer)
+    storage = module.a.weight.untyped_storage()
+    assert module.b.weight.untyped_storage().data_ptr() == storage.data_ptr()
+    assert storage.nbytes() == module.a.weight.nbytes + module.b.weight.nbytes
     with torch.no_grad():
         module.b.weight = torch.nn.Parameter(torch.randn_like(module.b.weight))
         module.d.weight.mul_(2)  # in place: the merged buffer sees it
@@ -116,6 +111,22 @@ def test_merged_parameters_are_one_copy_and_a_replaced_one_is_used():
         results = compiled(x, y, z)
     for got, want in zip(results, expected):
         assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
+
+
+def test_tensors_that_are_not_parameters_merge_into_storages_of_their_own():
+    """A tensor subclass's inner tensors (a DTensor's shards) are plain tensors: merged, each
+    keeps a storage of its own over its rows of one buffer (dynamo cannot fakeify subclass
+    tensors whose inner tensors share a storage), and they still read as end to end."""
+    a, b = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
+    expected = torch.cat([a, b])
+    assert ml._merge_once([a, b])
+    buffer = getattr(a, ml._MERGED_ROWS)
+    assert getattr(b, ml._MERGED_ROWS) is buffer and buffer.nbytes == a.nbytes + b.nbytes
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert b.data_ptr() == a.data_ptr() + a.nbytes
+    assert torch.equal(ml.end_to_end([a, b]), expected)
+    b.data = torch.randn_like(b)  # moved out: no longer end to end
+    assert ml.end_to_end([a, b]) is None
 
 
 def test_a_merged_parameter_moved_out_of_its_buffer_is_left_alone_by_a_new_compile():
