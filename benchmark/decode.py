@@ -232,10 +232,8 @@ def run_decode_reference(job: dict) -> dict:
     import torch
 
     device = prefill._device()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     spec = ModelSpec(**job["spec"])
-    model = build_model(spec, device, torch.float32)
+    model = prefill.reference_model(spec, device)
     saved, result = {}, {"model": job["model"], "way": "reference", "status": "ok", "shapes": {}}
     for batch, prompt, new, cache_len in job["cases"]:
         key = case_key(batch, prompt, new, cache_len)

@@ -311,15 +311,22 @@ def run_way(job: dict) -> dict:
     return result
 
 
+def reference_model(spec: ModelSpec, device):
+    """The float32 model every way's error is measured against (TF32 off: float32 matmuls)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return build_model(spec, device, torch.float32)
+
+
 def run_reference(job: dict) -> dict:
     """The float32 model's last-position logits at each shape, saved to ``job["reference"]``."""
     import torch
 
     device = _device()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the reference is float32, not TF32
-    torch.backends.cudnn.allow_tf32 = False
     spec = ModelSpec(**job["spec"])
-    model = build_model(spec, device, torch.float32)
+    model = reference_model(spec, device)
     saved, result = {}, {"model": job["model"], "way": "reference", "status": "ok", "shapes": {}}
     for batch, seq in job["shapes"]:
         key = shape_key(batch, seq)

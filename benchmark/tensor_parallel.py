@@ -176,10 +176,8 @@ def run_reference(job: dict) -> dict:
     import torch
 
     device = prefill._device()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     spec = ModelSpec(**job["spec"])
-    model = build_model(spec, device, torch.float32)
+    model = prefill.reference_model(spec, device)
     saved = {}
     with torch.no_grad():
         for batch, seq in job["prefill"]:
