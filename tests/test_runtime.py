@@ -564,11 +564,12 @@ def test_inputs_that_start_together_are_planned_apart(off_the_interpreter):
         plan = op.calls.get(key)
         return plan(x, y) if plan is not None else op.calls.plan(key, (x, y), lambda: call(x, y))
 
+    outputs = []  # kept: a freed output's address could come back as the new x's below
     for _ in range(3):
         x = torch.randn(32)
-        planned(x, x)
+        outputs.append(planned(x, x))
     for _ in range(3):
-        planned(torch.randn(32), torch.randn(32))
+        outputs.append(planned(torch.randn(32), torch.randn(32)))
     assert own_path == [True, True, False, False]
     x = torch.randn(32)
     assert op.fake.direct[-1][1][0] != x.data_ptr()
