@@ -10,8 +10,9 @@ launch reading x once and streaming one weight matrix, with a wider N for the ti
 The weights must not be concatenated at every call (that copies them all), nor kept twice. The
 graph rewrite below therefore merges a site's parameters once, when the graph is compiled: it
 copies them into one buffer and points each parameter's ``.data`` at its rows of that buffer
-(a DTensor shard: see ``_merge_once``), so the model keeps one copy, its eager forward is unchanged, and an in-place update of a
-parameter (``load_state_dict``, an optimizer step) updates the merged matrix too. At every call
+(a DTensor shard: see ``_merge_once``), so the model keeps one copy, its eager forward is
+unchanged, and an in-place update of a parameter (``load_state_dict``, an optimizer step)
+updates the merged matrix too. At every call
 the operator checks that its weights still lie end to end in one buffer and runs one GEMM over
 them; weights that do not (a parameter replaced since) are computed one by one, correct and
 slower. The file reads top-down: the operator, its reference, the graph rewrite, self-checks.
