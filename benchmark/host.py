@@ -134,20 +134,27 @@ def run(calls: int, device, warmup: int = 50) -> dict:
     """Every case's host us per call for every available way, and the ratio to torch's."""
     import torch
 
+    from gemslib import runtime
+
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = {}
     for name, ways in cases(device).items():
-        row = {}
+        row = {"plans": {}}
         for way in HOST_WAYS:
             fn, scope = ways.get(way), _scope(way)
             if fn is None or scope is None:
                 row[way] = None
                 continue
+            before = runtime.call_plan_counts()
             try:
                 with scope():
                     row[way] = host_us(fn, calls, synchronize, warmup)
             except Exception as err:  # a peer that refuses the case: reported, not fatal
                 row[way] = f"{type(err).__name__}: {str(err)[:120]}"
+            if way in ("gemslib", "enable"):  # which of gemslib's calls replayed a plan
+                row["plans"][way] = {op: counts for op, counts in
+                                     runtime.call_plan_counts().items()
+                                     if before.get(op) != counts}
         base = row.get("torch")
         row["ratios"] = {way: value / base for way, value in row.items()
                          if isinstance(value, float) and isinstance(base, float)}
@@ -203,6 +210,14 @@ def format_markdown(results: dict, header: str) -> str:
         ratios = [f"{row['ratios'][way]:.2f}x" if way in row["ratios"] else "-"
                   for way in ("gemslib", "enable")]
         lines.append(f"| {name} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "Calls planned per way (operator or aten override: signatures planned / seen "
+              "but not planned):"]
+    for name, row in results.items():
+        plans = row.get("plans", {})
+        lines.append(f"- {name}: " + "; ".join(
+            f"{way} " + (", ".join(f"{op} {planned}/{unplanned}" for op, (planned, unplanned)
+                                   in counts.items()) or "none")
+            for way, counts in plans.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -165,6 +165,12 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _launch_hooked() -> bool:
+    """Either Triton launch hook does something (a profiler wants to see the launches)."""
+    hooks = knobs.runtime
+    return _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook)
+
+
 class _Opaque:
     """Stands for a tensor when a heuristic is evaluated for the direct path: a heuristic that
     reads a tensor depends on more than the launch key, and then the launch is not kept."""
@@ -795,8 +801,7 @@ class TunedKernel:
             return
         device = torch.cuda.current_device()
         compiled = self._compiled.get((key, device))
-        if compiled is None or _hooked(knobs.runtime.launch_enter_hook) or \
-                _hooked(knobs.runtime.launch_exit_hook):
+        if compiled is None or _launch_hooked():
             _not_plannable()
             kwargs = self.kernel_kwargs(config)
             kernel = self.fn[grid](*args, **kwargs)
@@ -804,7 +809,7 @@ class TunedKernel:
                 self._keep(key, device, kernel, grid, args, kwargs)
             return
         launch_compiled(compiled, current_stream_handle(device), launch_args)
-        planning = getattr(_planning, "launches", None)
+        planning = _planning.launches
         if planning is not None:
             planning.append((compiled, args, launch_args))
 
@@ -947,9 +952,19 @@ def _recordable(name: str, impl: Callable, mutates: bool) -> Callable:
 # Call plans: an operator's repeated eager call, decided once
 # --------------------------------------------------------------------------------------------
 
-_planning = threading.local()  # .launches: the call being planned's (None entries: unplannable)
+class _PlanningState(threading.local):
+    """The call being planned on this thread: its launches (None entries: unplannable) and the
+    outputs it zeroed. Class defaults, so that reading them where nothing is being planned
+    (every call) is an attribute lookup, not a caught AttributeError."""
+    launches: list | None = None
+    zeroed: set | None = None
+
+
+_planning = _PlanningState()
 _forcing = 0  # forced() blocks open: configs are being swept, no plan applies
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_is_compiling = torch.compiler.is_compiling
 _PLAIN_VALUES = frozenset({int, float, bool, type(None), torch.dtype, torch.device, torch.layout,
                            torch.memory_format})
 _PLANS: list["CallPlans"] = []
@@ -957,9 +972,16 @@ _PLAN_TRIES = 2  # watched calls of a signature before it is left unplanned
 
 
 def _not_plannable() -> None:
-    planning = getattr(_planning, "launches", None)
+    planning = _planning.launches
     if planning is not None:
         planning.append(None)
+
+
+def call_plan_counts() -> dict[str, tuple[int, int]]:
+    """Per operator or aten override with planned calls: (signatures planned, signatures seen
+    but not planned), for reports of which calls replay."""
+    return {plans.name: (len(plans._plans), len(plans._tries)) for plans in _PLANS
+            if plans._plans or plans._tries}
 
 
 def clear_call_plans() -> None:
@@ -996,34 +1018,86 @@ _PLAN_SAFE_OPS = frozenset({
 
 class _Plan:
     """The launches of one decided call: each compiled kernel with its arguments, the call's
-    tensors (its tensor arguments, then the outputs it allocates) as slots filled with their
-    data pointers."""
-    __slots__ = ("device", "inputs", "outputs", "scratch", "result", "launches")
+    tensors (its tensor arguments, then the outputs it allocates, then kept scratch) as slots
+    filled with their data pointers. ``run(*args)`` is a function generated for this plan alone
+    (its allocations, pointers and launches written out, every constant bound by name): a
+    replayed call's host time is then the allocations and the launches, little more."""
+    __slots__ = ("device", "inputs", "outputs", "scratch", "result", "launches", "run")
 
     def __init__(self, device, inputs, outputs, scratch, result, launches):
         self.device, self.inputs, self.outputs = device, inputs, outputs
         self.scratch, self.result, self.launches = scratch, result, launches
+        self.run = self._generate()
 
     def __call__(self, *args):
         """The call again, for ``args`` of the signature it was planned for."""
-        outputs = [torch.zeros(shape, dtype=dtype, device=self.device) if zeroed else
-                   torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
-                   for shape, stride, dtype, zeroed in self.outputs]
-        pointers = [args[i].data_ptr() for i in self.inputs]
-        pointers += [t.data_ptr() for t in outputs]
-        for n_counters, n_floats, which, offset in self.scratch:  # this stream's
-            pointers.append(split_scratch(self.device, n_counters, n_floats)[which].data_ptr()
-                            + offset)
-        stream = current_stream_handle(self.device.index)
-        for compiled, template, slots in self.launches:
-            launch_args = list(template)
-            for position, slot in slots:
-                launch_args[position] = pointers[slot]
-            launch_compiled(compiled, stream, launch_args)
+        return self.run(*args)
+
+    def _generate(self) -> Callable:
+        names = {"empty_strided": torch.empty_strided, "zeros": torch.zeros,
+                 "device": self.device, "split_scratch": split_scratch}
+        if getattr(torch._C, "_cuda_getCurrentRawStream", None) is not None and \
+                self.device.index is not None:  # looked up per call: tests swap it
+            names["torch_C"] = torch._C
+            stream = f"torch_C._cuda_getCurrentRawStream({self.device.index})"
+        else:
+            names["current_stream_handle"] = current_stream_handle
+            stream = f"current_stream_handle({self.device.index!r})"
+        lines = ["def replay(*args):"]
+        for slot, position in enumerate(self.inputs):
+            lines.append(f"    p{slot} = args[{position}].data_ptr()")
+        first_output = len(self.inputs)
+        for index, (shape, stride, dtype, zeroed) in enumerate(self.outputs):
+            names[f"shape{index}"], names[f"stride{index}"] = shape, stride
+            names[f"dtype{index}"] = dtype
+            if zeroed:
+                lines.append(f"    out{index} = zeros(shape{index}, dtype=dtype{index}, "
+                             f"device=device)")
+            else:
+                lines.append(f"    out{index} = empty_strided(shape{index}, stride{index}, "
+                             f"dtype=dtype{index}, device=device)")
+            lines.append(f"    p{first_output + index} = out{index}.data_ptr()")
+        first_scratch = first_output + len(self.outputs)
+        for index, (n_counters, n_floats, which, offset) in enumerate(self.scratch):
+            lines.append(f"    p{first_scratch + index} = split_scratch(device, {n_counters}, "
+                         f"{n_floats})[{which}].data_ptr() + {offset}")
+        lines.append(f"    stream = {stream}")
+        for n, (compiled, template, slots) in enumerate(self.launches):
+            launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+            names[f"launch{n}"], names[f"metadata{n}"] = launch, metadata
+            head = [f"grid{n}_{axis}" for axis in range(3)] + ["stream", f"function{n}",
+                                                               f"cooperative{n}", f"pdl{n}"]
+            for axis, size in enumerate(grid3):
+                names[f"grid{n}_{axis}"] = size
+            names[f"function{n}"], names[f"cooperative{n}"] = function, cooperative
+            names[f"pdl{n}"] = pdl
+            slot_at = dict(slots)
+            values = []
+            for position, value in enumerate(template):
+                if position in slot_at:
+                    values.append(f"p{slot_at[position]}")
+                else:
+                    names[f"arg{n}_{position}"] = value
+                    values.append(f"arg{n}_{position}")
+            for position, value in enumerate(constexprs):
+                names[f"constexpr{n}_{position}"] = value
+                values.append(f"constexpr{n}_{position}")
+            lines.append(f"    launch{n}({', '.join(head)}, None, None, metadata{n}, None, None, "
+                         f"None, {', '.join(values)})")
         if type(self.result) is int:
-            return outputs[self.result]
-        return tuple([outputs[value] if is_output else value
-                      for is_output, value in self.result])
+            lines.append(f"    return out{self.result}")
+        else:
+            returned = []
+            for index, (is_output, value) in enumerate(self.result):
+                if is_output:
+                    returned.append(f"out{value}")
+                else:
+                    names[f"returned{index}"] = value
+                    returned.append(f"returned{index}")
+            lines.append(f"    return ({', '.join(returned)},)")
+        exec(compile("\n".join(lines), f"<gemslib plan {len(self.launches)} launches>", "exec"),
+             names)
+        return names["replay"]
 
 
 class CallPlans:
@@ -1070,33 +1144,34 @@ class CallPlans:
         dispatcher runs after autograd (an aten override), so tensors that require grad do
         not stop a plan (grad mode and requires_grad are in the key all the same: an
         override's check may read them)."""
-        if INTERPRETER or _forcing or not DIRECT_LAUNCH.on or torch.compiler.is_compiling():
+        if INTERPRETER or _forcing or DIRECT_LAUNCH._switched_off or _is_compiling():
             return None
         grad = torch.is_grad_enabled()
         stop = grad and not self.below_autograd
         key = [torch.cuda.current_device() if torch.cuda.is_initialized() else None, grad]
+        append = key.append
         starts = []
         for arg in args:
             kind = type(arg)
-            if kind in _PLAIN_TENSORS:
-                if (stop and arg.requires_grad) or arg.layout is not torch.strided:
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                if (stop and arg.requires_grad) or arg.layout is not _STRIDED:
                     return None
                 start = arg.data_ptr()
                 starts.append(start)
-                key += (arg.shape, arg.stride(), arg.dtype, arg.device, start & 15,
-                        arg.requires_grad)
+                append((arg.shape, arg.stride(), arg.dtype, arg.device, start & 15,
+                        arg.requires_grad))
             elif kind in _PLAIN_VALUES:
-                key += (kind, arg)
-            elif (kind is list or kind is tuple) and all(type(a) in _PLAIN_VALUES for a in arg):
-                key += (kind, tuple(arg))
+                append((kind, arg))
+            elif (kind is list or kind is tuple) and _PLAIN_VALUES.issuperset(map(type, arg)):
+                append((kind, tuple(arg)))
             else:
                 return None
         for name, arg in kwargs.items():
             if type(arg) not in _PLAIN_VALUES:
                 return None
-            key += (name, type(arg), arg)
-        if len(set(starts)) < len(starts):  # which tensors start together (k and v as one)
-            key.append(tuple(starts.index(start) for start in starts))
+            append((name, type(arg), arg))
+        if len(starts) > 1 and len(set(starts)) < len(starts):  # k and v as one tensor, say
+            append(tuple(starts.index(start) for start in starts))
         return tuple(key)
 
     def replayed(self, *args, **kwargs) -> tuple[tuple | None, Any]:
@@ -1104,16 +1179,16 @@ class CallPlans:
         start of a planned operator, which runs its own path when the second is None and
         hands the key to :meth:`plan`."""
         key = self.signature(*args, **kwargs)
-        plan = self.get(key)
-        return key, (plan(*args) if plan is not None else None)
+        plan = self._plans.get(key)
+        if plan is None or _planning.launches is not None or _launch_hooked():
+            return key, None
+        return key, plan.run(*args)
 
     def get(self, key: tuple | None) -> _Plan | None:
         """The plan of ``key`` (None: none yet, a launch hook wants Triton's launches, or the
         caller runs inside a call being planned, which records the launches themselves)."""
         plan = self._plans.get(key)
-        if plan is None or _hooked(knobs.runtime.launch_enter_hook) or \
-                _hooked(knobs.runtime.launch_exit_hook) or \
-                getattr(_planning, "launches", None) is not None:
+        if plan is None or _planning.launches is not None or _launch_hooked():
             return None
         return plan
 
@@ -1121,7 +1196,7 @@ class CallPlans:
         """``call()``, the operator's own path for ``args`` (those given to :meth:`signature`),
         keeping its plan under ``key`` when it is replayable; returns what ``call`` returns (a
         tensor, or a tuple of tensors and Nones)."""
-        if key is None or key in self._plans or getattr(_planning, "launches", None) is not None:
+        if key is None or key in self._plans or _planning.launches is not None:
             return call()
         tries = self._tries.get(key)
         if tries is None:  # a first call compiles and tunes: planned from the second
