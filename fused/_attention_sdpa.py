@@ -136,9 +136,11 @@ def _placeholder(query):
 
 
 def _philox_placeholders(query):
-    """(seed, offset) as torch's cuDNN and efficient kernels give them: 0-d int64 (no dropout
-    here, so never read)."""
-    return tuple(torch.zeros((), dtype=torch.int64, device=query.device) for _ in range(2))
+    """(seed, offset) as torch's cuDNN and efficient kernels give them without dropout: 0-d
+    int64, left unwritten as torch leaves them (no dropout here, so no backward reads them;
+    zeroing them would cost two launches a call)."""
+    return (torch.empty((), dtype=torch.int64, device=query.device),
+            torch.empty((), dtype=torch.int64, device=query.device))
 
 
 def _aten_flash(forward, query, key, value, dropout_p=0.0, is_causal=False,
@@ -146,10 +148,11 @@ def _aten_flash(forward, query, key, value, dropout_p=0.0, is_causal=False,
     out, lse = _sdpa_outputs(forward, query, key, value, is_causal, scale)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_mask)
     # as torch's kernel gives them without dropout: undefined cum_seq (defined ones would
-    # tell torch's backward the batch is nested), a (2,) rng state and a 0-d unused
+    # tell torch's backward the batch is nested), a (2,) rng state and a 0-d unused, both left
+    # unwritten as torch's kernel leaves them without dropout
     return (out, lse, None, None, query.shape[2], key.shape[2],
-            torch.zeros(2, dtype=torch.uint64, device=query.device),
-            torch.zeros((), dtype=torch.uint64, device=query.device),
+            torch.empty(2, dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device),
             _placeholder(query))
 
 
