@@ -169,7 +169,9 @@ def floor_pieces(calls: int, device) -> dict[str, float | str]:
     """What a planned ``gemslib.silu`` of 16x4096 is made of, each piece timed alone beside
     the whole call and torch's: the output's allocation and the compiled launcher's own call
     with fixed arguments (the kernel kept by the calls before). Their sum is what a call made
-    from Python cannot go below."""
+    from Python cannot go below. And what an override adds to that: a Python kernel that only
+    allocates, registered for a throwaway operator and called through the dispatcher as
+    ``enable()``'s overrides are."""
     import torch
     import torch.nn.functional as F
 
@@ -194,10 +196,16 @@ def floor_pieces(calls: int, device) -> dict[str, float | str]:
         runtime.launch_compiled(compiled, stream, args)
 
     synchronize = torch.cuda.synchronize
+    library = torch.library.Library("gemslib_host_probe", "FRAGMENT")
+    library.define("alloc(Tensor x) -> Tensor")
+    library.impl("alloc", lambda t: torch.empty_like(t), "CUDA")
+    dispatched_alloc = torch.ops.gemslib_host_probe.alloc
     return {"torch.empty_like": host_us(lambda: torch.empty_like(x), calls, synchronize),
             "compiled launcher alone": host_us(bare_launch, calls, synchronize),
             "gemslib.silu (planned)": host_us(lambda: gemslib.silu(x), calls, synchronize),
-            "torch F.silu": host_us(lambda: F.silu(x), calls, synchronize)}
+            "torch F.silu": host_us(lambda: F.silu(x), calls, synchronize),
+            "a Python kernel that allocates, through the dispatcher": host_us(
+                lambda: dispatched_alloc(x), calls, synchronize)}
 
 
 def format_markdown(results: dict, header: str) -> str:
