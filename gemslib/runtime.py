@@ -372,7 +372,8 @@ def split_scratch(device: torch.device, n_counters: int,
     run in order, the merging program puts its counter back to 0, and every launch writes its
     parts before reading them, so a decode step allocates and clears nothing (kernels of
     different operators may share them). While a CUDA graph is being captured, fresh ones that
-    belong to the graph."""
+    belong to the graph; kept ones never come from a graph's memory pool (see
+    :func:`_outside_graph_pools`)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return (torch.zeros(n_counters, dtype=torch.int32, device=device),
                 torch.empty(n_floats, dtype=torch.float32, device=device))
@@ -380,12 +381,42 @@ def split_scratch(device: torch.device, n_counters: int,
     key = (device.type, device.index, stream, n_counters, n_floats)
     scratch = _split_scratch_cache.get(key)
     if scratch is None:
-        if len(_split_scratch_cache) >= 64:  # later work on the stream may reuse the memory
+        if len(_split_scratch_cache) >= 64:  # later work may reuse the memory
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # no kernel still uses what is dropped
             _split_scratch_cache.clear()
-        scratch = (torch.zeros(n_counters, dtype=torch.int32, device=device),
-                   torch.empty(n_floats, dtype=torch.float32, device=device))
+
+        def make():
+            return (torch.zeros(n_counters, dtype=torch.int32, device=device),
+                    torch.empty(n_floats, dtype=torch.float32, device=device))
+
+        scratch = _outside_graph_pools(device, make) if device.type == "cuda" else make()
         _split_scratch_cache[key] = scratch
     return scratch
+
+
+def _outside_graph_pools(device: torch.device, make: Callable):
+    """``make()`` run on a thread of its own, its stream synchronised (the zeroing done before
+    any other stream reads the tensors): memory kept across calls must not come from a CUDA
+    graph's private pool, and torch.compile's CUDA-graph trees route every allocation of the
+    thread that warms a graph up to that pool (and then check that the pool holds nothing but
+    the graphs' outputs)."""
+    made: list = []
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                made.append(make())
+                torch.cuda.current_stream().synchronize()
+        except BaseException as err:  # raised again in the caller's thread
+            made.append(err)
+
+    worker = threading.Thread(target=run, name="gemslib-scratch")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def next_power_of_2(n: int) -> int:

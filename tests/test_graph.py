@@ -128,6 +128,33 @@ def test_generate_with_transformers_compile_config():
         fusions["attention"] == 2, fusions
 
 
+def test_a_decode_step_whose_attention_splits_a_long_cache_replays_in_cuda_graphs():
+    """One Qwen2 sequence (q, k, v with biases) in a 320-long static cache, its decode step
+    compiled with reduce-overhead: on a GPU the decode kernel splits the cache over programs
+    that merge through kept scratch memory, which must not come from the CUDA graphs' pool
+    (torch's graph trees check that it holds only their outputs). The steps' logits are
+    eager's."""
+    torch._dynamo.reset()
+    model = _tiny_model(torch.float32, "qwen2")
+    ids = torch.randint(1, 96, (1, 7), device=DEVICE)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True
+        model.generation_config.compile_config = config
+        gemslib.reset_fusion_report()
+        for _ in range(2):  # the second generate replays the recorded graphs
+            cache = transformers.StaticCache(config=model.config, max_cache_len=320)
+            got = model.generate(ids, past_key_values=cache, **kwargs)
+            assert torch.equal(got.sequences, expected.sequences)
+            for step, (logits, reference) in enumerate(zip(got.logits, expected.logits)):
+                error = ((logits - reference).abs().max() / reference.abs().max()).item()
+                assert error <= 1e-4, f"step {step}: max error {error:.2e}"
+    assert gemslib.fusion_report()["attention"] == 2, gemslib.fusion_report()
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
 def test_inductor_modes_keep_the_fusions(mode):
     """The backend takes inductor's modes (reduce-overhead: CUDA graphs on a GPU)."""
