@@ -10,7 +10,9 @@ sequences of a P-token prompt followed by N greedy new tokens, in a cache of L p
 at 2048 valid positions of a 4096-long cache. The ways (``--ways``):
 
 - ``eager``: transformers' dynamic cache;
-- ``enable``: the same under ``with gemslib.enable():``;
+- ``enable``: the same under ``with gemslib.enable():``, its process also timing eager's steps
+  and ``generate()`` in alternation with its own (both host-bound: the host's speed drifts
+  between processes by more than the overrides change);
 - ``static-inductor``: a static cache, the step compiled by transformers' default
   ``CompileConfig`` (inductor, ``mode="reduce-overhead"``: CUDA graphs);
 - ``static-gemslib``: the same with ``CompileConfig(backend="gemslib")``;
@@ -168,7 +170,7 @@ def run_decode_way(job: dict) -> dict:
         figures = result["shapes"].setdefault(key, {})
         try:
             ids = input_ids(spec, batch, prompt, device)
-            with torch.no_grad(), context():
+            with torch.no_grad(), context() as scope:
                 started = time.perf_counter()
                 step, rewind = _step_runner(way, model, ids, cache_len)
                 logits = step().float()
@@ -180,11 +182,15 @@ def run_decode_way(job: dict) -> dict:
                     figures["fusion_report"] = gemslib.fusion_report()
                 # every step at the same fill: the rewind before it, untimed
                 prefill._time_calls(step, device, job["warmup"], before=rewind)
-                times = prefill._time_calls(step, device, job["reps"], before=rewind)
-                rewind()
-                figures["step_ms"] = statistics.median(times)
-                figures["tokens_per_s"], figures["generate_s"] = _generate(way, model, ids, new,
-                                                                          cache_len)
+                if way == "enable":
+                    _time_beside_eager(figures, scope, step, rewind, model, ids, new,
+                                       cache_len, device, job["reps"])
+                else:
+                    times = prefill._time_calls(step, device, job["reps"], before=rewind)
+                    rewind()
+                    figures["step_ms"] = statistics.median(times)
+                    figures["tokens_per_s"], figures["generate_s"] = _generate(
+                        way, model, ids, new, cache_len)
             if key in references:
                 figures.update(prefill._accuracy(logits, references[key]))
             prefill._say(f"{job['model']} {way} {key}: step {figures['step_ms']:.3f} ms, "
@@ -196,6 +202,37 @@ def run_decode_way(job: dict) -> dict:
         prefill._free(device)
         prefill._write(job["result"], result)
     return result
+
+
+ALTERNATIONS = 4  # enable()'s blocks of steps, each followed by a block of eager steps
+
+
+def _time_beside_eager(figures: dict, scope, step, rewind, model, ids, new: int,
+                       cache_len: int, device, reps: int) -> None:
+    """The ``enable`` way's figures, and eager's in the same process, alternately: blocks of
+    steps under ``enable()`` (``scope``, the caller's activation, is closed and opened again
+    per block), each followed by as many eager steps, then ``generate()`` likewise twice each
+    (the faster of each kept). Both are host-bound, and the host's speed drifts between
+    processes by more than the overrides change; in one process it drifts for both alike."""
+    import gemslib
+
+    scope.close()
+    ours, eager = [], []
+    block = max(1, reps // ALTERNATIONS)
+    for _ in range(ALTERNATIONS):
+        with gemslib.enable(scope.ops):
+            ours += prefill._time_calls(step, device, block, before=rewind)
+        eager += prefill._time_calls(step, device, block, before=rewind)
+    rewind()
+    generated, generated_eager = [], []
+    for _ in range(2):
+        with gemslib.enable(scope.ops):
+            generated.append(_generate("enable", model, ids, new, cache_len))
+        generated_eager.append(_generate("eager", model, ids, new, cache_len))
+    figures["step_ms"] = statistics.median(ours)
+    figures["eager_step_ms"] = statistics.median(eager)
+    figures["tokens_per_s"], figures["generate_s"] = max(generated)
+    figures["eager_tokens_per_s"] = max(generated_eager)[0]
 
 
 def _generate(way: str, model, ids, new: int, cache_len: int) -> tuple[float, float]:
@@ -305,6 +342,8 @@ def _row(result: dict, key: str, floor_ms: float | None) -> dict:
             "tokens_per_s": figures.get("tokens_per_s"),
             "first_call_s": figures.get("first_call_s"), "rel_error": figures.get("rel_error"),
             "top1": figures.get("top1"), "fusion_report": figures.get("fusion_report"),
+            "eager_step_ms": figures.get("eager_step_ms"),
+            "eager_tokens_per_s": figures.get("eager_tokens_per_s"),
             "vs_floor": figures["step_ms"] / floor_ms if figures.get("step_ms") and floor_ms
             else None}
 
@@ -328,6 +367,15 @@ def format_markdown(report: dict) -> str:
                     prefill._fmt(row["first_call_s"], ".1f"), prefill._fmt(row["rel_error"], ".2e"),
                     prefill._fmt(row["top1"], ".2f"), str(row["status"]).replace("|", "\\|")])
                     + " |")
+            for row in case["rows"]:
+                if row.get("eager_step_ms") and row.get("step_ms"):
+                    lines.append(
+                        f"\n- {row['way']} beside eager in one process (alternating): step "
+                        f"{row['step_ms']:.3f} ms against {row['eager_step_ms']:.3f} "
+                        f"({row['eager_step_ms'] / row['step_ms']:.2f}x), "
+                        f"{row['tokens_per_s']:.0f} tok/s against "
+                        f"{row['eager_tokens_per_s']:.0f} "
+                        f"({row['tokens_per_s'] / row['eager_tokens_per_s']:.2f}x)")
             for row in case["rows"]:
                 if row.get("fusion_report") is not None:
                     fusions = ", ".join(f"{k} {v}" for k, v in sorted(row["fusion_report"].items()))

@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions(tmp_path):
-    ways = ("eager", "static-gemslib")
+    ways = ("eager", "enable", "static-gemslib")
     done = subprocess.run(
         [sys.executable, "-m", "benchmark", "--models", "--decode", "--tiny", "--model-names",
          "llama3-8b", "--ways", *ways, "--cases", "2x12+3of32", "--reps", "2", "--out",
@@ -41,9 +41,13 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     # the decode step of both layers on gemslib's fusions, attention through its key mask
     assert fusions["attention"] == 2 and fusions["merged_linear"] == 4, fusions
     assert case["floor"]["ms"] > 0 and case["floor"]["cache"] > 0
+    # enable() is also timed against eager in its own process, alternately
+    assert rows["enable"]["eager_step_ms"] > 0 and rows["enable"]["eager_tokens_per_s"] > 0
+    assert rows["eager"]["eager_step_ms"] is None
     markdown = (tmp_path / "decode.md").read_text()
     assert "## Llama-3-8B (tiny), 2 layers, decode B2 12+3 of 32" in markdown
     assert markdown.count("\n| static-gemslib | ") == 1
+    assert markdown.count("- enable beside eager in one process (alternating): step ") == 1
 
 
 @pytest.mark.parametrize("text, case", [("16x128+64", (16, 128, 64, 192)),
