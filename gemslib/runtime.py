@@ -1088,11 +1088,25 @@ class _Plan:
                 lines.append(f"    out{index} = empty_strided(shape{index}, stride{index}, "
                              f"dtype=dtype{index}, device=device)")
             lines.append(f"    p{first_output + index} = out{index}.data_ptr()")
-        first_scratch = first_output + len(self.outputs)
-        for index, (n_counters, n_floats, which, offset) in enumerate(self.scratch):
-            lines.append(f"    p{first_scratch + index} = split_scratch(device, {n_counters}, "
-                         f"{n_floats})[{which}].data_ptr() + {offset}")
         lines.append(f"    stream = {stream}")
+        # each kept scratch pair fetched once: from split_scratch's cache by its key where
+        # that is this stream's (no capture under way), else through split_scratch itself
+        first_scratch = first_output + len(self.outputs)
+        pairs: dict[tuple[int, int], str] = {}
+        for index, (n_counters, n_floats, which, offset) in enumerate(self.scratch):
+            pair = pairs.get((n_counters, n_floats))
+            if pair is None:
+                pair = pairs[n_counters, n_floats] = f"pair{len(pairs)}"
+                fetch = f"split_scratch(device, {n_counters}, {n_floats})"
+                if "torch_C" in names:
+                    names["scratch_cache"] = _split_scratch_cache
+                    names["capturing"] = torch.cuda.is_current_stream_capturing
+                    lines.append(f"    {pair} = {fetch} if capturing() else scratch_cache.get("
+                                 f"('cuda', {self.device.index}, stream, {n_counters}, "
+                                 f"{n_floats})) or {fetch}")
+                else:
+                    lines.append(f"    {pair} = {fetch}")
+            lines.append(f"    p{first_scratch + index} = {pair}[{which}].data_ptr() + {offset}")
         for n, (compiled, template, slots) in enumerate(self.launches):
             launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
             names[f"launch{n}"], names[f"metadata{n}"] = launch, metadata
