@@ -2,7 +2,8 @@
 # One GPU session in one call: install, test, check, tune, benchmark; logs under $OUT.
 #   bash benchmark/gpu_session.sh [ops-to-tune...]    (SKIP_TESTS=1 skips pytest and the main job,
 #   NO_BENCH=1 the benchmark, FULL=1 runs every shape instead of the headline ones (either run
-#   times the backward kernels too), EXPERIMENT="a b" runs benchmark/experiments/a.py and b.py first)
+#   times the backward kernels too), EXPERIMENT="a b" runs benchmark/experiments/a.py and b.py first,
+#   JOBS the pytest processes, 14 by default: the whole suite in ~6 minutes on the H200)
 # Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT, so
 # no plots: `python -m benchmark.readme $OUT/bench/results.json --plots DIR` draws them anywhere.
 set -u -o pipefail
@@ -21,7 +22,8 @@ cat "$OUT/env.log"
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # bounded: a kernel that hangs (a cross-program wait gone wrong) must not eat the whole call
-  timeout "${TEST_TIMEOUT:-360}" python -m pytest -q -p no:cacheprovider --durations=15 2>&1 \
+  timeout "${TEST_TIMEOUT:-440}" python -m pytest -q -n "${JOBS:-14}" -p no:cacheprovider \
+    --durations=15 2>&1 \
     | tee "$OUT/pytest.log" | tail -35 || status=1
   python -m gemslib 2>&1 | tee "$OUT/main.log" || status=1
 fi
