@@ -1,7 +1,7 @@
 """Experiment: an MLP's up half in one Hopper matmul, silu(x @ Wg.T) * (x @ Wu.T), against
 cuBLAS's merged gate|up GEMM followed by gemslib's silu_and_mul (what the backend runs today).
 
-    python -m benchmark.experiments.swiglu_gemm [--quick | --decode]
+    python -m benchmark.experiments.swiglu_gemm [--quick | --decode | --counters]
 
 ``_rms_norm_linear_silu_hopper.forward_swiglu`` (the warp-specialised Gluon matmul with its
 SWIGLU epilogue: a stage's gate and up blocks as one 256-wide operand, only the (M, I) result
@@ -14,7 +14,14 @@ question it answers: does dropping the (M, 2I) write and the silu_and_mul pass (
 4096: 310 MB read + 155 MB written, ~0.11 ms at the copy rate) pay more than the matmul loses
 against cuBLAS? ``--decode``: M 1 and 16, the split-K Triton kernel (as linear_swiglu, the
 config in use) against cuBLAS's GEMM alone and + silu_and_mul, with the weights' bytes as a
-share of the copy rate. Needs an sm_90 GPU. Results: benchmark/NOTES.md.
+share of the copy rate. ``--counters``: the fused kernel and cuBLAS's GEMM at Llama-3-8B's
+M 4096, a few calls each inside NVTX ranges, for Nsight Compute to read their counters (L2 and
+DRAM throughput, tensor-pipe activity, warp stalls):
+
+    ncu --clock-control none --nvtx --nvtx-include "swiglu/" --nvtx-include "cublas/" \\
+        --set full -c 4 -o swiglu python -m benchmark.experiments.swiglu_gemm --counters
+
+Needs an sm_90 GPU. Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
@@ -112,12 +119,36 @@ def run_decode(rows=(1, 16)) -> None:
                   f"alone)  rel. error {error:.2e}", flush=True)
 
 
+def run_counters(name: str = "llama3-8b", m: int = 4096, calls: int = 2) -> None:
+    """``calls`` of the fused kernel and of cuBLAS's GEMM at one shape, after a warm-up, each
+    call in an NVTX range of its own (``swiglu`` / ``cublas``) for ncu's ``--nvtx-include``."""
+    from gemslib.fused import _rms_norm_linear_silu_hopper as hopper
+
+    k, inter = SHAPES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # compiled and warm before any range
+        hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+        x @ weight.T
+    torch.cuda.synchronize()
+    for _ in range(calls):
+        with torch.cuda.nvtx.range("swiglu"):
+            hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+        with torch.cuda.nvtx.range("cublas"):
+            x @ weight.T
+    torch.cuda.synchronize()
+    print(f"swiglu_gemm --counters: {name} M{m}, {calls} calls of each", flush=True)
+
+
 def main(argv: list[str]) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("swiglu_gemm: needs an sm_90 GPU", file=sys.stderr)
         return 1
     if "--decode" in argv:
         run_decode()
+    elif "--counters" in argv:
+        run_counters()
     else:
         run(quick="--quick" in argv)
     return 0
