@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -20,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions(tmp_path):
-    ways = ("eager", "enable", "static-gemslib")
+    ways = ("eager", "static-gemslib")
     done = subprocess.run(
         [sys.executable, "-m", "benchmark", "--models", "--decode", "--tiny", "--model-names",
          "llama3-8b", "--ways", *ways, "--cases", "2x12+3of32", "--reps", "2", "--out",
@@ -41,13 +42,53 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     # the decode step of both layers on gemslib's fusions, attention through its key mask
     assert fusions["attention"] == 2 and fusions["merged_linear"] == 4, fusions
     assert case["floor"]["ms"] > 0 and case["floor"]["cache"] > 0
-    # enable() is also timed against eager in its own process, alternately
-    assert rows["enable"]["eager_step_ms"] > 0 and rows["enable"]["eager_tokens_per_s"] > 0
-    assert rows["eager"]["eager_step_ms"] is None
+    assert rows["eager"]["eager_step_ms"] is None  # only the enable way times eager too
     markdown = (tmp_path / "decode.md").read_text()
     assert "## Llama-3-8B (tiny), 2 layers, decode B2 12+3 of 32" in markdown
     assert markdown.count("\n| static-gemslib | ") == 1
-    assert markdown.count("- enable beside eager in one process (alternating): step ") == 1
+
+
+def test_the_enable_way_times_eager_beside_itself_in_alternating_blocks(monkeypatch):
+    """Blocks of steps under enable() (the caller's activation closed first, a new one per
+    block) alternate with blocks of eager steps, and generate() likewise, its first call of
+    each untimed; the figures are the medians (steps) and the faster (generate) of each."""
+    import gemslib
+
+    timeline = []
+
+    def step():
+        timeline.append("enable" if gemslib.is_enabled() else "eager")
+
+    def fake_generate(way, model, ids, new, cache_len, untimed_first=True):
+        timeline.append(("generate", way, gemslib.is_enabled(), untimed_first))
+        return (200.0 if way == "enable" else 100.0) + (0 if untimed_first else 1), 0.5
+
+    monkeypatch.setattr(decode, "_generate", fake_generate)
+    figures = {}
+    scope = gemslib.enable()
+    decode._time_beside_eager(figures, scope, step, lambda: None, None, None, 3, 15,
+                              torch.device("cpu"), reps=8)
+    assert not gemslib.is_enabled() and not scope.active
+    steps = [t for t in timeline if isinstance(t, str)]
+    assert steps == ["enable", "enable", "eager", "eager"] * decode.ALTERNATIONS
+    assert [t for t in timeline if not isinstance(t, str)] == [
+        ("generate", "enable", True, True), ("generate", "eager", False, True),
+        ("generate", "enable", True, False), ("generate", "eager", False, False)]
+    assert figures["step_ms"] > 0 and figures["eager_step_ms"] > 0
+    assert figures["tokens_per_s"] == 201.0 and figures["eager_tokens_per_s"] == 101.0
+
+
+def test_the_enable_row_says_how_it_compares_with_eager_in_one_process():
+    row = {"way": "enable", "status": "ok", "step_ms": 2.0, "tokens_per_s": 300.0,
+           "first_call_s": 1.0, "rel_error": 1e-2, "top1": 1.0, "fusion_report": None,
+           "eager_step_ms": 3.0, "eager_tokens_per_s": 200.0, "vs_floor": 2.0}
+    report = {"command": "c", "copy_gbps": 1000.0, "models": {"m": {
+        "title": "M", "layers": 1, "cases": {"B1 1+1": {
+            "floor": {"ms": 1.0, "bytes": 1e9, "weights": 1e9, "cache": 0.0},
+            "rows": [row]}}}}}
+    markdown = decode.format_markdown(report)
+    assert ("- enable beside eager in one process (alternating): step 2.000 ms against 3.000 "
+            "(1.50x), 300 tok/s against 200 (1.50x)") in markdown
 
 
 @pytest.mark.parametrize("text, case", [("16x128+64", (16, 128, 64, 192)),
