@@ -364,8 +364,8 @@ def current_stream_handle(device_index: int | None) -> int:
 _split_scratch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def split_scratch(device: torch.device, n_counters: int,
-                  n_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_scratch(device: torch.device, n_counters: int, n_floats: int,
+                  stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(arrivals, parts) for a launch whose programs split a reduction and merge it in the last
     program to arrive: ``n_counters`` zeroed int32 counters and ``n_floats`` fp32 of room for
     the partial results. Kept per device, stream and size and reused: launches on one stream
@@ -373,24 +373,25 @@ def split_scratch(device: torch.device, n_counters: int,
     parts before reading them, so a decode step allocates and clears nothing (kernels of
     different operators may share them). While a CUDA graph is being captured, fresh ones that
     belong to the graph; kept ones never come from a graph's memory pool (see
-    :func:`_outside_graph_pools`)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    :func:`_outside_graph_pools`). ``stream``: the current stream's handle, where the caller
+    has it already."""
+    def make():
         return (torch.zeros(n_counters, dtype=torch.int32, device=device),
                 torch.empty(n_floats, dtype=torch.float32, device=device))
-    stream = current_stream_handle(device.index) if device.type == "cuda" else 0
+
+    cuda = device.type == "cuda"
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return make()
+    if stream is None:
+        stream = current_stream_handle(device.index) if cuda else 0
     key = (device.type, device.index, stream, n_counters, n_floats)
     scratch = _split_scratch_cache.get(key)
     if scratch is None:
         if len(_split_scratch_cache) >= 64:  # later work may reuse the memory
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize()  # no kernel still uses what is dropped
             _split_scratch_cache.clear()
-
-        def make():
-            return (torch.zeros(n_counters, dtype=torch.int32, device=device),
-                    torch.empty(n_floats, dtype=torch.float32, device=device))
-
-        scratch = _outside_graph_pools(device, make) if device.type == "cuda" else make()
+        scratch = _outside_graph_pools(device, make) if cuda else make()
         _split_scratch_cache[key] = scratch
     return scratch
 
@@ -1089,23 +1090,16 @@ class _Plan:
                              f"dtype=dtype{index}, device=device)")
             lines.append(f"    p{first_output + index} = out{index}.data_ptr()")
         lines.append(f"    stream = {stream}")
-        # each kept scratch pair fetched once: from split_scratch's cache by its key where
-        # that is this stream's (no capture under way), else through split_scratch itself
+        # each kept scratch pair fetched once, for the stream at hand
         first_scratch = first_output + len(self.outputs)
         pairs: dict[tuple[int, int], str] = {}
+        on_stream = ", stream" if "torch_C" in names else ""
         for index, (n_counters, n_floats, which, offset) in enumerate(self.scratch):
             pair = pairs.get((n_counters, n_floats))
             if pair is None:
                 pair = pairs[n_counters, n_floats] = f"pair{len(pairs)}"
-                fetch = f"split_scratch(device, {n_counters}, {n_floats})"
-                if "torch_C" in names:
-                    names["scratch_cache"] = _split_scratch_cache
-                    names["capturing"] = torch.cuda.is_current_stream_capturing
-                    lines.append(f"    {pair} = {fetch} if capturing() else scratch_cache.get("
-                                 f"('cuda', {self.device.index}, stream, {n_counters}, "
-                                 f"{n_floats})) or {fetch}")
-                else:
-                    lines.append(f"    {pair} = {fetch}")
+                lines.append(f"    {pair} = split_scratch(device, {n_counters}, {n_floats}"
+                             f"{on_stream})")
             lines.append(f"    p{first_scratch + index} = {pair}[{which}].data_ptr() + {offset}")
         for n, (compiled, template, slots) in enumerate(self.launches):
             launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
@@ -1198,7 +1192,7 @@ class CallPlans:
         starts = []
         for arg in args:
             kind = type(arg)
-            if kind is torch.Tensor or kind is torch.nn.Parameter:
+            if kind in _PLAIN_TENSORS:
                 if (stop and arg.requires_grad) or arg.layout is not _STRIDED:
                     return None
                 start = arg.data_ptr()
@@ -1224,10 +1218,8 @@ class CallPlans:
         start of a planned operator, which runs its own path when the second is None and
         hands the key to :meth:`plan`."""
         key = self.signature(*args, **kwargs)
-        plan = self._plans.get(key)
-        if plan is None or _planning.launches is not None or _launch_hooked():
-            return key, None
-        return key, plan.run(*args)
+        plan = self.get(key)
+        return key, (plan.run(*args) if plan is not None else None)
 
     def get(self, key: tuple | None) -> _Plan | None:
         """The plan of ``key`` (None: none yet, a launch hook wants Triton's launches, or the
