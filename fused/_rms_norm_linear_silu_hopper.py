@@ -45,6 +45,8 @@ STAGES = 3         # 3 x (16 + 32) KB of operands, and the epilogue's conversion
 GROUP_M = 8
 SWIGLU_BLOCK_N = 128  # output columns of a SwiGLU tile: a gate and an up block per stage
 MIN_ROWS = 128     # below, the Triton kernel's small-M tiles stream W better
+MIN_WAVES = 4      # tiles per SM below which a persistent program's tail and the epilogues
+                   # cost more than cuBLAS's split tiles lose (benchmark/NOTES.md)
 SCALE_BLOCK = 1024  # x elements per step of the pre-pass
 
 ROWS = gl.constexpr(TILE_ROWS)
@@ -215,29 +217,48 @@ def _shared_layouts(dtype: torch.dtype, block_n: int = BLOCK_N):
             gl.NVMMASharedLayout.get_default_for([block_n, BLOCK_K], element))
 
 
+def tiles(n_rows: int, weight_rows: int) -> int:
+    """The matmul's 128 x 256 tiles for (n_rows, K) rows against a (weight_rows, K) weight
+    (a SwiGLU tile's 256 weight rows are 128 gate and 128 up rows)."""
+    return runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(weight_rows, BLOCK_N)
+
+
+def fills_the_gpu(n_rows: int, weight_rows: int, multiprocessors: int) -> bool:
+    """Whether the product has MIN_WAVES tiles per SM at least: with fewer, the persistent
+    programs idle through the last wave and every tile's epilogue, and cuBLAS between
+    gemslib's norm and activation kernels is faster (0.16-0.6x at 128-512 rows of a
+    tensor-parallel quarter on the H200)."""
+    return tiles(n_rows, weight_rows) >= MIN_WAVES * multiprocessors
+
+
 def eligible(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``forward`` takes x as (M, K) rows with this (N, K) weight: CUDA sm_90, fp16 or
-    bf16, M >= MIN_ROWS, and a weight TMA can address (16-byte aligned base and rows)."""
+    bf16, M >= MIN_ROWS, a weight TMA can address (16-byte aligned base and rows), and
+    enough tiles to fill the GPU (``fills_the_gpu``)."""
     if not x_rows.is_cuda or x_rows.dtype not in _GL_DTYPES or x_rows.shape[0] < MIN_ROWS or \
             torch.cuda.get_device_capability(x_rows.device) != (9, 0):
         return False
     # x * g is written with rows of K elements, which TMA reads too: K in whole 16 bytes
-    return layout.tma_addressable(weight) and weight.shape[1] * weight.element_size() % 16 == 0
+    return layout.tma_addressable(weight) and weight.shape[1] * weight.element_size() % 16 == 0 \
+        and fills_the_gpu(x_rows.shape[0], weight.shape[0],
+                          runtime.multiprocessor_count(x_rows.get_device()))
 
 
 def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a graph rewrite should hand a site of these (fake) x (M, K) and weight values
     to a fused op of this path (rms_norm_linear_silu, linear_swiglu): on CUDA where the call
-    will take it (static M >= MIN_ROWS, fp16 or bf16, one dtype, sm_90: what is known before
-    the weights' alignment), since below it cuBLAS streams the weights faster than the Triton
-    kernels do; without CUDA (the interpreter, where the rewrites are tested) at the same rows
-    in any kernel dtype."""
+    will take it (static M >= MIN_ROWS with enough tiles to fill the GPU, fp16 or bf16, one
+    dtype, sm_90: what is known before the weights' alignment), since elsewhere cuBLAS and
+    gemslib's norm and activation kernels are faster than the fused op's other forms; without
+    CUDA (the interpreter, where the rewrites are tested) at the same rows in any kernel
+    dtype."""
     rows = x.shape[0]
     if not isinstance(rows, int) or rows < MIN_ROWS or weight.dtype != x.dtype:
         return False
     if x.device.type != "cuda":
         return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return x.dtype in _GL_DTYPES and torch.cuda.get_device_capability(x.device) == (9, 0)
+    return x.dtype in _GL_DTYPES and torch.cuda.get_device_capability(x.device) == (9, 0) and \
+        fills_the_gpu(rows, weight.shape[0], runtime.multiprocessor_count(x.device.index or 0))
 
 
 def _scale_rows(x_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float):
@@ -258,8 +279,8 @@ def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, swiglu,
     xg_layout, weight_layout = _shared_layouts(scaled.dtype, block_n)
     xg_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], xg_layout)
     weight_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], weight_layout)
-    tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, block_n)
-    programs = min(torch.cuda.get_device_properties(scaled.device).multi_processor_count, tiles)
+    n_tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, block_n)
+    programs = min(runtime.multiprocessor_count(scaled.get_device()), n_tiles)
     _matmul_epilogue[(programs,)](
         xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
         bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=group_m, STAGES=stages,

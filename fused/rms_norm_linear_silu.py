@@ -31,6 +31,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemslib import checks, layout, runtime
+from gemslib.ops import rms_norm as rms_norm_ops
+from gemslib.ops import silu as silu_ops
 from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -138,8 +140,8 @@ def _rms_norm_linear_silu_kernel(
 
 RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
     "rms_norm_linear_silu", "rms_norm_linear_silu", _rms_norm_linear_silu_kernel,
-    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"), launcher_knobs=("USE_TMA",),
-    shape_keys=("rows", "n", "k", "elem_bytes"))
+    tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"),
+    launcher_knobs=("USE_TMA", "VENDOR_GEMM"), shape_keys=("rows", "n", "k", "elem_bytes"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -147,9 +149,11 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 # --------------------------------------------------------------------------------------------
 
 
-# On sm_90, 16-bit inputs with M >= 128 rows take two launches: a pre-pass (x * g and 1/rms)
-# and a warp-specialised Gluon matmul with the r/bias/silu epilogue
-# (_rms_norm_linear_silu_hopper.py); switched off, every call takes the one Triton kernel.
+# On sm_90, 16-bit inputs with M >= 128 rows and enough tiles to fill the GPU take two
+# launches: a pre-pass (x * g and 1/rms) and a warp-specialised Gluon matmul with the
+# r/bias/silu epilogue (_rms_norm_linear_silu_hopper.py); switched off, every call goes by its
+# config: the one Triton kernel, or with VENDOR_GEMM 1 three kernels (gemslib's rms_norm,
+# torch's matmul, gemslib's silu) where cuBLAS streams W faster than the Triton kernel can.
 HOPPER_PATH = runtime.KernelPath("rms_norm_linear_silu", "the pre-pass and Gluon matmul on sm_90")
 
 
@@ -175,6 +179,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     shape = (n_rows, n_out, n_in, x.element_size())
     config = RMS_NORM_LINEAR_SILU.planned_config(shape)
     meta = config.meta_dict
+    if meta["VENDOR_GEMM"]:
+        normed = rms_norm_ops._forward(x_rows, norm_weight, eps, False)[0]
+        projected = torch.nn.functional.linear(normed, weight, bias)
+        silu_ops._launch_elementwise(silu_ops.SILU_FWD, [projected], out_rows)
+        return out
     tma = bool(meta["USE_TMA"]) and _tma_ready(weight)
     # the descriptor's block and the split scratch follow the config: the launch uses it
     if tma:
@@ -336,13 +345,12 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
     fused path takes the site."""
     from gemslib.fused.merged_linear import _projection
     from gemslib.graph import call_node, live_users
-    from gemslib.ops.silu import _silu_source
 
     sites = []
     for act in list(graph.nodes):
         if act.op != "call_function" or not isinstance(act.meta.get("val"), torch.Tensor):
             continue
-        source = _silu_source(act)
+        source = silu_ops._silu_source(act)
         if source is None:
             continue
         mm = source.args[0] if source.target in (torch.ops.aten.reshape.default,
@@ -447,19 +455,22 @@ TUNING = (
         RMS_NORM_LINEAR_SILU,
         # matmul tiles for large M
         tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "USE_TMA": t,
-               "SPLIT_K": 1, "num_warps": w, "num_stages": s}
+               "SPLIT_K": 1, "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
               for m, n, k in ((128, 128, 64), (128, 256, 64), (64, 256, 64), (128, 128, 128))
               for t in (0, 1) for w in (4, 8) for s in (3, 4))
         # decode tiles: 16 rows, narrow column tiles, long K steps (16-32 columns were 1.5-2.5x
         # slower on the H200)
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "USE_TMA": t,
-                 "SPLIT_K": 1, "num_warps": w, "num_stages": s}
+                 "SPLIT_K": 1, "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
                 for n, k in ((64, 128), (64, 256), (128, 128))
                 for t in (0, 1) for w in (2, 4) for s in (3, 4))
         # decode with K split into SPLIT_K ranges: more programs in flight over W
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 128, "GROUP_M": 1, "USE_TMA": t,
-                 "SPLIT_K": split, "num_warps": w, "num_stages": 3}
-                for n in (64, 128) for split in (2, 4, 8) for t in (0, 1) for w in (2, 4)),
+                 "SPLIT_K": split, "VENDOR_GEMM": 0, "num_warps": w, "num_stages": 3}
+                for n in (64, 128) for split in (2, 4, 8) for t in (0, 1) for w in (2, 4))
+        # the three-kernel form (its tile keys unused)
+        + ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "USE_TMA": 0,
+            "SPLIT_K": 1, "VENDOR_GEMM": 1, "num_warps": 4, "num_stages": 3},),
         (TuneBucket({"rows": 16, "elem_bytes": 2}, "M1 + M16 N14336 K4096", _tune_problem((1, 16))),
          TuneBucket({"rows": 64, "elem_bytes": 2}, "M64 N14336 K4096", _tune_problem((64,))),
          TuneBucket({"elem_bytes": 2}, "M4096 N14336 K4096", _tune_problem((4096,))),

@@ -28,6 +28,8 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
+from gemslib.ops import rms_norm as rms_norm_ops
+from gemslib.ops import silu as silu_ops
 from gemslib.graph import call_node, live_users
 from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
@@ -144,10 +146,13 @@ def _rms_norm_swiglu_kernel(
                  b_out.to(out_ptr.dtype.element_ty), mask=m_tile)
 
 
+# VENDOR_GEMM 1 in a config: calls of that size run the three-kernel form instead (gemslib's
+# rms_norm, torch's matmul, gemslib's silu_and_mul), where cuBLAS streams W faster than
+# this kernel can
 RMS_NORM_SWIGLU = runtime.TunedKernel(
     "rms_norm_swiglu", "rms_norm_swiglu", _rms_norm_swiglu_kernel,
     tunables=("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K"),
-    shape_keys=("rows", "n", "k", "elem_bytes"))
+    launcher_knobs=("VENDOR_GEMM",), shape_keys=("rows", "n", "k", "elem_bytes"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,8 +160,8 @@ RMS_NORM_SWIGLU = runtime.TunedKernel(
 # --------------------------------------------------------------------------------------------
 
 
-# On sm_90, 16-bit inputs with M >= 128 rows take the pre-pass and the Gluon matmul's SwiGLU
-# form; switched off, every call takes the Triton kernel.
+# On sm_90, 16-bit inputs with M >= 128 rows and enough tiles to fill the GPU take the
+# pre-pass and the Gluon matmul's SwiGLU form; switched off, every call goes by its config.
 HOPPER_PATH = runtime.KernelPath("rms_norm_swiglu", "the pre-pass and Gluon matmul on sm_90")
 
 
@@ -183,6 +188,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
     shape = (n_rows, n_out, n_in, x.element_size())
     config = RMS_NORM_SWIGLU.planned_config(shape)
     meta = config.meta_dict
+    if meta["VENDOR_GEMM"]:
+        normed = rms_norm_ops._forward(x_rows, norm_weight, eps, False)[0] if normalize \
+            else x_rows
+        silu_ops._launch_silu_and_mul(torch.nn.functional.linear(normed, weight), out_rows)
+        return out
     n_tiles = runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"])
     if meta["SPLIT_K"] > 1:
         # whole BLOCK_K steps per split
@@ -448,7 +458,7 @@ TUNING = (
         RMS_NORM_SWIGLU,
         # two accumulators per tile: the register budget of one twice as wide
         tuple({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "SPLIT_K": 1,
-               "num_warps": w, "num_stages": s}
+               "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
               for m, n, k in ((128, 64, 64), (128, 128, 64), (64, 128, 64), (128, 64, 128))
               for w in (4, 8) for s in (3, 4))
         # decode: 16 rows, narrow column tiles, long K steps, K split over more programs
@@ -456,9 +466,12 @@ TUNING = (
         # gate | up weight at 81% of the copy rate; the K-long tiles read longer runs of
         # each weight row)
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "SPLIT_K": split,
-                 "num_warps": w, "num_stages": s}
+                 "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
                 for n, k in ((32, 128), (64, 128), (64, 256), (32, 256), (16, 512), (32, 512))
-                for split in (1, 2, 4, 8) for w in (4, 8) for s in (3, 4)),
+                for split in (1, 2, 4, 8) for w in (4, 8) for s in (3, 4))
+        # the three-kernel form (its tile keys unused)
+        + ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1,
+            "VENDOR_GEMM": 1, "num_warps": 4, "num_stages": 3},),
         # decode by width: a tensor-parallel quarter or half of an MLP has a quarter or half
         # of the column tiles, so it wants more of K split (Llama-3-8B's I over 4 and 2)
         (TuneBucket({"rows": 64, "n": 4864, "elem_bytes": 2}, "M1 + M16 I3584 K4096",

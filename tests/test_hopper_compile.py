@@ -133,10 +133,12 @@ def _split_softmax(x, chunk):
 
 def _fused_with_weight_descriptor(x, norm_weight, weight, split_k=1):
     config = runtime.LaunchConfig((("BLOCK_M", 128), ("BLOCK_N", 128), ("BLOCK_K", 64),
-                                   ("GROUP_M", 8), ("USE_TMA", 1), ("SPLIT_K", 1)), 8, 3)
+                                   ("GROUP_M", 8), ("USE_TMA", 1), ("SPLIT_K", 1),
+                                   ("VENDOR_GEMM", 0)), 8, 3)
     if split_k > 1:  # the decode form: 16-row tiles, K split
         config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 64), ("BLOCK_K", 128),
-                                       ("GROUP_M", 1), ("USE_TMA", 1), ("SPLIT_K", split_k)), 2, 3)
+                                       ("GROUP_M", 1), ("USE_TMA", 1), ("SPLIT_K", split_k),
+                                       ("VENDOR_GEMM", 0)), 2, 3)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
 
@@ -331,12 +333,15 @@ def _launches_of_every_bucket(monkeypatch, config_file: str):
                 itemsize = torch.empty((), dtype=dtype).element_size()
                 if bound.get("elem_bytes", itemsize) < itemsize:
                     continue  # this bucket never serves the dtype
+                meta = bucket.configs[0].meta_dict
+                if ("CHUNK" in meta and not meta["CHUNK"]) or meta.get("VENDOR_GEMM"):
+                    # the kernel never runs for this bucket: CHUNK 0, its rows are not split;
+                    # VENDOR_GEMM 1, torch's matmul between gemslib's norm and activation
+                    continue
                 shape = {**_UNBOUNDED, **bound, "elem_bytes": itemsize}
                 found = []
                 with tuned.forced(bucket.configs[0]):
                     _SAMPLES[key](_tensors_of(dtype), shape)
-                if "CHUNK" in bucket.configs[0].meta_dict and not bucket.configs[0].meta_dict["CHUNK"]:
-                    continue  # CHUNK 0: rows of this bucket are not split, the kernel never runs
                 assert found, f"{key} bucket {index} ({dtype}): the sample launched nothing"
                 covered.append((key, index, dtype))
     return list(launches.values()), covered

@@ -70,7 +70,8 @@ def test_group_order_covers_every_tile():
     last group, and each output tile written exactly once (NaN-filled output otherwise)."""
     inputs = _inputs((100, 32), 70, torch.float32)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 3), ("USE_TMA", 0), ("SPLIT_K", 1)), 4, 1)
+                                   ("GROUP_M", 3), ("USE_TMA", 0), ("SPLIT_K", 1),
+                                   ("VENDOR_GEMM", 0)), 4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
 
@@ -83,7 +84,8 @@ def test_both_weight_load_paths_match_reference(use_tma, dtype):
     inputs = _inputs((37, 40), 70, dtype)
     assert fused_ops._tma_ready(inputs[2])  # so the descriptor case really uses one
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 2), ("USE_TMA", use_tma), ("SPLIT_K", 1)), 4, 1)
+                                   ("GROUP_M", 2), ("USE_TMA", use_tma), ("SPLIT_K", 1),
+                                   ("VENDOR_GEMM", 0)), 4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         _assert_close(gemslib.rms_norm_linear_silu(*inputs), *inputs)
 
@@ -101,7 +103,8 @@ def test_split_k_matches_reference_and_leaves_its_counters_at_zero(x_shape, n_ou
     leave every arrival counter at 0 for the next launch."""
     inputs = _inputs(x_shape, n_out, dtype)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 1), ("USE_TMA", use_tma), ("SPLIT_K", split_k)),
+                                   ("GROUP_M", 1), ("USE_TMA", use_tma), ("SPLIT_K", split_k),
+                                   ("VENDOR_GEMM", 0)),
                                   4, 1)
     with fused_ops.RMS_NORM_LINEAR_SILU.forced(config):
         first = gemslib.rms_norm_linear_silu(*inputs)
@@ -112,6 +115,27 @@ def test_split_k_matches_reference_and_leaves_its_counters_at_zero(x_shape, n_ou
     assert torch.equal(first, third)
     for counters, _ in runtime._split_scratch_cache.values():
         assert not counters.any()
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_a_vendor_gemm_config_runs_norm_matmul_and_silu(dtype, with_bias, monkeypatch):
+    """VENDOR_GEMM 1: gemslib's rms_norm, torch's matmul (with the bias), gemslib's silu into
+    the output; the fused kernel not launched. Within the fused form's bound."""
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 1), ("USE_TMA", 0), ("SPLIT_K", 1),
+                                   ("VENDOR_GEMM", 1)), 4, 1)
+    inputs = _inputs((3, 7, 40), 37, dtype, with_bias)
+    matmuls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *args: matmuls.append(args[2] is not None) or linear(*args))
+    monkeypatch.setattr(fused_ops.RMS_NORM_LINEAR_SILU, "launch",
+                        lambda *args, **kwargs: pytest.fail("the fused kernel was launched"))
+    with fused_ops.RMS_NORM_LINEAR_SILU.forced(config) as shapes:
+        out = gemslib.rms_norm_linear_silu(*inputs)
+    assert shapes == [(21, 37, 40, inputs[0].element_size())] and matmuls == [with_bias]
+    _assert_close(out, *inputs)
 
 
 def test_weight_descriptor_only_where_the_layout_allows():
@@ -134,8 +158,10 @@ HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False), ((4000, 1
 @pytest.mark.parametrize("x_shape,n_out,view", HOPPER_CASES)
 def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_out, view, dtype,
                                                                    with_bias, monkeypatch):
-    """On sm_90 each such call runs the two-launch path (counted): ragged row and column tiles,
-    3-d x, x rows with a stride; elsewhere the Triton kernel gives the same answers."""
+    """On sm_90 each such call runs the two-launch path (counted; the products made small
+    enough to test by asking for no waves of tiles): ragged row and column tiles, 3-d x, x
+    rows with a stride; elsewhere the call's config gives the same answers."""
+    monkeypatch.setattr(fused_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
     x, norm_weight, weight, bias = _inputs(x_shape, n_out, dtype, with_bias)
     if view:  # rows of a wider tensor: the pre-pass reads them in place
         x = random_tensor((*x_shape[:-1], x_shape[-1] + 24), dtype, scale=1.0)[..., :x_shape[-1]]
@@ -148,11 +174,14 @@ def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_ou
     _assert_close(out, x, norm_weight, weight, bias)
 
 
-def test_hopper_path_is_not_offered_what_it_cannot_take():
-    """Too few rows, fp32, a weight TMA cannot address (rows of 100 halves), CPU tensors."""
+def test_hopper_path_is_not_offered_what_it_cannot_take(monkeypatch):
+    """Too few tiles to fill the GPU, too few rows, fp32, a weight TMA cannot address (rows of
+    100 halves), CPU tensors."""
     hopper = fused_ops._rms_norm_linear_silu_hopper
     weight = random_tensor((64, 256), torch.bfloat16)
     rows = random_tensor((256, 256), torch.bfloat16)
+    assert not hopper.eligible(rows, weight)  # 2 tiles
+    monkeypatch.setattr(hopper, "MIN_WAVES", 0)
     assert hopper.eligible(rows, weight) == HOPPER
     assert not hopper.eligible(rows[:hopper.MIN_ROWS - 1], weight)
     assert not hopper.eligible(rows.float(), weight.float())
@@ -278,10 +307,13 @@ class _NormLinearSilu(torch.nn.Module):
 @pytest.mark.parametrize("rows,bias,also_normed,fused", [
     (128, False, False, True), (130, True, False, True), (22, False, False, False),
     (128, False, True, False)], ids=["128-rows", "bias", "22-rows", "normed-used-twice"])
-def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, also_normed, fused):
+def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, also_normed, fused,
+                                                           monkeypatch):
     """backend="gemslib": rms_norm -> linear -> silu becomes one rms_norm_linear_silu where the
-    fused path takes it (the Hopper path's rows and up) and the normalised rows feed nothing
-    else; the result within the dtype's rounding of eager's."""
+    fused path takes it (the Hopper path's rows and up; the tiny product let through however
+    few its tiles) and the normalised rows feed nothing else; the result within the dtype's
+    rounding of eager's."""
+    monkeypatch.setattr(fused_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     module = _NormLinearSilu(bias=bias, also_normed=also_normed, dtype=dtype).eval()

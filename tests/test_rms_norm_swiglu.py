@@ -112,7 +112,7 @@ def test_group_order_covers_every_tile():
     last group, and each output tile written exactly once."""
     inputs = _inputs((100, 32), 70, torch.float32)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 3), ("SPLIT_K", 1)), 4, 1)
+                                   ("GROUP_M", 3), ("SPLIT_K", 1), ("VENDOR_GEMM", 0)), 4, 1)
     with swiglu_ops.RMS_NORM_SWIGLU.forced(config):
         _assert_close(gemslib.rms_norm_swiglu(*inputs), *inputs)
 
@@ -124,7 +124,7 @@ def test_split_k_sums_every_split_and_resets_its_counters(split, normalize):
     than K steps allow (8: fewer are launched), several row and column tiles; twice in a row,
     so the arrival counters the last program resets are reused."""
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
-                                   ("GROUP_M", 1), ("SPLIT_K", split)), 4, 1)
+                                   ("GROUP_M", 1), ("SPLIT_K", split), ("VENDOR_GEMM", 0)), 4, 1)
     for rows in (5, 40, 5):
         x, norm_weight, weight = _inputs((rows, 100), 37, torch.float32)
         with swiglu_ops.RMS_NORM_SWIGLU.forced(config) as shapes:
@@ -137,6 +137,45 @@ def test_split_k_sums_every_split_and_resets_its_counters(split, normalize):
         assert shapes == [(rows, 37, 100, 4)]
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("normalize", [True, False], ids=["rms_norm_swiglu", "linear_swiglu"])
+def test_a_vendor_gemm_config_runs_norm_matmul_and_silu_and_mul(dtype, normalize, monkeypatch):
+    """VENDOR_GEMM 1: gemslib's rms_norm (none for linear_swiglu), torch's matmul of the whole
+    [gate | up] weight, gemslib's silu_and_mul into the output; the fused kernel not launched.
+    Within the fused form's bound: the projections' extra rounding is below it."""
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 1), ("SPLIT_K", 1), ("VENDOR_GEMM", 1)), 4, 1)
+    x, norm_weight, weight = _inputs((2, 9, 40), 37, dtype)
+    matmuls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *args: matmuls.append(args[1].shape) or linear(*args))
+    monkeypatch.setattr(swiglu_ops.RMS_NORM_SWIGLU, "launch",
+                        lambda *args, **kwargs: pytest.fail("the fused kernel was launched"))
+    with swiglu_ops.RMS_NORM_SWIGLU.forced(config) as shapes:
+        out = gemslib.rms_norm_swiglu(x, norm_weight, weight) if normalize else \
+            torch.ops.gemslib.linear_swiglu(x, list(weight.chunk(2)))
+    assert shapes == [(18, 37, 40, x.element_size())] and matmuls == [(74, 40)]
+    if normalize:
+        _assert_close(out, x, norm_weight, weight)
+    else:
+        _assert_swiglu_close(out, x.double(), weight, dtype)
+
+
+def test_the_hopper_path_wants_enough_tiles_to_fill_the_gpu():
+    """128 x 256 tiles of (rows, weight rows), at least MIN_WAVES per SM: 4 x 132 on an
+    H200."""
+    hopper = swiglu_ops._rms_norm_linear_silu_hopper
+    assert hopper.tiles(128, 256) == 1 and hopper.tiles(129, 257) == 4
+    assert hopper.tiles(4096, 2 * 14336) == 32 * 112
+    waves = hopper.MIN_WAVES * 132
+    assert hopper.fills_the_gpu(4096, 2 * 14336, 132)  # Llama-3-8B's MLP at 4096 tokens
+    assert not hopper.fills_the_gpu(128, 2 * 2752, 132)  # a quarter of Llama-2-7B's, 128 rows
+    rows = 128 * waves // 4  # 4 column tiles: the bar exactly, and a tile short of it
+    assert hopper.fills_the_gpu(rows, 4 * 256, 132)
+    assert not hopper.fills_the_gpu(rows - 128, 4 * 256, 132)
+
+
 HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False),
                 ((4000, 1024), 2000, True), ((128, 64), 256, False)] if HOPPER else \
     [((130, 64), 40, True)]
@@ -146,9 +185,11 @@ HOPPER_CASES = [((300, 256), 520, False), ((2, 150, 200), 300, False),
 @pytest.mark.parametrize("x_shape,n_out,view", HOPPER_CASES)
 def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_out, view, dtype,
                                                                    monkeypatch):
-    """On sm_90 each such call runs the pre-pass and the SwiGLU matmul (counted): ragged row
-    and column tiles (I not a multiple of the 128-column tile: the last gate block reads up
-    rows into masked columns), 3-d x, x rows with a stride; elsewhere the Triton kernel."""
+    """On sm_90 each such call runs the pre-pass and the SwiGLU matmul (counted; the products
+    made small enough to test by asking for no waves of tiles): ragged row and column tiles
+    (I not a multiple of the 128-column tile: the last gate block reads up rows into masked
+    columns), 3-d x, x rows with a stride; elsewhere the Triton kernel."""
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
     x, norm_weight, weight = _inputs(x_shape, n_out, dtype)
     if view:  # rows of a wider tensor: the pre-pass reads them in place
         x = random_tensor((*x_shape[:-1], x_shape[-1] + 24), dtype, scale=1.0)[..., :x_shape[-1]]
@@ -270,7 +311,9 @@ def test_linear_swiglu_matches_reference(x_shape, n_out, dtype, merged, monkeypa
                         hopper_forward(*args, normalize=normalize))
     out = torch.ops.gemslib.linear_swiglu(x, weights)
     _assert_swiglu_close(out, x.double(), gate_up_weight, dtype)
-    hopper = HOPPER and dtype != torch.float32 and x_shape[0] >= 128
+    hopper = HOPPER and dtype != torch.float32 and x_shape[0] >= 128 and \
+        swiglu_ops._rms_norm_linear_silu_hopper.fills_the_gpu(
+            x_shape[0], 2 * n_out, runtime.multiprocessor_count(x.get_device()))
     assert normalized == ([False] if hopper else [])
 
 
@@ -301,10 +344,12 @@ def _tiny_llama(dtype, layers=2):
 
 @pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
-def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens):
+def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens, monkeypatch):
     """backend="gemslib": each layer's merged gate/up projection and silu_and_mul become one
-    linear_swiglu at the Hopper path's MIN_ROWS or more (the (add_)rms_norm before it stays),
-    none below; logits within the dtype's rounding of eager's, and eager unchanged after."""
+    linear_swiglu at the Hopper path's MIN_ROWS or more (the (add_)rms_norm before it stays;
+    the tiny model's product is let through however few its tiles), none below; logits within
+    the dtype's rounding of eager's, and eager unchanged after."""
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     model = _tiny_llama(dtype)
