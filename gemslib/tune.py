@@ -367,7 +367,12 @@ def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int)
     _, space = tune_spaces(ops)[space_number]
     config, ran = launch_config(space.candidates[candidate]), 0
     for bucket in space.buckets:
-        run = bucket.make(device)
+        try:
+            run = bucket.make(device)
+        except torch.OutOfMemoryError:
+            # the other workers' problems fill the GPU: the timing pass compiles this one
+            torch.cuda.empty_cache()
+            continue
         with space.kernel.forced(config):
             try:
                 run()

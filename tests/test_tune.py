@@ -214,6 +214,22 @@ def test_a_compile_task_runs_its_candidate_on_every_bucket_of_its_space(monkeypa
     assert ran == [(77, 24), (300, 24)]
 
 
+def test_a_compile_task_skips_a_problem_the_memory_cannot_hold(monkeypatch):
+    """Compile workers build their problems side by side: one that runs out of memory is left
+    to the timing pass, and the task goes on with the next bucket."""
+    kernel, space, problem, _ = _toy(monkeypatch)
+
+    def out_of_memory(device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+
+    spaces = [("toy", registry.TuneSpace(kernel, space.candidates, (
+        registry.TuneBucket({"numel": 100}, "n 77", out_of_memory),
+        registry.TuneBucket(None, "n 300", problem(300)))))]
+    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert tune._compile_candidate(None, 0, 2) == 1
+
+
 def test_quick_runs_try_the_configs_in_use_and_the_first_candidates():
     space = next(s for _, s in tune.tune_spaces(["rms_norm"]) if s.kernel.name == "rms_norm_fwd")
     in_use = tune.launch_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16})
