@@ -60,7 +60,8 @@ def cases(quick: bool = False, backward: bool = False):
                    outputs_agree=outputs_close(
                        impls["gemslib"],
                        lambda: fused_ops.rms_norm_linear_silu_reference(
-                           x.float(), norm_weight.float(), weight.float(), None, EPS)))
+                           x.float(), norm_weight.float(), weight.float(), None, EPS),
+                       rtol=1e-2, normwise=True))
         del x, weight
 
 

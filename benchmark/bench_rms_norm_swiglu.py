@@ -76,5 +76,6 @@ def cases(quick: bool = False, backward: bool = False):
                    outputs_agree=outputs_close(
                        impls["gemslib"],
                        lambda: fused_ops.rms_norm_swiglu_reference(
-                           x.float(), norm_weight.float(), weight.float(), EPS)))
+                           x.float(), norm_weight.float(), weight.float(), EPS),
+                       rtol=1e-2, normwise=True))
         del x, weight, gate_weight, up_weight

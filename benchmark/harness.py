@@ -342,13 +342,21 @@ def plot(results: list[Result], ceilings: Ceilings, out_dir: Path, gpu: str) -> 
     return written
 
 
-def outputs_close(ours: Callable, reference: Callable, rtol: float = 2e-2) -> Callable[[], bool]:
+def outputs_close(ours: Callable, reference: Callable, rtol: float = 2e-2,
+                  normwise: bool = False) -> Callable[[], bool]:
     """A check that gemslib's output matches ``reference`` (computed in fp32 from the same
-    inputs: a bf16 eager composition rounds after every op and drifts further than gemslib)."""
+    inputs: a bf16 eager composition rounds after every op and drifts further than gemslib):
+    elementwise (allclose, atol 1e-2), or with ``normwise`` the relative error of the whole
+    output, ||a - b|| <= rtol ||b||, for products over a long K, where a few of a million
+    16-bit outputs always stray past an elementwise bound."""
 
     def check() -> bool:
         a, b = ours(), reference()
         a, b = (a if isinstance(a, torch.Tensor) else a[0]), (b if isinstance(b, torch.Tensor) else b[0])
-        return bool(torch.allclose(a.float(), b.float(), rtol=rtol, atol=1e-2))
+        a, b = a.float(), b.float()
+        if normwise:
+            return bool(torch.isfinite(a).all()) and \
+                (a - b).norm().item() <= rtol * b.norm().item()
+        return bool(torch.allclose(a, b, rtol=rtol, atol=1e-2))
 
     return check

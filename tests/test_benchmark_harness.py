@@ -142,3 +142,20 @@ def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
     (row,) = harness.summarize(results)
     assert row["error"].startswith("output check failed: RuntimeError: kernel does not compile")
     assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0
+
+
+def test_outputs_close_compares_elements_or_the_whole_output():
+    """Elementwise: one output off by 1 fails; normwise (products over a long K): the same
+    output passes, one that is wrong throughout, or not finite, fails."""
+    torch.manual_seed(0)
+    reference = torch.randn(100_000)
+    one_off = reference.clone()
+    one_off[7] += 1.0
+    assert not harness.outputs_close(lambda: one_off, lambda: reference)()
+    assert harness.outputs_close(lambda: one_off, lambda: reference, rtol=1e-2, normwise=True)()
+    assert not harness.outputs_close(lambda: reference * 1.02, lambda: reference, rtol=1e-2,
+                                     normwise=True)()
+    not_finite = reference.clone()
+    not_finite[3] = float("nan")
+    assert not harness.outputs_close(lambda: not_finite, lambda: reference, rtol=1e-2,
+                                     normwise=True)()
