@@ -1,6 +1,8 @@
 """silu(rms_norm(x) @ W.T + b) in one kernel: the normalisation and the activation ride on the
-matmul. (On sm_90, 16-bit inputs with 128 or more rows take the two-launch path of
-_rms_norm_linear_silu_hopper.py instead.)
+matmul. (On sm_90, 16-bit inputs with 128 or more rows and enough tiles to fill the GPU take
+the two-launch path of _rms_norm_linear_silu_hopper.py instead; calls whose config says
+VENDOR_GEMM run gemslib's rms_norm, torch's matmul and gemslib's silu, where cuBLAS outruns
+this kernel.)
 
     out[m, n] = silu(z[m, n]),   z[m, n] = r[m] * sum_k x[m, k] g[k] W[n, k] + b[n],
     r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)

@@ -9,8 +9,10 @@ give the rows' sums of squares, the norm weight scales each x tile as it is load
 for the epilogue; here one x tile feeds two accumulators, the gate and the up tile of the same
 output columns, and only the (M, I) result is written: the (M, 2I) projection and the SwiGLU
 pass over it (what a model's `down(act(gate(x)) * up(x))` costs besides its GEMMs) never
-exist. On sm_90, 16-bit inputs with 128 or more rows take the pre-pass and the Gluon matmul's
-SwiGLU form (_rms_norm_linear_silu_hopper.forward_swiglu).
+exist. On sm_90, 16-bit inputs with 128 or more rows and enough tiles to fill the GPU take the
+pre-pass and the Gluon matmul's SwiGLU form (_rms_norm_linear_silu_hopper.forward_swiglu);
+calls whose config says VENDOR_GEMM run gemslib's rms_norm, torch's matmul and gemslib's
+silu_and_mul, where cuBLAS streams the weights faster than this kernel.
 
 In a compiled model (``backend="gemslib"``) the same kernels run as ``linear_swiglu``, the
 form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``: the graph rewrite below replaces the
