@@ -279,8 +279,8 @@ def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, swiglu,
     xg_layout, weight_layout = _shared_layouts(scaled.dtype, block_n)
     xg_desc = TensorDescriptor.from_tensor(scaled, [TILE_ROWS, BLOCK_K], xg_layout)
     weight_desc = TensorDescriptor.from_tensor(weight, [block_n, BLOCK_K], weight_layout)
-    n_tiles = runtime.cdiv(n_rows, 2 * TILE_ROWS) * runtime.cdiv(n_out, block_n)
-    programs = min(runtime.multiprocessor_count(scaled.get_device()), n_tiles)
+    programs = min(runtime.multiprocessor_count(scaled.get_device()),
+                   tiles(n_rows, weight.shape[0]))
     _matmul_epilogue[(programs,)](
         xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
         bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=group_m, STAGES=stages,

@@ -30,9 +30,9 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
+from gemslib.graph import call_node, live_users
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import silu as silu_ops
-from gemslib.graph import call_node, live_users
 from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
