@@ -777,6 +777,8 @@ class TunedKernel:
     def planned_config(self, shape: Sequence[int]) -> LaunchConfig:
         """The config a call of ``shape`` runs with when the bucket has one (or one is forced);
         for an autotuned bucket, its first candidate (the choice is made at launch)."""
+        if _workload is not None:  # a call routed by its config may launch nothing of ours
+            _workload.launches.append((self, tuple(int(size) for size in shape)))
         if self._forced is not None:
             self._recording.append(tuple(shape))
             return self._forced
@@ -1139,6 +1141,14 @@ class _Plan:
         return names["replay"]
 
 
+class _Route:
+    """A signature's decided path as a Python function (see :meth:`CallPlans.keep`)."""
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable):
+        self.run = run
+
+
 class CallPlans:
     """An operator's eager calls without autograd, decided once per signature and replayed.
 
@@ -1228,6 +1238,16 @@ class CallPlans:
         if plan is None or _planning.launches is not None or _launch_hooked():
             return None
         return plan
+
+    def keep(self, key: tuple | None, run: Callable) -> None:
+        """Make ``run`` the plan of ``key``: later calls of that signature go to ``run`` with
+        their positional arguments (what :meth:`replayed` gives them), skipping the checks and
+        the choice of path. For a call whose decided path is more than gemslib's launches (a
+        vendor GEMM between two planned gemslib operators), which no launch plan can replay;
+        ``run`` must compute the call's result for any arguments of the signature."""
+        if key is not None and len(self._plans) < 1024:
+            self._plans[key] = _Route(run)
+            self._tries.pop(key, None)
 
     def plan(self, key: tuple | None, args: Sequence, call: Callable):
         """``call()``, the operator's own path for ``args`` (those given to :meth:`signature`),
