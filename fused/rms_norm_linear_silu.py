@@ -159,6 +159,33 @@ RMS_NORM_LINEAR_SILU = runtime.TunedKernel(
 HOPPER_PATH = runtime.KernelPath("rms_norm_linear_silu", "the pre-pass and Gluon matmul on sm_90")
 
 
+def _hopper_takes(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    hopper = _rms_norm_linear_silu_hopper
+    return HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight)
+
+
+def _takes_three_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``_launch`` runs rms_norm_linear_silu(x, ., weight) as gemslib's rms_norm,
+    torch's matmul and gemslib's silu (its config's VENDOR_GEMM), inputs validated."""
+    n_out, n_in = weight.shape
+    if x.numel() == 0 or n_out == 0 or n_in == 0:
+        return False
+    x_rows = layout.as_rows(layout.unit_last(x))
+    if _hopper_takes(x_rows, layout.unit_last(weight)):
+        return False
+    config = RMS_NORM_LINEAR_SILU.planned_config((x_rows.shape[0], n_out, n_in,
+                                                  x.element_size()))
+    return bool(config.meta_dict["VENDOR_GEMM"])
+
+
+def _three_kernels(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, eps: float, hopper_on: bool = True) -> torch.Tensor:
+    """The VENDOR_GEMM form through the public, planned operators, for a signature already
+    decided (``rms_norm_linear_silu``'s call plan; ``hopper_on`` is in its key, unused here)."""
+    normed = rms_norm_ops.rms_norm(x, norm_weight, eps)
+    return silu_ops.silu(torch.nn.functional.linear(normed, weight, bias))
+
+
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """(..., N) in x's dtype; inputs validated, on the kernel device, one kernel dtype."""
@@ -172,9 +199,8 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     x_rows = layout.as_rows(layout.unit_last(x))
     weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
-    hopper = _rms_norm_linear_silu_hopper
-    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight):
-        hopper.forward(x_rows, norm_weight.contiguous(), weight,
+    if _hopper_takes(x_rows, weight):
+        _rms_norm_linear_silu_hopper.forward(x_rows, norm_weight.contiguous(), weight,
                        bias.contiguous() if bias is not None else None, eps, out_rows)
         return out
     # elem_bytes: fp32 tiles take twice the shared memory of 16-bit ones
@@ -272,6 +298,9 @@ def _rms_norm_linear_silu_impl(x: torch.Tensor, norm_weight: torch.Tensor, weigh
     return _launch(x, norm_weight, weight, bias, eps)
 
 
+_CALLS = runtime.CallPlans("rms_norm_linear_silu")
+
+
 def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """``silu(F.linear(rms_norm(x, norm_weight, eps), weight, bias))`` in one kernel.
@@ -279,10 +308,18 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     x (..., K), norm_weight (K,), weight (N, K), bias (N,) or None, all of one dtype; returns
     (..., N) in that dtype. Differentiable in every tensor argument (the backward uses torch).
     """
+    # a signature decided to run as three kernels goes straight to them: the checks and the
+    # choice cost more host time than the GPU spends at a tensor-parallel slice's 128 rows
+    key, planned = _CALLS.replayed(x, norm_weight, weight, bias, eps, HOPPER_PATH.on)
+    if planned is not None:
+        return planned
     _check(x, norm_weight, weight, bias)
     eps = checks.as_float("gemslib.rms_norm_linear_silu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, weight, bias):
         return _rms_norm_linear_silu_op(x, norm_weight, weight, bias, eps)
+    if key is not None and runtime.dot_kernel_runs(x) and _takes_three_kernels(x, weight):
+        _CALLS.keep(key, _three_kernels)
+        return _three_kernels(x, norm_weight, weight, bias, eps)
     return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
 
 

@@ -167,6 +167,33 @@ RMS_NORM_SWIGLU = runtime.TunedKernel(
 HOPPER_PATH = runtime.KernelPath("rms_norm_swiglu", "the pre-pass and Gluon matmul on sm_90")
 
 
+def _hopper_takes(x_rows: torch.Tensor, weight: torch.Tensor, normalize: bool) -> bool:
+    hopper = _rms_norm_linear_silu_hopper
+    return HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight) and (
+        normalize or layout.tma_addressable(x_rows))  # unnormalised x is read by TMA
+
+
+def _takes_three_kernels(x: torch.Tensor, gate_up_weight: torch.Tensor) -> bool:
+    """Whether ``_launch`` runs rms_norm_swiglu(x, ., gate_up_weight) as gemslib's rms_norm,
+    torch's matmul and gemslib's silu_and_mul (its config's VENDOR_GEMM), inputs validated."""
+    n_out, n_in = gate_up_weight.shape[0] // 2, gate_up_weight.shape[1]
+    if x.numel() == 0 or n_out == 0 or n_in == 0:
+        return False
+    x_rows = layout.as_rows(layout.unit_last(x))
+    if _hopper_takes(x_rows, layout.unit_last(gate_up_weight), normalize=True):
+        return False
+    config = RMS_NORM_SWIGLU.planned_config((x_rows.shape[0], n_out, n_in, x.element_size()))
+    return bool(config.meta_dict["VENDOR_GEMM"])
+
+
+def _three_kernels(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: torch.Tensor,
+                   eps: float, hopper_on: bool = True) -> torch.Tensor:
+    """The VENDOR_GEMM form through the public, planned operators, for a signature already
+    decided (``rms_norm_swiglu``'s call plan; ``hopper_on`` is in its key, unused here)."""
+    normed = rms_norm_ops.rms_norm(x, norm_weight, eps)
+    return silu_ops.silu_and_mul(torch.nn.functional.linear(normed, gate_up_weight))
+
+
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: torch.Tensor,
             eps: float, normalize: bool = True) -> torch.Tensor:
     """(..., I) in x's dtype; inputs validated, on the kernel device, one kernel dtype. Without
@@ -181,11 +208,10 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
     x_rows = layout.as_rows(layout.unit_last(x))
     weight = layout.unit_last(gate_up_weight)
     out_rows = out.view(n_rows, n_out)
-    hopper = _rms_norm_linear_silu_hopper
-    if HOPPER_PATH.on and hopper is not None and hopper.eligible(x_rows, weight) and (
-            normalize or layout.tma_addressable(x_rows)):  # unnormalised x is read by TMA
-        hopper.forward_swiglu(x_rows, norm_weight.contiguous() if normalize else None, weight,
-                              eps, out_rows, normalize=normalize)
+    if _hopper_takes(x_rows, weight, normalize):
+        _rms_norm_linear_silu_hopper.forward_swiglu(
+            x_rows, norm_weight.contiguous() if normalize else None, weight, eps, out_rows,
+            normalize=normalize)
         return out
     shape = (n_rows, n_out, n_in, x.element_size())
     config = RMS_NORM_SWIGLU.planned_config(shape)
@@ -269,6 +295,9 @@ def _rms_norm_swiglu_impl(x: torch.Tensor, norm_weight: torch.Tensor,
     return _launch(x, norm_weight, gate_up_weight, eps)
 
 
+_CALLS = runtime.CallPlans("rms_norm_swiglu")
+
+
 def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
                     gate_up_weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                     eps: float = 1e-6) -> torch.Tensor:
@@ -295,10 +324,19 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
             # view across two tensors would give the second no gradient
             stacked = end_to_end(pair)
         gate_up_weight = stacked if stacked is not None else torch.cat(pair)
+    # a signature decided to run as three kernels goes straight to them: the checks and the
+    # choice cost more host time than the GPU spends at a tensor-parallel slice's 128 rows
+    key, planned = _CALLS.replayed(x, norm_weight, gate_up_weight, eps, HOPPER_PATH.on)
+    if planned is not None:
+        return planned
     _check(x, norm_weight, gate_up_weight)
     eps = checks.as_float("gemslib.rms_norm_swiglu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, gate_up_weight):
         return _rms_norm_swiglu_op(x, norm_weight, gate_up_weight, eps)
+    if key is not None and runtime.dot_kernel_runs(x) and \
+            _takes_three_kernels(x, gate_up_weight):
+        _CALLS.keep(key, _three_kernels)
+        return _three_kernels(x, norm_weight, gate_up_weight, eps)
     return _rms_norm_swiglu_impl(x, norm_weight, gate_up_weight, eps)
 
 

@@ -138,6 +138,40 @@ def test_a_vendor_gemm_config_runs_norm_matmul_and_silu(dtype, with_bias, monkey
     _assert_close(out, *inputs)
 
 
+def test_a_signature_decided_for_three_kernels_goes_straight_to_them(monkeypatch):
+    """Where call plans apply (off the interpreter), the first call of a signature whose
+    config says VENDOR_GEMM is checked and decided, and the next calls of that signature go
+    to the three kernels with their own tensors, unchecked; another signature (no bias) is
+    decided on its own."""
+    monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(runtime, "dot_kernel_runs", lambda x: True)
+    monkeypatch.setattr(fused_ops, "_takes_three_kernels", lambda x, w: True)
+    checked, routed = [], []
+    check = fused_ops._check
+    monkeypatch.setattr(fused_ops, "_check", lambda *args: checked.append(1) or check(*args))
+    monkeypatch.setattr(fused_ops, "_three_kernels", lambda *args: routed.append(args) or args[0])
+    try:
+        inputs = [_inputs((3, 40), 8, torch.float16, True) for _ in range(3)]
+        outs = [gemslib.rms_norm_linear_silu(*args) for args in inputs]
+        assert len(checked) == 1 and [out is args[0] for out, args in zip(outs, inputs)] == [True] * 3
+        assert [len(args) for args in routed] == [5, 6, 6]
+        assert [args[2] is inputs[i][2] for i, args in enumerate(routed)] == [True] * 3
+        x, norm_weight, weight, _ = inputs[0]
+        gemslib.rms_norm_linear_silu(x, norm_weight, weight)
+        assert len(checked) == 2 and routed[-1][3] is None
+    finally:
+        fused_ops._CALLS.clear()
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_the_three_kernel_form_computes_rms_norm_linear_silu(dtype, with_bias):
+    inputs = _inputs((2, 9, 40), 37, dtype, with_bias)
+    out = fused_ops._three_kernels(*inputs, 1e-6, True)
+    assert out.shape == (2, 9, 37) and out.is_contiguous()
+    _assert_close(out, *inputs)
+
+
 def test_weight_descriptor_only_where_the_layout_allows():
     weight = random_tensor((8, 24), torch.float16)
     assert fused_ops._tma_ready(weight)

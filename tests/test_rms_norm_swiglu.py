@@ -162,6 +162,63 @@ def test_a_vendor_gemm_config_runs_norm_matmul_and_silu_and_mul(dtype, normalize
         _assert_swiglu_close(out, x.double(), weight, dtype)
 
 
+def test_a_signature_decided_for_three_kernels_goes_straight_to_them(monkeypatch):
+    """Where call plans apply (off the interpreter), the first call of a signature whose
+    config says VENDOR_GEMM is checked and decided, and the next calls of that signature go
+    to the three kernels with their own tensors, unchecked; a call that autograd must see
+    has no key, so it is never routed so."""
+    monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(runtime, "dot_kernel_runs", lambda x: True)
+    monkeypatch.setattr(swiglu_ops, "_takes_three_kernels", lambda x, w: True)
+    checked, routed = [], []
+    check = swiglu_ops._check
+    monkeypatch.setattr(swiglu_ops, "_check", lambda *args: checked.append(1) or check(*args))
+    monkeypatch.setattr(swiglu_ops, "_three_kernels", lambda *args: routed.append(args) or args[0])
+    try:
+        inputs = [_inputs((3, 40), 8, torch.float16) for _ in range(3)]
+        outs = [gemslib.rms_norm_swiglu(*args, eps=1e-5) for args in inputs]
+        assert len(checked) == 1 and [out is args[0] for out, args in zip(outs, inputs)] == [True] * 3
+        assert [len(args) for args in routed] == [4, 5, 5] and routed[2][3] == 1e-5
+        gemslib.rms_norm_swiglu(*inputs[0])  # eps 1e-6: another signature
+        assert len(checked) == 2 and routed[-1][3] == 1e-6
+        x, norm_weight, weight = inputs[0]
+        assert swiglu_ops._CALLS.signature(x.requires_grad_(), norm_weight, weight, 1e-5,
+                                           True) is None
+    finally:
+        swiglu_ops._CALLS.clear()
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_the_three_kernel_form_computes_rms_norm_swiglu(dtype):
+    x, norm_weight, weight = _inputs((2, 9, 40), 37, dtype)
+    out = swiglu_ops._three_kernels(x, norm_weight, weight, 1e-6, True)
+    assert out.shape == (2, 9, 37) and out.is_contiguous()
+    _assert_close(out, x, norm_weight, weight)
+
+
+def test_the_decision_follows_the_config():
+    x, _, weight = _inputs((5, 40), 8, torch.float16)
+    for vendor in (0, 1):
+        config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                       ("GROUP_M", 1), ("SPLIT_K", 1), ("VENDOR_GEMM", vendor)),
+                                      4, 1)
+        with swiglu_ops.RMS_NORM_SWIGLU.forced(config) as shapes:
+            assert swiglu_ops._takes_three_kernels(x, weight) is bool(vendor)
+        assert shapes == [(5, 8, 40, 2)]
+    assert not swiglu_ops._takes_three_kernels(x[:0], weight)
+
+
+def test_a_recorded_workload_holds_calls_that_run_as_three_kernels():
+    """gemslib.tune --model tunes the buckets a forward's calls reach: a call its config
+    sends to cuBLAS launches no rms_norm_swiglu kernel, and is recorded all the same."""
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("BLOCK_K", 16),
+                                   ("GROUP_M", 1), ("SPLIT_K", 1), ("VENDOR_GEMM", 1)), 4, 1)
+    x, norm_weight, weight = _inputs((5, 40), 8, torch.float16)
+    with runtime.recording_calls() as calls, swiglu_ops.RMS_NORM_SWIGLU.forced(config):
+        torch.ops.gemslib.rms_norm_swiglu(x, norm_weight, weight, 1e-6)
+    assert ("rms_norm_swiglu.rms_norm_swiglu", (5, 8, 40, 2)) in calls
+
+
 def test_the_hopper_path_wants_enough_tiles_to_fill_the_gpu():
     """128 x 256 tiles of (rows, weight rows), at least MIN_WAVES per SM: 4 x 132 on an
     H200."""
