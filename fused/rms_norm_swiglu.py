@@ -324,20 +324,24 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
             # view across two tensors would give the second no gradient
             stacked = end_to_end(pair)
         gate_up_weight = stacked if stacked is not None else torch.cat(pair)
-    # a signature decided to run as three kernels goes straight to them: the checks and the
-    # choice cost more host time than the GPU spends at a tensor-parallel slice's 128 rows
-    key, planned = _CALLS.replayed(x, norm_weight, gate_up_weight, eps, HOPPER_PATH.on)
+    # a decided signature replays: the checks and the choice cost more host time than the GPU
+    # spends at a tensor-parallel slice's 128 rows or at decode. Three kernels are a kept
+    # route; the Triton kernel's launch a launch plan (the Hopper path's launches are not
+    # TunedKernel launches, so a plan never forms for them and they run their own path)
+    args = (x, norm_weight, gate_up_weight, eps, HOPPER_PATH.on)
+    key, planned = _CALLS.replayed(*args)
     if planned is not None:
         return planned
     _check(x, norm_weight, gate_up_weight)
     eps = checks.as_float("gemslib.rms_norm_swiglu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, gate_up_weight):
         return _rms_norm_swiglu_op(x, norm_weight, gate_up_weight, eps)
-    if key is not None and runtime.dot_kernel_runs(x) and \
-            _takes_three_kernels(x, gate_up_weight):
+    if key is None or not runtime.dot_kernel_runs(x):
+        return _rms_norm_swiglu_impl(x, norm_weight, gate_up_weight, eps)
+    if _takes_three_kernels(x, gate_up_weight):
         _CALLS.keep(key, _three_kernels)
         return _three_kernels(x, norm_weight, gate_up_weight, eps)
-    return _rms_norm_swiglu_impl(x, norm_weight, gate_up_weight, eps)
+    return _CALLS.plan(key, args, lambda: _launch(x, norm_weight, gate_up_weight, eps))
 
 
 def _setup(ctx, inputs, output):

@@ -188,6 +188,16 @@ def test_a_signature_decided_for_three_kernels_goes_straight_to_them(monkeypatch
         swiglu_ops._CALLS.clear()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_repeated_calls_of_one_signature_stay_right(rows):
+    """Fresh inputs of one signature again and again (on a GPU the later calls replay: the
+    split-K kernel's launch plan at decode rows, the three kernels' route at prefill rows)
+    give each input's own result."""
+    for _ in range(4):
+        x, norm_weight, weight = _inputs((rows, 256), 40, torch.float16)
+        _assert_close(gemslib.rms_norm_swiglu(x, norm_weight, weight), x, norm_weight, weight)
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_the_three_kernel_form_computes_rms_norm_swiglu(dtype):
     x, norm_weight, weight = _inputs((2, 9, 40), 37, dtype)
