@@ -308,19 +308,24 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     x (..., K), norm_weight (K,), weight (N, K), bias (N,) or None, all of one dtype; returns
     (..., N) in that dtype. Differentiable in every tensor argument (the backward uses torch).
     """
-    # a signature decided to run as three kernels goes straight to them: the checks and the
-    # choice cost more host time than the GPU spends at a tensor-parallel slice's 128 rows
-    key, planned = _CALLS.replayed(x, norm_weight, weight, bias, eps, HOPPER_PATH.on)
+    # a decided signature replays: the checks and the choice cost more host time than the GPU
+    # spends at a tensor-parallel slice's 128 rows or at decode. Three kernels are a kept
+    # route; the Triton kernel's launch a launch plan (a launch with a TMA descriptor, and the
+    # Hopper path's, which are not TunedKernel launches, never form one: they run their path)
+    args = (x, norm_weight, weight, bias, eps, HOPPER_PATH.on)
+    key, planned = _CALLS.replayed(*args)
     if planned is not None:
         return planned
     _check(x, norm_weight, weight, bias)
     eps = checks.as_float("gemslib.rms_norm_linear_silu", "eps", eps)
     if runtime.wants_custom_op(x, norm_weight, weight, bias):
         return _rms_norm_linear_silu_op(x, norm_weight, weight, bias, eps)
-    if key is not None and runtime.dot_kernel_runs(x) and _takes_three_kernels(x, weight):
+    if key is None or not runtime.dot_kernel_runs(x):
+        return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
+    if _takes_three_kernels(x, weight):
         _CALLS.keep(key, _three_kernels)
         return _three_kernels(x, norm_weight, weight, bias, eps)
-    return _rms_norm_linear_silu_impl(x, norm_weight, weight, bias, eps)
+    return _CALLS.plan(key, args, lambda: _launch(x, norm_weight, weight, bias, eps))
 
 
 def _setup(ctx, inputs, output):
