@@ -341,15 +341,10 @@ def _run_ways(kind, problem, ways, reference, report, device, time_it, out) -> N
 def _graphed_decode(x, layers, shape, cos, sin, positions, caches, seqlens) -> Callable:
     """The gemslib decode step captured in a CUDA graph (warmed up first, on a side stream, so
     every kernel is compiled and every decode plan made before capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            gemslib_stack(x, layers, shape, cos, sin, positions, caches, seqlens)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemslib_stack(x, layers, shape, cos, sin, positions, caches, seqlens)
+    from gemslib import runtime
+
+    graph, out = runtime.captured(
+        lambda: gemslib_stack(x, layers, shape, cos, sin, positions, caches, seqlens))
 
     # the graph reads and writes these tensors' memory: they must outlive it (the caches are
     # this function's own; freed, their memory would go to other tensors while replays write it)

@@ -364,6 +364,24 @@ def current_stream_handle(device_index: int | None) -> int:
 _split_scratch_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def captured(fn: Callable[[], Any], warmup_calls: int = 2) -> tuple[Any, Any]:
+    """(a CUDA graph of one ``fn()`` call, what that call returned): ``warmup_calls`` calls
+    first, on a side stream as torch asks, so every kernel is compiled and tuned and every
+    call plan made before the capture. Replays rewrite the returned tensors' memory; the
+    caller keeps them (and ``fn``'s inputs) alive as long as the graph. Raises what the
+    capture raises (a call that synchronises with the host, say)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def split_scratch(device: torch.device, n_counters: int, n_floats: int,
                   stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(arrivals, parts) for a launch whose programs split a reduction and merge it in the last

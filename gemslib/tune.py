@@ -163,11 +163,8 @@ def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
     warmup, rep = (5, 20) if quick else (10, 50)
 
     def timer(fn: Callable[[], object]) -> float:
-        fn()  # compiles, and leaves nothing for the capture to compile
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
+        try:  # one warm-up call compiles, and leaves nothing for the capture to compile
+            graph, _ = runtime.captured(fn, warmup_calls=1)
         except Exception:  # e.g. a host synchronisation: not capturable
             return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
         return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep,
