@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     # accepted for old command lines, not shown: the backward kernels are timed by default
     direction.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time each call replayed from a CUDA graph: the GPU's time without "
+                             "the host's, as in a captured decode step (a way that cannot be "
+                             "captured is reported as failed)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
                         help="folder for results.json, results.md and the plots "
                              "(default: benchmark/results)")
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.ops and case.op not in args.ops:
                 continue
             print(f"  {case.op} {case.shape} ...", flush=True)
-            results.extend(harness.run_case(case, ceilings))
+            results.extend(harness.run_case(case, ceilings, cuda_graphs=args.cuda_graphs))
             torch.cuda.empty_cache()
     rows = harness.summarize(results)
     print()

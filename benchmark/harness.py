@@ -110,13 +110,38 @@ def roofline(gbps: float | None, tflops: float | None, ceilings: Ceilings) -> st
     return "copy" if gbps is not None else None
 
 
-def run_case(case: Case, ceilings: Ceilings, rounds: int = 3) -> list[Result]:
+def graphed(fn: Callable) -> Callable:
+    """The replay of ``fn``'s call captured in a CUDA graph (:func:`gemslib.runtime.captured`):
+    it launches the call's kernels with no host code between them, so a timing of it is the
+    GPU's time alone, what a captured decode step pays. Raises what the capture raises."""
+    from gemslib import runtime
+
+    graph, out = runtime.captured(fn)
+
+    def replay():
+        graph.replay()
+        return out  # kept with the graph, whose replays write it
+    return replay
+
+
+def run_case(case: Case, ceilings: Ceilings, rounds: int = 3,
+             cuda_graphs: bool = False) -> list[Result]:
     """Time every implementation ``rounds`` times, round-robin, and keep each one's best
-    median: a transient slowdown of the GPU then hits one round, not one implementation."""
+    median: a transient slowdown of the GPU then hits one round, not one implementation.
+    ``cuda_graphs``: time each one's call replayed from a CUDA graph (:func:`graphed`); one
+    that cannot be captured is reported as failed."""
     best: dict[str, float] = {}
     failed: dict[str, str] = {}
-    for _ in range(rounds):
+    fns = dict(case.impls)
+    if cuda_graphs:
         for impl, fn in case.impls.items():
+            try:
+                fns[impl] = graphed(fn)
+            except Exception as err:
+                failed[impl] = (f"no CUDA graph: {type(err).__name__}: "
+                                f"{str(err).splitlines()[0][:80]}")
+    for _ in range(rounds):
+        for impl, fn in fns.items():
             if impl in failed:
                 continue
             try:

@@ -144,6 +144,41 @@ def test_a_failing_case_is_reported_and_does_not_stop_the_run(monkeypatch):
     assert row["peers"]["torch eager"] == 1000.0 and row["gemslib_us"] == 500.0
 
 
+def test_cuda_graphs_time_each_way_captured_and_report_one_that_cannot_be(monkeypatch):
+    """--cuda-graphs: every way is captured once and its replay timed; a way whose capture
+    raises is that way's error, and the others still run."""
+    captured = []
+
+    def fake_graphed(fn):
+        if fn() == "sync":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(fn)
+        return lambda: fn() / 2  # the replay: a number the timing can tell from the call's
+
+    monkeypatch.setattr(harness, "graphed", fake_graphed)
+    monkeypatch.setattr(harness, "median_ms", lambda fn: fn())
+    case = harness.Case("softmax", "8x8", "bf16", bytes_moved=1000,
+                        impls={"gemslib": lambda: 0.5, "torch eager": lambda: 1.0,
+                               "peer": lambda: "sync"})
+    results = {r.impl: r for r in harness.run_case(case, Ceilings(copy_gbps=4250.0),
+                                                   cuda_graphs=True)}
+    assert len(captured) == 2
+    assert results["gemslib"].time_us == 250.0 and results["torch eager"].time_us == 500.0
+    assert results["peer"].time_us is None
+    assert results["peer"].error.startswith("no CUDA graph: RuntimeError: operation not")
+
+
+def test_the_command_line_asks_for_cuda_graphs(fake_gpu, tmp_path, monkeypatch):
+    asked = []
+    run_case = harness.run_case
+    monkeypatch.setattr(harness, "run_case", lambda case, ceilings, cuda_graphs=False: (
+        asked.append(cuda_graphs), run_case(case, ceilings))[1])
+    assert bench_main.main(["--quick", "--no-plot", "--cuda-graphs", "--out", str(tmp_path)]) == 0
+    assert asked and all(asked)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert "--cuda-graphs" in data["command"]
+
+
 def test_outputs_close_compares_elements_or_the_whole_output():
     """Elementwise: one output off by 1 fails; normwise (products over a long K): the same
     output passes, one that is wrong throughout, or not finite, fails."""
