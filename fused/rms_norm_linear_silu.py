@@ -200,6 +200,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
     weight = layout.unit_last(weight)
     out_rows = out.view(n_rows, n_out)
     if _hopper_takes(x_rows, weight):
+        runtime.launched_outside_plans()
         _rms_norm_linear_silu_hopper.forward(x_rows, norm_weight.contiguous(), weight,
                        bias.contiguous() if bias is not None else None, eps, out_rows)
         return out
@@ -311,7 +312,7 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
     # a decided signature replays: the checks and the choice cost more host time than the GPU
     # spends at a tensor-parallel slice's 128 rows or at decode. Three kernels are a kept
     # route; the Triton kernel's launch a launch plan (a launch with a TMA descriptor, and the
-    # Hopper path's, which are not TunedKernel launches, never form one: they run their path)
+    # Hopper path, which launches outside plans, leave their calls to run their own path)
     args = (x, norm_weight, weight, bias, eps, HOPPER_PATH.on)
     key, planned = _CALLS.replayed(*args)
     if planned is not None:

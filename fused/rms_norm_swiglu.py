@@ -209,6 +209,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
     weight = layout.unit_last(gate_up_weight)
     out_rows = out.view(n_rows, n_out)
     if _hopper_takes(x_rows, weight, normalize):
+        runtime.launched_outside_plans()
         _rms_norm_linear_silu_hopper.forward_swiglu(
             x_rows, norm_weight.contiguous() if normalize else None, weight, eps, out_rows,
             normalize=normalize)
@@ -326,8 +327,8 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
         gate_up_weight = stacked if stacked is not None else torch.cat(pair)
     # a decided signature replays: the checks and the choice cost more host time than the GPU
     # spends at a tensor-parallel slice's 128 rows or at decode. Three kernels are a kept
-    # route; the Triton kernel's launch a launch plan (the Hopper path's launches are not
-    # TunedKernel launches, so a plan never forms for them and they run their own path)
+    # route; the Triton kernel's launch a launch plan (the Hopper path launches outside
+    # plans, so its calls run their own path every time)
     args = (x, norm_weight, gate_up_weight, eps, HOPPER_PATH.on)
     key, planned = _CALLS.replayed(*args)
     if planned is not None:

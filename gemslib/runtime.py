@@ -1029,6 +1029,12 @@ def _not_plannable() -> None:
         planning.append(None)
 
 
+def launched_outside_plans() -> None:
+    """For an operator that launches a kernel itself, not through :class:`TunedKernel`: a
+    call being planned then gets no plan (a plan replays only the launches it recorded)."""
+    _not_plannable()
+
+
 def call_plan_counts() -> dict[str, tuple[int, int]]:
     """Per operator or aten override with planned calls: (signatures planned, signatures seen
     but not planned), for reports of which calls replay."""

@@ -577,6 +577,16 @@ def test_inputs_that_start_together_are_planned_apart(off_the_interpreter):
     assert op.fake.direct[-1][1][0] == out.data_ptr() and own_path == [True, True, False, False]
 
 
+def test_a_call_that_launches_outside_plans_is_never_planned(off_the_interpreter):
+    """An operator that launches a kernel itself says so, and its calls keep their own path."""
+    inside = _PlannedOp("inside")
+    outside = _PlannedOp("outside", before=lambda x, out: runtime.launched_outside_plans() or out)
+    for _ in range(5):
+        inside(torch.randn(32))
+        outside(torch.randn(32))
+    assert inside.own_paths == 2 and outside.own_paths == 5
+
+
 def test_an_override_plans_its_calls_below_autograd(off_the_interpreter):
     """enable()'s wrapper plans the calls it serves like an operator does, also for tensors
     that require grad (autograd ran before the wrapper), and still counts them as served."""
