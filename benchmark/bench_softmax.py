@@ -1,4 +1,5 @@
-"""softmax and log_softmax (bf16, last dim) against torch eager, torch.compile and FlagGems.
+"""softmax and log_softmax (bf16, last dim) against torch eager, torch.compile, FlagGems and
+quack (its softmax, forward and backward, at widths divisible by 8; it has no log_softmax).
 
     python -m benchmark --ops softmax log_softmax [--forward-only]
 
@@ -15,7 +16,8 @@ import gemslib
 from benchmark.harness import Case, compiled, optional_peer, outputs_close
 
 QUICK_SHAPES = [(16384, 4096), (1024, 131072), (512, 262144)]
-EXTRA_SHAPES = [(4096, 4096), (2048, 50257), (1, 131072), (65536, 1024), (8192, 32000)]
+EXTRA_SHAPES = [(4096, 4096), (2048, 50257), (1, 131072), (65536, 1024), (8192, 32000),
+                (256, 152064), (4096, 128256)]
 # the Case names cases() yields (python -m benchmark --ops selects among them)
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 DTYPE = torch.bfloat16
@@ -36,8 +38,15 @@ def _grads(fn, x):
     return lambda: torch.autograd.grad(out, leaf, grad, retain_graph=True)
 
 
+def _quack_softmax():
+    """quack's (forward, backward(dy, y)) if it imports, else None."""
+    module = optional_peer("quack.softmax")
+    return None if module is None else (module.softmax_fwd, module.softmax_bwd)
+
+
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
+    quack = _quack_softmax()
     size = torch.finfo(DTYPE).bits // 8
     for rows, cols in QUICK_SHAPES + ([] if quick else EXTRA_SHAPES):
         x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
@@ -50,6 +59,8 @@ def cases(quick: bool = False, backward: bool = False):
                 peer = getattr(flag_gems, op, None)
                 if peer is not None:
                     impls["FlagGems"] = lambda peer=peer: peer(x, -1)
+            if quack and op == "softmax" and cols % 8 == 0:
+                impls["quack"] = lambda: quack[0](x)
             yield Case(op, f"{rows}x{cols}", "bf16", 2 * x.numel() * size, impls,
                        outputs_agree=outputs_close(impls["gemslib"],
                                                    lambda theirs=theirs: theirs(x.float())))
@@ -57,6 +68,9 @@ def cases(quick: bool = False, backward: bool = False):
                 impls = {"gemslib": _grads(lambda t, ours=ours: ours(t, -1), x),
                          "torch eager": _grads(theirs, x),
                          "torch.compile": _grads(compiled(theirs), x)}
+                if quack and op == "softmax" and cols % 8 == 0:
+                    y, dy = torch.softmax(x, -1), torch.randn_like(x)
+                    impls["quack"] = lambda y=y, dy=dy: quack[1](dy, y)
                 yield Case(f"{op}_backward", f"{rows}x{cols}", "bf16", 3 * x.numel() * size, impls)
         del x
 

@@ -226,7 +226,8 @@ def format_table(rows: list[dict], ceilings: Ceilings) -> str:
     return "\n".join([ceiling, *lines])
 
 
-PEER_DISTRIBUTIONS = {"Liger-Kernel": "liger-kernel", "FlagGems": "flag-gems"}
+PEER_DISTRIBUTIONS = {"Liger-Kernel": "liger-kernel", "FlagGems": "flag-gems",
+                      "quack": "quack-kernels"}
 
 
 def environment() -> dict:
