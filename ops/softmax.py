@@ -9,7 +9,9 @@ Rows that fit one block are read once. Wider rows (vocabulary-sized) take an onl
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
 writes the outputs: two reads and one write. A second form for wide rows splits each row over
 several programs that exchange their pieces' statistics and write from registers, one read
-(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). Looped rows that
+(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). On Hopper a third
+form holds each row in shared memory across a cluster of 1-8 CTAs and reads it once
+(``_softmax_hopper.py``; ``softmax_cluster_fwd``'s CLUSTER, 0 where unused). Looped rows that
 start off a 16-byte boundary (odd widths such as 50257) are walked from the boundary before
 them, so that all blocks but the first and last move full vectors (``ALIGN``). exp is
 computed as exp2 with log2(e) folded in.
@@ -30,6 +32,11 @@ import triton.language as tl
 from gemslib import checks, layout, runtime
 from gemslib.layout import LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
+
+try:  # Gluon (triton.experimental) is optional: without it the Triton kernels serve every call
+    from gemslib.ops import _softmax_hopper
+except ImportError:  # pragma: no cover - depends on the Triton build
+    _softmax_hopper = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,6 +319,12 @@ SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
 SOFTMAX_SPLIT_FWD = runtime.TunedKernel("softmax", "softmax_split_fwd", _softmax_split_fwd_kernel,
                                         tunables=("CHUNK",), shape_keys=("rows", "cols"))
 _MAX_CHUNKS = 256  # pieces per row the statistics combine in one block
+# the Hopper path (_softmax_hopper.py): a config's CLUSTER CTAs a row, 0 where it is not used;
+# the Gluon kernel is launched by its own launcher, the config only chooses
+SOFTMAX_CLUSTER_FWD = runtime.TunedKernel(
+    "softmax", "softmax_cluster_fwd",
+    None if _softmax_hopper is None else _softmax_hopper._softmax_cluster_fwd_kernel,
+    tunables=(), launcher_knobs=("CLUSTER",), shape_keys=("rows", "cols"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,6 +392,18 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
         launch(counters, phase=0)
 
 
+def _cluster_config(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int] | None:
+    """(CLUSTER, num_warps) of the Hopper path for rows of this size, or None where the
+    configs do not use it (or it could not hold the row)."""
+    config = SOFTMAX_CLUSTER_FWD.planned_config((n_rows, n_cols))
+    cluster = config.meta_dict["CLUSTER"]
+    if not cluster or _softmax_hopper is None or runtime.INTERPRETER:
+        return None
+    if not _softmax_hopper.fits(n_cols, element_size, cluster, config.num_warps):
+        return None
+    return cluster, config.num_warps
+
+
 def _split_chunk(n_rows: int, n_cols: int) -> int:
     """CHUNK for rows of this size, or 0 where softmax_fwd's one program per row is used."""
     chunk = SOFTMAX_SPLIT_FWD.planned_config((n_rows, n_cols)).meta_dict["CHUNK"]
@@ -400,6 +425,14 @@ def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> to
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
     out = torch.empty_like(moved, dtype=out_dtype, memory_format=torch.contiguous_format)
     n_cols = moved.shape[-1]
+    cluster = _cluster_config(out.numel() // n_cols, n_cols, out.element_size()) \
+        if out.numel() else None
+    if cluster:
+        x_rows, out_rows = layout.as_rows(moved), out.view(-1, n_cols)
+        if _softmax_hopper.eligible(x_rows, out_rows):
+            runtime.launched_outside_plans()
+            _softmax_hopper.forward(x_rows, out_rows, log, *cluster)
+            return out.reshape(()) if x.dim() == 0 else _from_last(out, dim, x.dim())
     chunk = _split_chunk(out.numel() // n_cols, n_cols) if out.numel() else 0
     if chunk:
         _launch_split(layout.as_rows(moved), out.view(-1, n_cols), log, chunk)
@@ -670,6 +703,13 @@ TUNING = (
                       for w in (2, 4, 8, 16)),
               _buckets((({"cols": 32768}, 8192, 32000), ({"cols": 65536}, 2048, 50257),
                         (None, 1024, 131072)), "split")),
+    # CLUSTER 0 is the Triton kernels (as softmax_split_fwd's configs choose them)
+    TuneSpace(SOFTMAX_CLUSTER_FWD,
+              ({"CLUSTER": 0, "num_warps": 8},)
+              + tuple({"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16)),
+              _buckets((({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
+                        ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
+                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)), "split")),
     TuneSpace(SOFTMAX_BWD, _ROW_CANDIDATES,
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
                         ({"cols": 8192}, 16384, 4096), (None, 8192, 32000)), "bwd")),

@@ -294,6 +294,11 @@ _SAMPLES = {
 }
 
 
+# configs that choose a Gluon path (its kernel compiled by its own test below), or 0 for the
+# Triton kernels, whose own buckets cover them
+_GLUON_CHOOSERS = {"softmax.softmax_cluster_fwd"}
+
+
 def _kernel_name(tuned: runtime.TunedKernel) -> str:
     """The Python name of a TunedKernel's jit function (under its triton.heuristics)."""
     fn = tuned.fn
@@ -322,8 +327,11 @@ def _launches_of_every_bucket(monkeypatch, config_file: str):
             found.append(record)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
-    assert set(_SAMPLES) == set(runtime.KERNELS), "every tuned kernel needs a sample call"
+    assert set(_SAMPLES) | _GLUON_CHOOSERS == set(runtime.KERNELS), \
+        "every tuned kernel needs a sample call"
     for key, tuned in sorted(runtime.KERNELS.items()):
+        if key in _GLUON_CHOOSERS:
+            continue
         buckets = (shipped.ops.get(tuned.op, {}).get(tuned.name)
                    or default.ops[tuned.op][tuned.name])
         wanted = _kernel_name(tuned)
@@ -542,3 +550,54 @@ def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
             assert facts["wgmma"] >= 64 // 16, variant
         if variant.startswith("matmul swiglu"):  # gate and up in one instruction per K step
             assert facts["n256"] == facts["wgmma"], variant
+
+
+_SOFTMAX_CLUSTER_COMPILER = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from gemslib.ops import _softmax_hopper as hopper
+report = {}
+for name, size, n_cols, cluster, warps, log in (("bf16", 2, 32000, 1, 8, False),
+                                                ("bf16", 2, 131072, 4, 8, True),
+                                                ("fp16", 2, 50257, 2, 4, False),
+                                                ("fp32", 4, 152064, 8, 16, False)):
+    n_chunks = hopper.n_chunks(n_cols, size, cluster, warps)
+    signature = {"x_ptr": f"*{name}", "y_ptr": f"*{name}", "partial_ptr": "*fp32",
+                 "n_cols": "i32", "stride_x_row": "i32", "stride_y_row": "i32",
+                 "LOG": "constexpr", "VEC": "constexpr", "N_CHUNKS": "constexpr"}
+    aligned = [["tt.divisibility", 16]]  # as torch allocates, and as eligible() demands
+    source = GluonASTSource(hopper._softmax_cluster_fwd_kernel, signature,
+                            {"LOG": log, "VEC": 16 // size, "N_CHUNKS": n_chunks},
+                            attrs={(0,): aligned, (1,): aligned, (2,): aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_ctas": cluster})
+    ptx = compiled.asm["ptx"]
+    report[f"{name} {n_cols} x{cluster} {warps}w"] = {
+        "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+        "slice": hopper.slice_bytes(n_cols, size, cluster, warps), "chunks": n_chunks,
+        "cluster": cluster,
+        "copies16": len(re.findall(r"cp\.async\.cg\.shared\.global [^;]*, 0x10,", ptx)),
+        "stores16": len(re.findall(r"st\.global[.a-z0-9]*\.v4\.b32", ptx)),
+        "barriers": ptx.count("barrier.cluster.arrive.release"),
+        "waits": ptx.count("barrier.cluster.wait.acquire"), "rank": ptx.count("%cluster_ctarank")}
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the softmax tests run this kernel for real")
+def test_softmax_cluster_kernel_compiles_for_sm90():
+    """The Hopper softmax path compiles for a cluster of 1, 2, 4 and 8 CTAs (16- and 32-bit):
+    its slice in shared memory, every copy into it 16 bytes and every output store of a
+    chunk one 16-byte vector a thread (rows off alignment included: they are walked from the
+    boundary before them), and one cluster barrier where the cluster has more than one CTA."""
+    report = _run_compiler(_SOFTMAX_CLUSTER_COMPILER)
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert facts["slice"] <= facts["shared"] <= 232448, variant
+        assert facts["copies16"] == facts["chunks"], variant
+        assert facts["stores16"] == facts["chunks"], variant
+        one_barrier = int(facts["cluster"] > 1)
+        assert facts["barriers"] == facts["waits"] == one_barrier, variant
+        assert facts["rank"] >= one_barrier, variant

@@ -1,5 +1,7 @@
 """softmax / log_softmax: accuracy, any dim, special values, gradients, aten overrides."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,9 +25,19 @@ if ON_GPU:
               ((1024, 3, 64), 0)]
 
 
+@contextlib.contextmanager
 def _split_rows(chunk: int):
-    """Force rows wider than ``chunk`` to be split over programs (0: never split)."""
-    return softmax_ops.SOFTMAX_SPLIT_FWD.forced(runtime.LaunchConfig((("CHUNK", chunk),), 4, 1))
+    """Force rows wider than ``chunk`` to be split over programs (0: never split), the Triton
+    kernels serving every call."""
+    with _cluster_rows(0), softmax_ops.SOFTMAX_SPLIT_FWD.forced(
+            runtime.LaunchConfig((("CHUNK", chunk),), 4, 1)):
+        yield
+
+
+def _cluster_rows(cluster: int, num_warps: int = 8):
+    """Force the Hopper path's CLUSTER CTAs a row (0: the Triton kernels)."""
+    return softmax_ops.SOFTMAX_CLUSTER_FWD.forced(
+        runtime.LaunchConfig((("CLUSTER", cluster),), num_warps, 1))
 
 
 # rows split over programs (shape, last dim, chunk): several pieces per row, a last piece that
@@ -167,6 +179,96 @@ def test_one_launch_form_with_a_single_piece():
             MAX_CHUNKS=2)
         assert counters.tolist() == [0, 0, 0, 0, 0]
     assert_close_to_reference(y, torch.softmax(x.double(), -1), torch.float32, reduction_len=100)
+
+
+# rows held across a Hopper cluster (shape, CLUSTER, num_warps): odd widths whose rows start at
+# every offset from a 16-byte boundary, a single row, more CTAs than the row needs, a row
+# shorter than two vectors (never the Hopper path), 3-d input
+CLUSTER_CASES = [((9, 1003), 2, 4), ((1, 4099), 4, 4), ((3, 300), 8, 4), ((5, 7), 2, 4),
+                 ((2, 3, 2051), 1, 4)]
+if ON_GPU:
+    CLUSTER_CASES += [((8192, 32000), 1, 8), ((1024, 131072), 4, 8), ((64, 262144), 8, 8),
+                      ((256, 152064), 8, 8), ((2048, 50257), 2, 8), ((3, 151936), 4, 16),
+                      ((2, 256000), 8, 4), ((4096, 128256), 4, 8)]
+
+
+def _hopper_launches(monkeypatch) -> list:
+    """The Hopper path's launches from here on, as (CLUSTER, num_warps)."""
+    launches = []
+    forward = softmax_ops._softmax_hopper.forward
+
+    def counted(x_rows, out_rows, log, cluster, num_warps):
+        launches.append((cluster, num_warps))
+        forward(x_rows, out_rows, log, cluster, num_warps)
+
+    monkeypatch.setattr(softmax_ops._softmax_hopper, "forward", counted)
+    return launches
+
+
+def _takes_hopper_path(x: torch.Tensor, cluster: int, num_warps: int) -> bool:
+    return (ON_GPU and torch.cuda.get_device_capability()[0] >= 9
+            and softmax_ops._softmax_hopper.fits(x.shape[-1], x.element_size(), cluster,
+                                                 num_warps))
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,cluster,num_warps", CLUSTER_CASES)
+def test_rows_held_across_a_cluster(monkeypatch, shape, cluster, num_warps, dtype, name):
+    """On Hopper the configured CLUSTER CTAs hold each row (the kernel reads it once); where
+    the path cannot run (the interpreter, a row of fewer than two vectors, a slice over the
+    shared memory) the Triton kernels answer the same call."""
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor(shape, dtype, scale=4.0)
+    launches = _hopper_launches(monkeypatch)
+    with _cluster_rows(cluster, num_warps):
+        result = ours(x, -1)
+    assert launches == ([(cluster, num_warps)] if _takes_hopper_path(x, cluster, num_warps)
+                        else [])
+    assert result.shape == x.shape and result.dtype == dtype
+    assert_close_to_reference(result, reference(x.double(), -1), dtype,
+                              reduction_len=shape[-1])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_rows_held_across_a_cluster_keep_special_values(monkeypatch, name, cluster):
+    """NaN, +inf and rows of only -inf as in torch, wherever in the row (in a partial vector at
+    either end, or in another CTA's slice than the first)."""
+    ours, reference = FUNCTIONS[name]
+    x = random_tensor((7, 5003), torch.bfloat16)
+    x[1, 4998] = float("nan")   # in the row's last partial vector (rows start off alignment)
+    x[2] = -float("inf")
+    x[3, 4000] = float("inf")  # past the first CTA's slice
+    x[4, :4500] = -float("inf")  # whole slices of -inf next to finite ones
+    x[5, 0] = float("nan")      # in the row's first partial vector
+    launches = _hopper_launches(monkeypatch)
+    with _cluster_rows(cluster, 4):
+        result = ours(x, -1)
+    assert len(launches) == (1 if _takes_hopper_path(x, cluster, 4) else 0)
+    expected = reference(x.double(), -1)
+    assert torch.equal(torch.isnan(result), torch.isnan(expected))
+    assert_close_to_reference(result, expected, torch.bfloat16, reduction_len=5003)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_rows_held_across_a_cluster_from_strided_views(monkeypatch, name):
+    """Views whose rows start where the output's do modulo 16 bytes take the Hopper path;
+    others (a base off 16 bytes, row strides that differ modulo it) the Triton kernels. Each
+    gives torch's answer."""
+    ours, reference = FUNCTIONS[name]
+    base = random_tensor((6, 5013), torch.bfloat16, scale=4.0)
+    launches = _hopper_launches(monkeypatch)
+    views = [(base[:, :5005], True),    # row stride 5013 against the output's 5005: 8 apart
+             (base[:, :5000], False),   # 13 apart
+             (base[:, 1:5006], False)]  # a base 2 bytes past the allocation's
+    for view, eligible in views:
+        launches.clear()
+        with _cluster_rows(2, 4):
+            result = ours(view, -1)
+        assert launches == ([(2, 4)] if eligible and _takes_hopper_path(view, 2, 4) else [])
+        assert_close_to_reference(result, reference(view.double(), -1), torch.bfloat16,
+                                  reduction_len=view.shape[-1])
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -1,0 +1,221 @@
+"""Hopper (sm_90) path of ``gemslib.softmax`` / ``log_softmax`` for wide rows: one HBM read.
+
+    m_r = max_j x_j over CTA r's slice,  s_r = sum_j exp(x_j - m_r)
+    m = max_r m_r,  s = sum_r s_r exp(m_r - m),  y_j = exp(x_j - m) / s  (or x_j - m - log s)
+
+One cluster of CLUSTER CTAs (1, 2, 4 or 8: Triton's ``num_ctas``; ``program_id`` is the
+cluster's index, here the row) per row. CTA r (``%cluster_ctarank``) copies its slice of the
+row into shared memory with cp.async, 16 bytes a copy and every copy of the slice in flight at
+once, folds the slice into a running max and rescaled sum per lane as the copies land, writes
+its (m_r, s_r) to a scratch slot of the row in global memory, meets the cluster at a cluster
+barrier (release/acquire: the slots are visible after it), combines the CLUSTER pairs and
+writes its slice's outputs from shared memory. Each thread reads back only the vectors it
+copied. Triton 3.6 cannot reduce across a cluster through distributed shared memory
+(benchmark/NOTES.md, issue 25), hence the two floats a CTA through L2.
+
+Rows are walked from the 16-byte boundary at or before their start (the "window"; window
+position w holds column w - head), so odd widths (50257, 152064) move whole vectors too; the
+at most 2 * (VEC - 1) columns of the partial vectors at a row's two ends are rank 0's, loaded
+and stored one by one. x and y share their dtype, 16-byte aligned bases and row strides equal
+modulo VEC (``eligible``). NaN and infinities as in torch: a NaN or +inf makes the row's sum
+NaN, a row of only -inf has m = -inf and s = 0, so its outputs are NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from gemslib import runtime
+from gemslib.layout import LOG2E
+
+CLUSTERS = (1, 2, 4, 8)        # portable cluster sizes (16 needs a non-portable opt-in)
+MAX_SLICE_BYTES = 200 * 1024   # shared memory a CTA may hold (227 KB on the H200, less scratch)
+
+
+@gluon.constexpr_function
+def _cta_rows(per_thread, num_warps, num_ctas):
+    """A [num_ctas, n] layout whose row r is CTA r's (the cluster split over dim 0), each
+    row over all the CTA's threads, ``per_thread`` consecutive elements a thread."""
+    return gl.BlockedLayout([1, per_thread], [1, 32], [1, num_warps], [1, 0],
+                            cga_layout=[[1 << i, 0] for i in range(num_ctas.bit_length() - 1)])
+
+
+@gluon.constexpr_function
+def _cta_rows_shared(num_ctas):
+    """Shared memory [chunks, num_ctas, n]: CTA r holds [:, r, :]."""
+    return gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0],
+                                   cga_layout=[[1 << i, 0]
+                                               for i in range(num_ctas.bit_length() - 1)])
+
+
+@gluon.constexpr_function
+def _everywhere(num_warps, num_ctas):
+    """A 1-d layout every CTA of the cluster holds whole (for values all of them read)."""
+    return gl.BlockedLayout([1], [32], [num_warps], [0],
+                            cga_layout=[[0]] * (num_ctas.bit_length() - 1))
+
+
+@gluon.jit
+def _cluster_barrier(b_any):
+    """Every thread of the cluster arrives (release) and waits (acquire); ``b_any``: any
+    tensor of one element a thread. Returns a zero the compiler cannot fold, for the loads
+    after the barrier to depend on."""
+    after = gl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
+        "mov.u32 $0, 0;", "=r,r", [b_any], dtype=gl.int32, is_pure=False, pack=1)
+    return gl.max(after, axis=0)
+
+
+@gluon.jit
+def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row, stride_y_row,
+                                LOG: gl.constexpr, VEC: gl.constexpr, N_CHUNKS: gl.constexpr):
+    """Row ``program_id(0)`` of x (rows of n_cols) into y; ``partial_ptr``: 2 * CLUSTER fp32 a
+    row of scratch. Tiles are [CLUSTER, CHUNK], CTA r holding row r: its slice of the row is
+    N_CHUNKS chunks of CHUNK = VEC * 32 * num_warps columns."""
+    CLUSTER: gl.constexpr = gl.num_ctas()
+    TILE: gl.constexpr = _cta_rows(VEC, gl.num_warps(), CLUSTER)
+    EDGE: gl.constexpr = _cta_rows(1, gl.num_warps(), CLUSTER)
+    PER_CTA: gl.constexpr = gl.SliceLayout(1, TILE)
+    CHUNK: gl.constexpr = VEC * 32 * gl.num_warps()
+    SLICE: gl.constexpr = N_CHUNKS * CHUNK
+    slice_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [N_CHUNKS, CLUSTER, CHUNK],
+                                           _cta_rows_shared(CLUSTER))
+    i_row = gl.program_id(0).to(gl.int64)
+    start_x = i_row * stride_x_row
+    head = (start_x % VEC).to(gl.int32)
+    # written as (offset // VEC) * VEC so that the compiler knows they are 16-byte aligned
+    p_x = x_ptr + start_x // VEC * VEC
+    p_y = y_ptr + i_row * stride_y_row // VEC * VEC
+    w_lo = (head + VEC - 1) // VEC * VEC      # the first whole vector of the row
+    w_hi = (head + n_cols) // VEC * VEC       # past its last whole vector
+    o_cta = gl.arange(0, CLUSTER, layout=PER_CTA)
+    o_tile = (o_cta * SLICE)[:, None] + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, TILE))[None, :]
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        async_copy.async_copy_global_to_shared(slice_smem.index(i_chunk), p_x + o_w,
+                                               mask=(o_w >= w_lo) & (o_w < w_hi))
+        async_copy.commit_group()
+
+    # the partial vectors at the row's ends, window [head, w_lo) and [w_hi, head + n_cols):
+    # the first CTA's
+    o_edge_cta = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, EDGE))[:, None]
+    o_edge = gl.arange(0, 2 * VEC, layout=gl.SliceLayout(0, EDGE))[None, :] + 0 * o_edge_cta
+    o_edge_w = gl.where(o_edge < VEC, head + o_edge, w_hi + o_edge - VEC)
+    m_edge = gl.where(o_edge < VEC, o_edge_w < w_lo, o_edge_w < head + n_cols) & (o_edge_cta == 0)
+    b_edge = gl.load(p_x + o_edge_w, mask=m_edge, other=float("-inf")).to(gl.float32)
+
+    b_max = gl.full([CLUSTER, CHUNK], float("-inf"), gl.float32, TILE)
+    b_sum = gl.zeros([CLUSTER, CHUNK], gl.float32, TILE)
+    for i_chunk in gl.static_range(N_CHUNKS):
+        async_copy.wait_group(N_CHUNKS - 1 - i_chunk)
+        o_w = o_tile + i_chunk * CHUNK
+        b_x = gl.where((o_w >= w_lo) & (o_w < w_hi),
+                       slice_smem.index(i_chunk).load(TILE).to(gl.float32), float("-inf"))
+        b_new_max = gl.maximum(b_max, b_x)
+        # lanes still at -inf (nothing of the row yet) keep a zero sum, not exp(-inf + inf)
+        b_sum = gl.where(b_new_max == float("-inf"), 0.0,
+                         b_sum * gl.exp2((b_max - b_new_max) * LOG2E)
+                         + gl.exp2((b_x - b_new_max) * LOG2E))
+        b_max = b_new_max
+    # per CTA ([CLUSTER], CTA r's entry its own): the slice's max and its sum below that max
+    edge_max = gl.convert_layout(gl.max(b_edge, axis=1), PER_CTA)
+    slice_max = gl.maximum(gl.max(b_max, axis=1), edge_max)
+    finite_max = gl.where(slice_max == float("-inf"), 0.0, slice_max)
+    edge_sum = gl.convert_layout(
+        gl.sum(gl.exp2((b_edge - gl.convert_layout(finite_max, gl.SliceLayout(1, EDGE))[:, None])
+                       * LOG2E), axis=1), PER_CTA)
+    slice_sum = gl.sum(b_sum * gl.exp2((b_max - finite_max[:, None]) * LOG2E), axis=1) + edge_sum
+
+    if CLUSTER > 1:
+        p_partial = partial_ptr + i_row * (2 * CLUSTER)
+        gl.store(p_partial + 2 * o_cta, slice_max)
+        gl.store(p_partial + 2 * o_cta + 1, slice_sum)
+        o_rank = gl.arange(0, CLUSTER, layout=_everywhere(gl.num_warps(), CLUSTER))
+        o_rank = o_rank * 2 + _cluster_barrier(o_rank)
+        # .cg: from L2, where the other CTAs' stores are, never a stale L1 line
+        b_rank_max = gl.load(p_partial + o_rank, cache_modifier=".cg")
+        b_rank_sum = gl.load(p_partial + o_rank + 1, cache_modifier=".cg")
+        row_max = gl.max(b_rank_max, axis=0)
+        row_sum = gl.sum(b_rank_sum * gl.exp2((b_rank_max - row_max) * LOG2E), axis=0)
+    else:
+        row_max = gl.max(slice_max, axis=0)
+        row_sum = gl.sum(slice_sum, axis=0)
+    log_sum = gl.log(row_sum)
+    inv_sum = 1.0 / row_sum
+
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        b_x = slice_smem.index(i_chunk).load(TILE).to(gl.float32)
+        if LOG:
+            b_y = b_x - row_max - log_sum
+        else:
+            b_y = gl.exp2((b_x - row_max) * LOG2E) * inv_sum
+        gl.store(p_y + o_w, b_y.to(y_ptr.dtype.element_ty), mask=(o_w >= w_lo) & (o_w < w_hi))
+    if LOG:
+        b_edge_y = b_edge - row_max - log_sum
+    else:
+        b_edge_y = gl.exp2((b_edge - row_max) * LOG2E) * inv_sum
+    gl.store(p_y + o_edge_w, b_edge_y.to(y_ptr.dtype.element_ty), mask=m_edge)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def n_chunks(n_cols: int, element_size: int, cluster: int, num_warps: int) -> int:
+    """Chunks per CTA: the window (the row and up to VEC - 1 columns before it) over the
+    cluster's CTAs, CHUNK = VEC * 32 * num_warps columns a chunk."""
+    vec = 16 // element_size
+    return math.ceil((n_cols + vec - 1) / (vec * 32 * num_warps * cluster))
+
+
+def slice_bytes(n_cols: int, element_size: int, cluster: int, num_warps: int) -> int:
+    """Shared memory one CTA holds its slice in."""
+    return n_chunks(n_cols, element_size, cluster, num_warps) * 16 * 32 * num_warps
+
+
+def fits(n_cols: int, element_size: int, cluster: int, num_warps: int) -> bool:
+    return (cluster in CLUSTERS and n_cols >= 32 // element_size
+            and slice_bytes(n_cols, element_size, cluster, num_warps) <= MAX_SLICE_BYTES)
+
+
+def eligible(x_rows: torch.Tensor, out_rows: torch.Tensor) -> bool:
+    """Whether (rows, n) views ``x_rows`` -> ``out_rows`` (unit last strides) can take this path:
+    a Hopper-or-later GPU, one dtype of 2 or 4 bytes, 16-byte aligned bases and row strides
+    equal modulo 16 bytes (every row of both starts at the same offset from a boundary)."""
+    if runtime.INTERPRETER or x_rows.device.type != "cuda" or x_rows.dtype != out_rows.dtype:
+        return False
+    if x_rows.element_size() not in (2, 4) or x_rows.stride(-1) != 1 or out_rows.stride(-1) != 1:
+        return False
+    vec = 16 // x_rows.element_size()
+    if x_rows.data_ptr() % 16 or out_rows.data_ptr() % 16:
+        return False
+    if (x_rows.stride(0) - out_rows.stride(0)) % vec:
+        return False
+    return _clusters_on(x_rows.device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _clusters_on(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def forward(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, cluster: int,
+            num_warps: int) -> None:
+    """softmax (log_softmax) of the rows of ``x_rows`` into ``out_rows``; the caller checked
+    ``eligible`` and ``fits``."""
+    n_rows, n_cols = x_rows.shape
+    element_size = x_rows.element_size()
+    partials = runtime.split_scratch(x_rows.device, 1, n_rows * cluster * 2)[1]
+    _softmax_cluster_fwd_kernel[(n_rows,)](
+        x_rows, out_rows, partials, n_cols, x_rows.stride(0), out_rows.stride(0),
+        LOG=log, VEC=16 // element_size,
+        N_CHUNKS=n_chunks(n_cols, element_size, cluster, num_warps),
+        num_warps=num_warps, num_ctas=cluster)
