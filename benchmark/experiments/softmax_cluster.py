@@ -173,6 +173,106 @@ def softmax_cluster_persistent(x: torch.Tensor, log: bool = False, cluster: int 
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# The backward on the same plan (not shipped): y and dy of a row held across the cluster, read
+# once each, dx written once.
+#   softmax:     dx = y * (dy - sum_j dy_j y_j)        log_softmax: dx = dy - exp(y) sum_j dy_j
+# --------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _softmax_cluster_bwd_kernel(grad_ptr, y_ptr, dx_ptr, partial_ptr, n_cols, stride_row,
+                                LOG: gl.constexpr, VEC: gl.constexpr, N_CHUNKS: gl.constexpr):
+    """Row ``program_id(0)``: grad, y and dx share one row stride (contiguous rows)."""
+    CLUSTER: gl.constexpr = gl.num_ctas()
+    TILE: gl.constexpr = hopper._cta_rows(VEC, gl.num_warps(), CLUSTER)
+    EDGE: gl.constexpr = hopper._cta_rows(1, gl.num_warps(), CLUSTER)
+    PER_CTA: gl.constexpr = gl.SliceLayout(1, TILE)
+    CHUNK: gl.constexpr = VEC * 32 * gl.num_warps()
+    SLICE: gl.constexpr = N_CHUNKS * CHUNK
+    SHARED: gl.constexpr = hopper._cta_rows_shared(CLUSTER)
+    grad_smem = gl.allocate_shared_memory(grad_ptr.dtype.element_ty, [N_CHUNKS, CLUSTER, CHUNK],
+                                          SHARED)
+    y_smem = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [N_CHUNKS, CLUSTER, CHUNK], SHARED)
+    i_row = gl.program_id(0).to(gl.int64)
+    start = i_row * stride_row
+    head = (start % VEC).to(gl.int32)
+    aligned = start // VEC * VEC
+    w_lo = (head + VEC - 1) // VEC * VEC
+    w_hi = (head + n_cols) // VEC * VEC
+    o_cta = gl.arange(0, CLUSTER, layout=PER_CTA)
+    o_tile = (o_cta * SLICE)[:, None] + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, TILE))[None, :]
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        m_w = (o_w >= w_lo) & (o_w < w_hi)
+        async_copy.async_copy_global_to_shared(grad_smem.index(i_chunk),
+                                               grad_ptr + aligned + o_w, mask=m_w)
+        async_copy.async_copy_global_to_shared(y_smem.index(i_chunk), y_ptr + aligned + o_w,
+                                               mask=m_w)
+        async_copy.commit_group()
+    o_edge_cta = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, EDGE))[:, None]
+    o_edge = gl.arange(0, 2 * VEC, layout=gl.SliceLayout(0, EDGE))[None, :] + 0 * o_edge_cta
+    o_edge_w = aligned + gl.where(o_edge < VEC, head + o_edge, w_hi + o_edge - VEC)
+    m_edge = (gl.where(o_edge < VEC, o_edge_w - aligned < w_lo,
+                       o_edge_w - aligned < head + n_cols) & (o_edge_cta == 0))
+    b_edge_grad = gl.load(grad_ptr + o_edge_w, mask=m_edge, other=0.0).to(gl.float32)
+    b_edge_y = gl.load(y_ptr + o_edge_w, mask=m_edge, other=0.0).to(gl.float32)
+    b_dot = gl.zeros([CLUSTER, CHUNK], gl.float32, TILE)
+    for i_chunk in gl.static_range(N_CHUNKS):
+        async_copy.wait_group(N_CHUNKS - 1 - i_chunk)
+        b_grad = grad_smem.index(i_chunk).load(TILE).to(gl.float32)
+        if LOG:
+            b_dot += b_grad
+        else:
+            b_dot += b_grad * y_smem.index(i_chunk).load(TILE).to(gl.float32)
+    if LOG:
+        edge_dot = gl.sum(b_edge_grad, axis=1)
+    else:
+        edge_dot = gl.sum(b_edge_grad * b_edge_y, axis=1)
+    # a masked copy fills its 16 bytes with zeros (src-size 0): they add nothing to the dot
+    slice_dot = gl.convert_layout(edge_dot, PER_CTA) + gl.sum(b_dot, axis=1)
+    if CLUSTER > 1:
+        p_partial = partial_ptr + i_row * CLUSTER
+        gl.store(p_partial + o_cta, slice_dot)
+        o_rank = gl.arange(0, CLUSTER, layout=hopper._everywhere(gl.num_warps(), CLUSTER))
+        row_dot = gl.sum(gl.load(p_partial + o_rank + hopper._cluster_barrier(o_rank),
+                                 cache_modifier=".cg"), axis=0)
+    else:
+        row_dot = gl.sum(slice_dot, axis=0)
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        b_grad = grad_smem.index(i_chunk).load(TILE).to(gl.float32)
+        b_y = y_smem.index(i_chunk).load(TILE).to(gl.float32)
+        if LOG:
+            b_dx = b_grad - gl.exp2(b_y * LOG2E) * row_dot
+        else:
+            b_dx = b_y * (b_grad - row_dot)
+        gl.store(dx_ptr + aligned + o_w, b_dx.to(dx_ptr.dtype.element_ty),
+                 mask=(o_w >= w_lo) & (o_w < w_hi))
+    if LOG:
+        b_edge_dx = b_edge_grad - gl.exp2(b_edge_y * LOG2E) * row_dot
+    else:
+        b_edge_dx = b_edge_y * (b_edge_grad - row_dot)
+    gl.store(dx_ptr + o_edge_w, b_edge_dx.to(dx_ptr.dtype.element_ty), mask=m_edge)
+
+
+def softmax_cluster_backward(grad: torch.Tensor, y: torch.Tensor, log: bool = False,
+                             cluster: int = 2, num_warps: int = 8) -> torch.Tensor:
+    """dx of softmax (log_softmax) from contiguous 2-d 16-bit ``grad`` and ``y``."""
+    n_rows, n_cols = y.shape
+    if not (grad.is_contiguous() and y.is_contiguous() and grad.dtype == y.dtype
+            and 2 * hopper.slice_bytes(n_cols, 2, cluster, num_warps) <= hopper.MAX_SLICE_BYTES
+            and hopper.eligible(y, grad)):
+        raise ValueError(f"softmax_cluster_backward: {tuple(y.shape)} does not take the path")
+    dx = torch.empty_like(y)
+    partials = runtime.split_scratch(y.device, 1, n_rows * cluster)[1]
+    _softmax_cluster_bwd_kernel[(n_rows,)](
+        grad, y, dx, partials, n_cols, y.stride(0), LOG=log, VEC=VEC,
+        N_CHUNKS=hopper.n_chunks(n_cols, 2, cluster, num_warps),
+        num_warps=num_warps, num_ctas=cluster)
+    return dx
+
+
 def compile_for_sm90(n_cols: int, cluster: int, num_warps: int, log: bool = False,
                      persistent: bool = False):
     from triton.backends.compiler import GPUTarget
@@ -293,6 +393,7 @@ def main():
             line.append(f"BEST c{cluster}x{warps}w {rate(ms)}; log_softmax {rate(log_ms)} "
                         f"(gemslib log {rate(median_ms(lambda: gemslib.log_softmax(x)))})")
         fastest = sorted((ms, c) for c, ms in timings[rows, cols].items() if c[0])[:3]
+        line.append(_backward_line(x, [c for _, c in fastest], copy))
         for _, (cluster, warps) in fastest:
             try:
                 out = softmax_cluster_persistent(x, cluster=cluster, num_warps=warps)
@@ -308,6 +409,36 @@ def main():
         del x, x64, reference, log_reference
     if args.yaml:
         write_configs(timings, args.yaml)
+
+
+def _backward_line(x: torch.Tensor, configs, copy: float) -> str:
+    """The backward (softmax) at ``configs`` beside gemslib's and torch's, checked first;
+    rates over the 3 passes of bytes it needs (dy and y read, dx written)."""
+    from benchmark.harness import median_ms
+    from gemslib.ops import softmax as softmax_ops
+
+    def rate(ms):
+        return f"{ms * 1e3:.1f} us ({3 * x.numel() * x.element_size() / ms / 1e6 / copy:.0%})"
+
+    y = torch.softmax(x.float(), -1).to(x.dtype)
+    grad = torch.randn_like(x)
+    y64, grad64 = y.double(), grad.double()
+    reference = y64 * (grad64 - (grad64 * y64).sum(-1, keepdim=True))
+    parts = [f"backward: gemslib "
+             f"{rate(median_ms(lambda: softmax_ops._backward(grad, y, -1, False, x.dtype)))}",
+             f"torch {rate(median_ms(lambda: torch.ops.aten._softmax_backward_data(grad, y, -1, x.dtype)))}"]
+    for cluster, warps in configs:
+        try:
+            dx = softmax_cluster_backward(grad, y, cluster=cluster, num_warps=warps)
+            error = ((dx.double() - reference).norm() / reference.norm()).item()
+            ms = median_ms(lambda: softmax_cluster_backward(grad, y, cluster=cluster,
+                                                            num_warps=warps))
+        except Exception as failure:  # noqa: BLE001
+            parts.append(f"c{cluster}x{warps}w: {str(failure)[:60]}")
+            continue
+        parts.append(f"c{cluster}x{warps}w {rate(ms)} err {error:.1e}"
+                     + ("" if error < 2e-2 else " WRONG"))
+    return "; ".join(parts)
 
 
 BUCKETS = (4096, 32768, 65536, 131072, 160000, None)  # cols bounds of the shipped buckets
