@@ -73,6 +73,39 @@ def _cluster_barrier(b_any):
 
 
 @gluon.jit
+def _row_statistics(b_max, b_sum, b_edge, partial_ptr, i_row, o_cta,
+                    PER_CTA: gl.constexpr, EDGE: gl.constexpr):
+    """(m, s) of row ``i_row`` from each CTA's lanes (running max ``b_max`` and sum below it
+    ``b_sum``, [CLUSTER, CHUNK]) and the row's edge columns ``b_edge``: per CTA its slice's
+    (m_r, s_r), then, across a cluster, exchanged through ``partial_ptr`` (2 * CLUSTER fp32 a
+    row) behind the cluster barrier."""
+    CLUSTER: gl.constexpr = gl.num_ctas()
+    # per CTA ([CLUSTER], CTA r's entry its own): the slice's max and its sum below that max
+    edge_max = gl.convert_layout(gl.max(b_edge, axis=1), PER_CTA)
+    slice_max = gl.maximum(gl.max(b_max, axis=1), edge_max)
+    finite_max = gl.where(slice_max == float("-inf"), 0.0, slice_max)
+    edge_sum = gl.convert_layout(
+        gl.sum(gl.exp2((b_edge - gl.convert_layout(finite_max, gl.SliceLayout(1, EDGE))[:, None])
+                       * LOG2E), axis=1), PER_CTA)
+    slice_sum = gl.sum(b_sum * gl.exp2((b_max - finite_max[:, None]) * LOG2E), axis=1) + edge_sum
+    if CLUSTER > 1:
+        p_partial = partial_ptr + i_row * (2 * CLUSTER)
+        gl.store(p_partial + 2 * o_cta, slice_max)
+        gl.store(p_partial + 2 * o_cta + 1, slice_sum)
+        o_rank = gl.arange(0, CLUSTER, layout=_everywhere(gl.num_warps(), CLUSTER))
+        o_rank = o_rank * 2 + _cluster_barrier(o_rank)
+        # .cg: from L2, where the other CTAs' stores are, never a stale L1 line
+        b_rank_max = gl.load(p_partial + o_rank, cache_modifier=".cg")
+        b_rank_sum = gl.load(p_partial + o_rank + 1, cache_modifier=".cg")
+        row_max = gl.max(b_rank_max, axis=0)
+        row_sum = gl.sum(b_rank_sum * gl.exp2((b_rank_max - row_max) * LOG2E), axis=0)
+    else:
+        row_max = gl.max(slice_max, axis=0)
+        row_sum = gl.sum(slice_sum, axis=0)
+    return row_max, row_sum
+
+
+@gluon.jit
 def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row, stride_y_row,
                                 LOG: gl.constexpr, VEC: gl.constexpr, N_CHUNKS: gl.constexpr):
     """Row ``program_id(0)`` of x (rows of n_cols) into y; ``partial_ptr``: 2 * CLUSTER fp32 a
@@ -123,29 +156,8 @@ def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row,
                          b_sum * gl.exp2((b_max - b_new_max) * LOG2E)
                          + gl.exp2((b_x - b_new_max) * LOG2E))
         b_max = b_new_max
-    # per CTA ([CLUSTER], CTA r's entry its own): the slice's max and its sum below that max
-    edge_max = gl.convert_layout(gl.max(b_edge, axis=1), PER_CTA)
-    slice_max = gl.maximum(gl.max(b_max, axis=1), edge_max)
-    finite_max = gl.where(slice_max == float("-inf"), 0.0, slice_max)
-    edge_sum = gl.convert_layout(
-        gl.sum(gl.exp2((b_edge - gl.convert_layout(finite_max, gl.SliceLayout(1, EDGE))[:, None])
-                       * LOG2E), axis=1), PER_CTA)
-    slice_sum = gl.sum(b_sum * gl.exp2((b_max - finite_max[:, None]) * LOG2E), axis=1) + edge_sum
-
-    if CLUSTER > 1:
-        p_partial = partial_ptr + i_row * (2 * CLUSTER)
-        gl.store(p_partial + 2 * o_cta, slice_max)
-        gl.store(p_partial + 2 * o_cta + 1, slice_sum)
-        o_rank = gl.arange(0, CLUSTER, layout=_everywhere(gl.num_warps(), CLUSTER))
-        o_rank = o_rank * 2 + _cluster_barrier(o_rank)
-        # .cg: from L2, where the other CTAs' stores are, never a stale L1 line
-        b_rank_max = gl.load(p_partial + o_rank, cache_modifier=".cg")
-        b_rank_sum = gl.load(p_partial + o_rank + 1, cache_modifier=".cg")
-        row_max = gl.max(b_rank_max, axis=0)
-        row_sum = gl.sum(b_rank_sum * gl.exp2((b_rank_max - row_max) * LOG2E), axis=0)
-    else:
-        row_max = gl.max(slice_max, axis=0)
-        row_sum = gl.sum(slice_sum, axis=0)
+    row_max, row_sum = _row_statistics(b_max, b_sum, b_edge, partial_ptr, i_row, o_cta,
+                                       PER_CTA, EDGE)
     log_sum = gl.log(row_sum)
     inv_sum = 1.0 / row_sum
 

@@ -78,7 +78,6 @@ def _softmax_cluster_persistent_kernel(x_ptr, y_ptr, partial_ptr, n_rows, n_cols
     o_tile = (o_cta * SLICE)[:, None] + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, TILE))[None, :]
     o_edge_cta = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, EDGE))[:, None]
     o_edge = gl.arange(0, 2 * VEC, layout=gl.SliceLayout(0, EDGE))[None, :] + 0 * o_edge_cta
-    o_rank = gl.arange(0, CLUSTER, layout=hopper._everywhere(gl.num_warps(), CLUSTER))
     first = gl.program_id(0)
     step = gl.num_programs(0)
     _issue_row(slice_smem, 0, x_ptr, first, n_rows, n_cols, stride_x_row, o_tile,
@@ -112,27 +111,8 @@ def _softmax_cluster_persistent_kernel(x_ptr, y_ptr, partial_ptr, n_rows, n_cols
                              b_sum * gl.exp2((b_max - b_new_max) * LOG2E)
                              + gl.exp2((b_x - b_new_max) * LOG2E))
             b_max = b_new_max
-        edge_max = gl.convert_layout(gl.max(b_edge, axis=1), PER_CTA)
-        slice_max = gl.maximum(gl.max(b_max, axis=1), edge_max)
-        finite_max = gl.where(slice_max == float("-inf"), 0.0, slice_max)
-        edge_sum = gl.convert_layout(
-            gl.sum(gl.exp2((b_edge - gl.convert_layout(finite_max,
-                                                       gl.SliceLayout(1, EDGE))[:, None])
-                           * LOG2E), axis=1), PER_CTA)
-        slice_sum = (gl.sum(b_sum * gl.exp2((b_max - finite_max[:, None]) * LOG2E), axis=1)
-                     + edge_sum)
-        if CLUSTER > 1:
-            p_partial = partial_ptr + i_row.to(gl.int64) * (2 * CLUSTER)
-            gl.store(p_partial + 2 * o_cta, slice_max)
-            gl.store(p_partial + 2 * o_cta + 1, slice_sum)
-            o_part = o_rank * 2 + hopper._cluster_barrier(o_rank)
-            b_rank_max = gl.load(p_partial + o_part, cache_modifier=".cg")
-            b_rank_sum = gl.load(p_partial + o_part + 1, cache_modifier=".cg")
-            row_max = gl.max(b_rank_max, axis=0)
-            row_sum = gl.sum(b_rank_sum * gl.exp2((b_rank_max - row_max) * LOG2E), axis=0)
-        else:
-            row_max = gl.max(slice_max, axis=0)
-            row_sum = gl.sum(slice_sum, axis=0)
+        row_max, row_sum = hopper._row_statistics(b_max, b_sum, b_edge, partial_ptr,
+                                                  i_row.to(gl.int64), o_cta, PER_CTA, EDGE)
         log_sum = gl.log(row_sum)
         inv_sum = 1.0 / row_sum
         for i_chunk in gl.static_range(N_CHUNKS):
