@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     # accepted for old command lines, not shown: the backward kernels are timed by default
     direction.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ops", nargs="+", help="operators to run (default: all)")
+    parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                        help="only the cases of these shapes, as the tables write them "
+                             "(e.g. 1024x131072; default: all)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time each call replayed from a CUDA graph: the GPU's time without "
                              "the host's, as in a captured decode step (a way that cannot be "
@@ -117,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         for case in module.cases(quick=args.quick, backward=not args.forward_only):
             if case.op not in ops:  # --ops would skip it without a word
                 raise RuntimeError(f"{name} yields {case.op}, which its OPS does not list")
-            if args.ops and case.op not in args.ops:
+            if (args.ops and case.op not in args.ops) or (args.shapes
+                                                          and case.shape not in args.shapes):
                 continue
             print(f"  {case.op} {case.shape} ...", flush=True)
             results.extend(harness.run_case(case, ceilings, cuda_graphs=args.cuda_graphs))
             torch.cuda.empty_cache()
+    unmatched = sorted(set(args.shapes or ()) - {result.shape for result in results})
+    if unmatched:
+        print(f"no case has shape(s) {', '.join(unmatched)}", file=sys.stderr)
     rows = harness.summarize(results)
     print()
     print(harness.format_table(rows, ceilings))

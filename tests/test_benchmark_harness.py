@@ -116,6 +116,16 @@ def test_forward_only_skips_the_backward_kernels_and_backward_is_still_accepted(
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_shapes_selects_cases_by_their_shape_and_names_the_unmatched(fake_gpu, tmp_path,
+                                                                      capsys):
+    assert bench_main.main(["--shapes", "64x64", "9x9", "--no-plot", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [row["op"] for row in data["summary"]] == ["fake", "fake_backward"]
+    assert "no case has shape(s) 9x9" in capsys.readouterr().err
+    assert bench_main.main(["--shapes", "9x9", "--no-plot", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["summary"] == []
+
+
 def test_every_benchmark_module_is_discovered():
     assert "bench_silu" in bench_main.bench_modules()
 
