@@ -19,6 +19,13 @@ at most 2 * (VEC - 1) columns of the partial vectors at a row's two ends are ran
 and stored one by one. x and y share their dtype, 16-byte aligned bases and row strides equal
 modulo VEC (``eligible``). NaN and infinities as in torch: a NaN or +inf makes the row's sum
 NaN, a row of only -inf has m = -inf and s = 0, so its outputs are NaN.
+
+The backward holds dy and y of a row the same way (two slices a CTA), each read once:
+
+    softmax:      dx_j = y_j (dy_j - sum_k dy_k y_k)
+    log_softmax:  dx_j = dy_j - exp(y_j) sum_k dy_k
+
+each CTA folding its slice's part of the sum and exchanging one float.
 """
 
 from __future__ import annotations
@@ -70,6 +77,17 @@ def _cluster_barrier(b_any):
         "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
         "mov.u32 $0, 0;", "=r,r", [b_any], dtype=gl.int32, is_pure=False, pack=1)
     return gl.max(after, axis=0)
+
+
+@gluon.jit
+def _edge_columns(head, w_lo, w_hi, n_cols, VEC: gl.constexpr, EDGE: gl.constexpr):
+    """Window positions of the partial vectors at a row's two ends, [head, w_lo) and
+    [w_hi, head + n_cols), as [CLUSTER, 2 * VEC] (EDGE layout), and their mask: CTA 0's."""
+    o_edge_cta = gl.arange(0, gl.num_ctas(), layout=gl.SliceLayout(1, EDGE))[:, None]
+    o_edge = gl.arange(0, 2 * VEC, layout=gl.SliceLayout(0, EDGE))[None, :] + 0 * o_edge_cta
+    o_edge_w = gl.where(o_edge < VEC, head + o_edge, w_hi + o_edge - VEC)
+    m_edge = gl.where(o_edge < VEC, o_edge_w < w_lo, o_edge_w < head + n_cols) & (o_edge_cta == 0)
+    return o_edge_w, m_edge
 
 
 @gluon.jit
@@ -137,10 +155,7 @@ def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row,
 
     # the partial vectors at the row's ends, window [head, w_lo) and [w_hi, head + n_cols):
     # the first CTA's
-    o_edge_cta = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, EDGE))[:, None]
-    o_edge = gl.arange(0, 2 * VEC, layout=gl.SliceLayout(0, EDGE))[None, :] + 0 * o_edge_cta
-    o_edge_w = gl.where(o_edge < VEC, head + o_edge, w_hi + o_edge - VEC)
-    m_edge = gl.where(o_edge < VEC, o_edge_w < w_lo, o_edge_w < head + n_cols) & (o_edge_cta == 0)
+    o_edge_w, m_edge = _edge_columns(head, w_lo, w_hi, n_cols, VEC, EDGE)
     b_edge = gl.load(p_x + o_edge_w, mask=m_edge, other=float("-inf")).to(gl.float32)
 
     b_max = gl.full([CLUSTER, CHUNK], float("-inf"), gl.float32, TILE)
@@ -176,8 +191,81 @@ def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row,
     gl.store(p_y + o_edge_w, b_edge_y.to(y_ptr.dtype.element_ty), mask=m_edge)
 
 
+@gluon.jit
+def _softmax_cluster_bwd_kernel(grad_ptr, y_ptr, dx_ptr, partial_ptr, n_cols, stride_grad_row,
+                                stride_y_row, stride_dx_row, LOG: gl.constexpr,
+                                VEC: gl.constexpr, N_CHUNKS: gl.constexpr):
+    """dx of row ``program_id(0)`` from dy (``grad_ptr``) and the forward's y; ``partial_ptr``:
+    CLUSTER fp32 a row of scratch. Tiles and slices as the forward's, two slices a CTA."""
+    CLUSTER: gl.constexpr = gl.num_ctas()
+    TILE: gl.constexpr = _cta_rows(VEC, gl.num_warps(), CLUSTER)
+    EDGE: gl.constexpr = _cta_rows(1, gl.num_warps(), CLUSTER)
+    PER_CTA: gl.constexpr = gl.SliceLayout(1, TILE)
+    CHUNK: gl.constexpr = VEC * 32 * gl.num_warps()
+    SLICE: gl.constexpr = N_CHUNKS * CHUNK
+    SHARED: gl.constexpr = _cta_rows_shared(CLUSTER)
+    grad_smem = gl.allocate_shared_memory(grad_ptr.dtype.element_ty, [N_CHUNKS, CLUSTER, CHUNK],
+                                          SHARED)
+    y_smem = gl.allocate_shared_memory(y_ptr.dtype.element_ty, [N_CHUNKS, CLUSTER, CHUNK], SHARED)
+    i_row = gl.program_id(0).to(gl.int64)
+    start_grad = i_row * stride_grad_row
+    head = (start_grad % VEC).to(gl.int32)  # the same for y and dx (eligible)
+    p_grad = grad_ptr + start_grad // VEC * VEC
+    p_y = y_ptr + i_row * stride_y_row // VEC * VEC
+    p_dx = dx_ptr + i_row * stride_dx_row // VEC * VEC
+    w_lo = (head + VEC - 1) // VEC * VEC
+    w_hi = (head + n_cols) // VEC * VEC
+    o_cta = gl.arange(0, CLUSTER, layout=PER_CTA)
+    o_tile = (o_cta * SLICE)[:, None] + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, TILE))[None, :]
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        m_w = (o_w >= w_lo) & (o_w < w_hi)
+        async_copy.async_copy_global_to_shared(grad_smem.index(i_chunk), p_grad + o_w, mask=m_w)
+        async_copy.async_copy_global_to_shared(y_smem.index(i_chunk), p_y + o_w, mask=m_w)
+        async_copy.commit_group()
+    o_edge_w, m_edge = _edge_columns(head, w_lo, w_hi, n_cols, VEC, EDGE)
+    b_edge_grad = gl.load(p_grad + o_edge_w, mask=m_edge, other=0.0).to(gl.float32)
+    b_edge_y = gl.load(p_y + o_edge_w, mask=m_edge, other=0.0).to(gl.float32)
+    b_dot = gl.zeros([CLUSTER, CHUNK], gl.float32, TILE)
+    for i_chunk in gl.static_range(N_CHUNKS):
+        async_copy.wait_group(N_CHUNKS - 1 - i_chunk)
+        # a masked copy fills its 16 bytes with zeros: they add nothing to the sum
+        b_grad = grad_smem.index(i_chunk).load(TILE).to(gl.float32)
+        if LOG:
+            b_dot += b_grad
+        else:
+            b_dot += b_grad * y_smem.index(i_chunk).load(TILE).to(gl.float32)
+    if LOG:
+        edge_dot = gl.sum(b_edge_grad, axis=1)
+    else:
+        edge_dot = gl.sum(b_edge_grad * b_edge_y, axis=1)
+    slice_dot = gl.convert_layout(edge_dot, PER_CTA) + gl.sum(b_dot, axis=1)
+    if CLUSTER > 1:
+        p_partial = partial_ptr + i_row * CLUSTER
+        gl.store(p_partial + o_cta, slice_dot)
+        o_rank = gl.arange(0, CLUSTER, layout=_everywhere(gl.num_warps(), CLUSTER))
+        row_dot = gl.sum(gl.load(p_partial + o_rank + _cluster_barrier(o_rank),
+                                 cache_modifier=".cg"), axis=0)
+    else:
+        row_dot = gl.sum(slice_dot, axis=0)
+    for i_chunk in gl.static_range(N_CHUNKS):
+        o_w = o_tile + i_chunk * CHUNK
+        b_grad = grad_smem.index(i_chunk).load(TILE).to(gl.float32)
+        b_y = y_smem.index(i_chunk).load(TILE).to(gl.float32)
+        if LOG:
+            b_dx = b_grad - gl.exp2(b_y * LOG2E) * row_dot
+        else:
+            b_dx = b_y * (b_grad - row_dot)
+        gl.store(p_dx + o_w, b_dx.to(dx_ptr.dtype.element_ty), mask=(o_w >= w_lo) & (o_w < w_hi))
+    if LOG:
+        b_edge_dx = b_edge_grad - gl.exp2(b_edge_y * LOG2E) * row_dot
+    else:
+        b_edge_dx = b_edge_y * (b_edge_grad - row_dot)
+    gl.store(p_dx + o_edge_w, b_edge_dx.to(dx_ptr.dtype.element_ty), mask=m_edge)
+
+
 # --------------------------------------------------------------------------------------------
-# Launcher
+# Launchers
 # --------------------------------------------------------------------------------------------
 
 
@@ -193,25 +281,27 @@ def slice_bytes(n_cols: int, element_size: int, cluster: int, num_warps: int) ->
     return n_chunks(n_cols, element_size, cluster, num_warps) * 16 * 32 * num_warps
 
 
-def fits(n_cols: int, element_size: int, cluster: int, num_warps: int) -> bool:
+def fits(n_cols: int, element_size: int, cluster: int, num_warps: int, slices: int = 1) -> bool:
+    """Whether ``slices`` slices a CTA (the forward holds x, the backward dy and y) fit."""
     return (cluster in CLUSTERS and n_cols >= 32 // element_size
-            and slice_bytes(n_cols, element_size, cluster, num_warps) <= MAX_SLICE_BYTES)
+            and slices * slice_bytes(n_cols, element_size, cluster, num_warps) <= MAX_SLICE_BYTES)
 
 
-def eligible(x_rows: torch.Tensor, out_rows: torch.Tensor) -> bool:
-    """Whether (rows, n) views ``x_rows`` -> ``out_rows`` (unit last strides) can take this path:
-    a Hopper-or-later GPU, one dtype of 2 or 4 bytes, 16-byte aligned bases and row strides
-    equal modulo 16 bytes (every row of both starts at the same offset from a boundary)."""
-    if runtime.INTERPRETER or x_rows.device.type != "cuda" or x_rows.dtype != out_rows.dtype:
+def eligible(*rows: torch.Tensor) -> bool:
+    """Whether (rows, n) views (unit last strides; inputs, then the output) can take this
+    path: a Hopper-or-later GPU, one dtype of 2 or 4 bytes, 16-byte aligned bases and row
+    strides equal modulo 16 bytes (every row of each starts at the same offset from a
+    boundary)."""
+    first = rows[0]
+    if runtime.INTERPRETER or first.device.type != "cuda" or first.element_size() not in (2, 4):
         return False
-    if x_rows.element_size() not in (2, 4) or x_rows.stride(-1) != 1 or out_rows.stride(-1) != 1:
-        return False
-    vec = 16 // x_rows.element_size()
-    if x_rows.data_ptr() % 16 or out_rows.data_ptr() % 16:
-        return False
-    if (x_rows.stride(0) - out_rows.stride(0)) % vec:
-        return False
-    return _clusters_on(x_rows.device.index or 0)
+    vec = 16 // first.element_size()
+    for t in rows:
+        if t.dtype != first.dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if (t.stride(0) - first.stride(0)) % vec:
+            return False
+    return _clusters_on(first.device.index or 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,5 +319,19 @@ def forward(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, cluster: in
     _softmax_cluster_fwd_kernel[(n_rows,)](
         x_rows, out_rows, partials, n_cols, x_rows.stride(0), out_rows.stride(0),
         LOG=log, VEC=16 // element_size,
+        N_CHUNKS=n_chunks(n_cols, element_size, cluster, num_warps),
+        num_warps=num_warps, num_ctas=cluster)
+
+
+def backward(grad_rows: torch.Tensor, y_rows: torch.Tensor, dx_rows: torch.Tensor, log: bool,
+             cluster: int, num_warps: int) -> None:
+    """dx of softmax (log_softmax) into ``dx_rows`` from dy and the forward's y; the caller
+    checked ``eligible`` and ``fits`` (two slices)."""
+    n_rows, n_cols = y_rows.shape
+    element_size = y_rows.element_size()
+    partials = runtime.split_scratch(y_rows.device, 1, n_rows * cluster)[1]
+    _softmax_cluster_bwd_kernel[(n_rows,)](
+        grad_rows, y_rows, dx_rows, partials, n_cols, grad_rows.stride(0), y_rows.stride(0),
+        dx_rows.stride(0), LOG=log, VEC=16 // element_size,
         N_CHUNKS=n_chunks(n_cols, element_size, cluster, num_warps),
         num_warps=num_warps, num_ctas=cluster)

@@ -11,7 +11,8 @@ writes the outputs: two reads and one write. A second form for wide rows splits 
 several programs that exchange their pieces' statistics and write from registers, one read
 (``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). On Hopper a third
 form holds each row in shared memory across a cluster of 1-8 CTAs and reads it once
-(``_softmax_hopper.py``; ``softmax_cluster_fwd``'s CLUSTER, 0 where unused). Looped rows that
+(``_softmax_hopper.py``; ``softmax_cluster_fwd``'s CLUSTER, 0 where unused), and the
+backward holds dy and y so (``softmax_cluster_bwd``). Looped rows that
 start off a 16-byte boundary (odd widths such as 50257) are walked from the boundary before
 them, so that all blocks but the first and last move full vectors (``ALIGN``). exp is
 computed as exp2 with log2(e) folded in.
@@ -325,6 +326,10 @@ SOFTMAX_CLUSTER_FWD = runtime.TunedKernel(
     "softmax", "softmax_cluster_fwd",
     None if _softmax_hopper is None else _softmax_hopper._softmax_cluster_fwd_kernel,
     tunables=(), launcher_knobs=("CLUSTER",), shape_keys=("rows", "cols"))
+SOFTMAX_CLUSTER_BWD = runtime.TunedKernel(
+    "softmax", "softmax_cluster_bwd",
+    None if _softmax_hopper is None else _softmax_hopper._softmax_cluster_bwd_kernel,
+    tunables=(), launcher_knobs=("CLUSTER",), shape_keys=("rows", "cols"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,14 +397,16 @@ def _launch_split(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, chunk
         launch(counters, phase=0)
 
 
-def _cluster_config(n_rows: int, n_cols: int, element_size: int) -> tuple[int, int] | None:
-    """(CLUSTER, num_warps) of the Hopper path for rows of this size, or None where the
-    configs do not use it (or it could not hold the row)."""
-    config = SOFTMAX_CLUSTER_FWD.planned_config((n_rows, n_cols))
+def _cluster_config(kernel: runtime.TunedKernel, n_rows: int, n_cols: int, element_size: int,
+                    slices: int = 1) -> tuple[int, int] | None:
+    """(CLUSTER, num_warps) of the Hopper path (``kernel``: the forward's or the backward's,
+    holding ``slices`` slices a CTA) for rows of this size, or None where the configs do not
+    use it (or it could not hold the row)."""
+    config = kernel.planned_config((n_rows, n_cols))
     cluster = config.meta_dict["CLUSTER"]
     if not cluster or _softmax_hopper is None or runtime.INTERPRETER:
         return None
-    if not _softmax_hopper.fits(n_cols, element_size, cluster, config.num_warps):
+    if not _softmax_hopper.fits(n_cols, element_size, cluster, config.num_warps, slices):
         return None
     return cluster, config.num_warps
 
@@ -425,8 +432,8 @@ def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> to
     moved = _to_last(x, dim).reshape(1, 1) if x.dim() == 0 else _to_last(x, dim)
     out = torch.empty_like(moved, dtype=out_dtype, memory_format=torch.contiguous_format)
     n_cols = moved.shape[-1]
-    cluster = _cluster_config(out.numel() // n_cols, n_cols, out.element_size()) \
-        if out.numel() else None
+    cluster = _cluster_config(SOFTMAX_CLUSTER_FWD, out.numel() // n_cols, n_cols,
+                              out.element_size()) if out.numel() else None
     if cluster:
         x_rows, out_rows = layout.as_rows(moved), out.view(-1, n_cols)
         if _softmax_hopper.eligible(x_rows, out_rows):
@@ -447,9 +454,19 @@ def _backward(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool,
     scalar = y.dim() == 0
     if scalar:
         grad, y = grad.reshape(1, 1), y.reshape(1, 1)
-    moved_y = _to_last(y, dim)
+    moved_grad, moved_y = _to_last(grad, dim), _to_last(y, dim)
     dx = torch.empty_like(moved_y, dtype=out_dtype, memory_format=torch.contiguous_format)
-    _launch_rows(SOFTMAX_BWD, [_to_last(grad, dim), moved_y], dx, log)
+    n_cols = dx.shape[-1]
+    cluster = _cluster_config(SOFTMAX_CLUSTER_BWD, dx.numel() // n_cols, n_cols,
+                              dx.element_size(), slices=2) if dx.numel() else None
+    if cluster:
+        grad_rows, y_rows = layout.as_rows(moved_grad), layout.as_rows(moved_y)
+        dx_rows = dx.view(-1, n_cols)
+        if _softmax_hopper.eligible(grad_rows, y_rows, dx_rows):
+            runtime.launched_outside_plans()
+            _softmax_hopper.backward(grad_rows, y_rows, dx_rows, log, *cluster)
+            return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())
+    _launch_rows(SOFTMAX_BWD, [moved_grad, moved_y], dx, log)
     return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())
 
 
@@ -672,11 +689,25 @@ def _tune_problem(rows: int, cols: int, kernel: str):
         if kernel == "fwd":  # the row kernel itself, whatever the split config says
             out = torch.empty_like(x)
             return lambda: _launch_rows(SOFTMAX_FWD, [x], out, False) or out
-        if kernel == "split":  # the public call: CHUNK decides split or not
+        if kernel == "split":  # the Triton kernels' public path: CHUNK decides split or not
+            return lambda: _forward_on_triton(x)
+        if kernel == "cluster":  # the public call: CLUSTER decides the Hopper path or not
             return lambda: _forward(x, -1, False, x.dtype)
         y, grad = torch.softmax(x.float(), -1).to(x.dtype), torch.randn_like(x)
+        if kernel == "bwd":  # the row kernel itself, whatever the cluster config says
+            return lambda: _backward_on_triton(grad, y)
         return lambda: _backward(grad, y, -1, False, x.dtype)
     return make
+
+
+def _forward_on_triton(x: torch.Tensor) -> torch.Tensor:
+    with SOFTMAX_CLUSTER_FWD.forced(runtime.LaunchConfig((("CLUSTER", 0),), 8, 1)):
+        return _forward(x, -1, False, x.dtype)
+
+
+def _backward_on_triton(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with SOFTMAX_CLUSTER_BWD.forced(runtime.LaunchConfig((("CLUSTER", 0),), 8, 1)):
+        return _backward(grad, y, -1, False, y.dtype)
 
 
 def _buckets(shapes, kernel: str):
@@ -709,8 +740,15 @@ TUNING = (
               + tuple({"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16)),
               _buckets((({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
                         ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
-                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)), "split")),
+                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)), "cluster")),
     TuneSpace(SOFTMAX_BWD, _ROW_CANDIDATES,
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
                         ({"cols": 8192}, 16384, 4096), (None, 8192, 32000)), "bwd")),
+    TuneSpace(SOFTMAX_CLUSTER_BWD,
+              ({"CLUSTER": 0, "num_warps": 8},)
+              + tuple({"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16)),
+              _buckets((({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
+                        ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
+                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)),
+                       "cluster_bwd")),
 )

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -232,11 +233,11 @@ def _compile_failures(launches) -> list[str]:
     return _run_compiler(_COMPILER, json.dumps(launches))
 
 
-def _run_compiler(script: str, stdin: str | None = None):
-    """Run ``script`` in a fresh Python without ``TRITON_INTERPRET`` (Triton's real compiler,
-    no GPU needed); return the JSON on its last line of output."""
+def _run_compiler(script: str, stdin: str | None = None, args: Sequence[str] = ()):
+    """Run ``script`` (with ``args``) in a fresh Python without ``TRITON_INTERPRET`` (Triton's
+    real compiler, no GPU needed); return the JSON on its last line of output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], input=stdin, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, *args], input=stdin, capture_output=True,
                           text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -296,7 +297,7 @@ _SAMPLES = {
 
 # configs that choose a Gluon path (its kernel compiled by its own test below), or 0 for the
 # Triton kernels, whose own buckets cover them
-_GLUON_CHOOSERS = {"softmax.softmax_cluster_fwd"}
+_GLUON_CHOOSERS = {"softmax.softmax_cluster_fwd", "softmax.softmax_cluster_bwd"}
 
 
 def _kernel_name(tuned: runtime.TunedKernel) -> str:
@@ -553,23 +554,27 @@ def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
 
 
 _SOFTMAX_CLUSTER_COMPILER = r"""
-import json, re, triton
+import json, re, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from gemslib.ops import _softmax_hopper as hopper
+backward = sys.argv[1] == "backward"
+variants = ((("bf16", 2, 32000, 1, 8, False), ("bf16", 2, 131072, 8, 4, True),
+             ("fp16", 2, 50257, 4, 4, False), ("fp32", 4, 50257, 2, 8, True)) if backward else
+            (("bf16", 2, 32000, 1, 8, False), ("bf16", 2, 131072, 4, 8, True),
+             ("fp16", 2, 50257, 2, 4, False), ("fp32", 4, 152064, 8, 16, False)))
 report = {}
-for name, size, n_cols, cluster, warps, log in (("bf16", 2, 32000, 1, 8, False),
-                                                ("bf16", 2, 131072, 4, 8, True),
-                                                ("fp16", 2, 50257, 2, 4, False),
-                                                ("fp32", 4, 152064, 8, 16, False)):
+for name, size, n_cols, cluster, warps, log in variants:
     n_chunks = hopper.n_chunks(n_cols, size, cluster, warps)
-    signature = {"x_ptr": f"*{name}", "y_ptr": f"*{name}", "partial_ptr": "*fp32",
-                 "n_cols": "i32", "stride_x_row": "i32", "stride_y_row": "i32",
+    rows = ("grad", "y", "dx") if backward else ("x", "y")
+    signature = {**{f"{row}_ptr": f"*{name}" for row in rows}, "partial_ptr": "*fp32",
+                 "n_cols": "i32", **{f"stride_{row}_row": "i32" for row in rows},
                  "LOG": "constexpr", "VEC": "constexpr", "N_CHUNKS": "constexpr"}
     aligned = [["tt.divisibility", 16]]  # as torch allocates, and as eligible() demands
-    source = GluonASTSource(hopper._softmax_cluster_fwd_kernel, signature,
+    kernel = hopper._softmax_cluster_bwd_kernel if backward else hopper._softmax_cluster_fwd_kernel
+    source = GluonASTSource(kernel, signature,
                             {"LOG": log, "VEC": 16 // size, "N_CHUNKS": n_chunks},
-                            attrs={(0,): aligned, (1,): aligned, (2,): aligned})
+                            attrs={(i,): aligned for i in range(len(rows) + 1)})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_ctas": cluster})
     ptx = compiled.asm["ptx"]
@@ -591,7 +596,7 @@ def test_softmax_cluster_kernel_compiles_for_sm90():
     its slice in shared memory, every copy into it 16 bytes and every output store of a
     chunk one 16-byte vector a thread (rows off alignment included: they are walked from the
     boundary before them), and one cluster barrier where the cluster has more than one CTA."""
-    report = _run_compiler(_SOFTMAX_CLUSTER_COMPILER)
+    report = _run_compiler(_SOFTMAX_CLUSTER_COMPILER, args=["forward"])
     assert len(report) == 4
     for variant, facts in report.items():
         assert facts["cubin"], variant
@@ -601,3 +606,19 @@ def test_softmax_cluster_kernel_compiles_for_sm90():
         one_barrier = int(facts["cluster"] > 1)
         assert facts["barriers"] == facts["waits"] == one_barrier, variant
         assert facts["rank"] >= one_barrier, variant
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the softmax tests run this kernel for real")
+def test_softmax_cluster_backward_kernel_compiles_for_sm90():
+    """The backward's Hopper path compiles for clusters of 1-8 CTAs (16- and 32-bit): dy and
+    y each copied in 16-byte vectors (two slices in shared memory), dx stored in 16-byte
+    vectors, one cluster barrier where the cluster has more than one CTA."""
+    report = _run_compiler(_SOFTMAX_CLUSTER_COMPILER, args=["backward"])
+    assert len(report) == 4
+    for variant, facts in report.items():
+        assert facts["cubin"], variant
+        assert 2 * facts["slice"] <= facts["shared"] <= 232448, variant
+        assert facts["copies16"] == 2 * facts["chunks"], variant
+        assert facts["stores16"] == facts["chunks"], variant
+        one_barrier = int(facts["cluster"] > 1)
+        assert facts["barriers"] == facts["waits"] == one_barrier, variant

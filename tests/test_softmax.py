@@ -271,6 +271,101 @@ def test_rows_held_across_a_cluster_from_strided_views(monkeypatch, name):
                                   reduction_len=view.shape[-1])
 
 
+def _cluster_backward_rows(cluster: int, num_warps: int = 8):
+    """Force the backward's Hopper path (0: the Triton kernel)."""
+    return softmax_ops.SOFTMAX_CLUSTER_BWD.forced(
+        runtime.LaunchConfig((("CLUSTER", cluster),), num_warps, 1))
+
+
+def _hopper_backward_launches(monkeypatch) -> list:
+    launches = []
+    backward = softmax_ops._softmax_hopper.backward
+
+    def counted(grad_rows, y_rows, dx_rows, log, cluster, num_warps):
+        launches.append((cluster, num_warps))
+        backward(grad_rows, y_rows, dx_rows, log, cluster, num_warps)
+
+    monkeypatch.setattr(softmax_ops._softmax_hopper, "backward", counted)
+    return launches
+
+
+def _takes_hopper_backward(y: torch.Tensor, cluster: int, num_warps: int) -> bool:
+    return (ON_GPU and torch.cuda.get_device_capability()[0] >= 9
+            and softmax_ops._softmax_hopper.fits(y.shape[-1], y.element_size(), cluster,
+                                                 num_warps, slices=2))
+
+
+def _backward_reference(name):
+    return (softmax_ops.log_softmax_backward_reference if name == "log_softmax"
+            else softmax_ops.softmax_backward_reference)
+
+
+BACKWARD_CLUSTER_CASES = [((9, 1003), 2, 4), ((1, 4099), 4, 4), ((3, 300), 8, 4), ((5, 7), 2, 4),
+                          ((2, 3, 2051), 1, 4)]
+if ON_GPU:  # the H200 buckets' configs at their widths, a few rows each
+    BACKWARD_CLUSTER_CASES += [((16, 32000), 1, 8), ((8, 131072), 8, 4), ((33, 50257), 4, 4),
+                               ((5, 152064), 8, 8), ((3, 151936), 8, 8), ((2, 262144), 8, 8),
+                               ((4, 128256), 8, 4), ((2, 256000), 8, 16)]
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,cluster,num_warps", BACKWARD_CLUSTER_CASES)
+def test_backward_rows_held_across_a_cluster(monkeypatch, shape, cluster, num_warps, dtype,
+                                             name):
+    """On Hopper the backward's configured CLUSTER CTAs hold dy and y of each row; where the
+    path cannot run (the interpreter, short rows, two slices over the shared memory) the
+    Triton kernel answers the same call."""
+    ours, _ = FUNCTIONS[name]
+    x = random_tensor(shape, dtype, scale=4.0).requires_grad_()
+    grad = random_tensor(shape, dtype)
+    launches = _hopper_backward_launches(monkeypatch)
+    y = ours(x, -1)
+    with _cluster_backward_rows(cluster, num_warps):
+        y.backward(grad)
+    assert launches == ([(cluster, num_warps)]
+                        if _takes_hopper_backward(y, cluster, num_warps) else [])
+    expected = _backward_reference(name)(grad.double(), y.detach().double(), -1)
+    assert x.grad.dtype == dtype
+    assert_close_to_reference(x.grad, expected, dtype, reduction_len=shape[-1])
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_backward_rows_held_across_a_cluster_keep_special_values(monkeypatch, name):
+    """A NaN or infinity in dy makes its row's dx NaN (as in torch), wherever it is; zeros of
+    y (from -inf inputs) and the rows' partial vectors at both ends are exact."""
+    x = random_tensor((6, 5003), torch.bfloat16, scale=4.0)
+    x[1, :4500] = -float("inf")
+    y = FUNCTIONS[name][0](x, -1)
+    grad = random_tensor(x.shape, torch.bfloat16)
+    grad[2, 5001] = float("nan")   # in the row's last partial vector
+    grad[3, 4000] = float("inf")   # past the first CTA's slice
+    grad[4, 0] = float("nan")      # in the row's first partial vector
+    launches = _hopper_backward_launches(monkeypatch)
+    with _cluster_backward_rows(4, 4):
+        dx = softmax_ops._backward(grad, y, -1, name == "log_softmax", torch.bfloat16)
+    assert len(launches) == (1 if _takes_hopper_backward(y, 4, 4) else 0)
+    expected = _backward_reference(name)(grad.double(), y.double(), -1)
+    assert torch.equal(torch.isnan(dx), torch.isnan(expected))
+    assert_close_to_reference(dx, expected, torch.bfloat16, reduction_len=5003)
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_backward_rows_held_across_a_cluster_from_strided_views(monkeypatch, name):
+    """dy views whose rows start where y's and dx's do modulo 16 bytes take the Hopper path,
+    others the Triton kernel; each gives torch's answer."""
+    y = FUNCTIONS[name][0](random_tensor((6, 5005), torch.bfloat16, scale=4.0), -1)
+    base = random_tensor((6, 5013), torch.bfloat16)
+    launches = _hopper_backward_launches(monkeypatch)
+    for grad, eligible in ((base[:, :5005], True), (base[:, 3:5008], False)):
+        launches.clear()
+        with _cluster_backward_rows(2, 4):
+            dx = softmax_ops._backward(grad, y, -1, name == "log_softmax", torch.bfloat16)
+        assert launches == ([(2, 4)] if eligible and _takes_hopper_backward(y, 2, 4) else [])
+        assert_close_to_reference(dx, _backward_reference(name)(grad.double(), y.double(), -1),
+                                  torch.bfloat16, reduction_len=5005)
+
+
 @pytest.mark.parametrize("name", FUNCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,dim", [((3, 7), -1), ((5, 1000), 1), ((2, 30, 4), 1),
