@@ -208,20 +208,27 @@ BUCKETS = (4096, 32768, 65536, 131072, 160000, None)  # cols bounds of the shipp
 def write_configs(timings: dict, path: str) -> None:
     """nvidia_h200.yaml with each of ``timings``' kernels (name -> its timings) given buckets
     from them: per bucket, the config with the least mean of (its time / the best time) over
-    the bucket's shapes timed with every config; CLUSTER 0 if the Triton kernels win. Rows up
-    to 32 keep CLUSTER 0 whatever was timed (their calls are planned: host time decides)."""
+    the bucket's shapes timed with every config; CLUSTER 0 if the Triton kernels win. The
+    shipped file's first bucket stays where it bounds the rows (few rows keep the Triton
+    kernels: their calls are planned, and host time decides there; GPU time is what the
+    experiment measures)."""
+    import re
     from pathlib import Path
 
     from gemslib import runtime
 
     shipped = (runtime.shipped_configs_dir() / "nvidia_h200.yaml").read_text().splitlines()
     for kernel, kernel_timings in timings.items():
-        lines = [f"    {kernel}:  # chosen by benchmark/experiments/softmax_cluster.py",
-                 "      - max: {rows: 32}",
-                 "        config: {CLUSTER: 0, num_warps: 8, num_stages: 1}"]
+        start = next(i for i, line in enumerate(shipped) if line.startswith(f"    {kernel}:"))
+        end = next(i for i in range(start + 1, len(shipped)) if not shipped[i].startswith("      "))
+        rows_bound = re.fullmatch(r"      - max: \{rows: (\d+)\}.*", shipped[start + 1])
+        lines = [f"    {kernel}:  # chosen by benchmark/experiments/softmax_cluster.py"]
+        if rows_bound:
+            lines += shipped[start + 1:start + 3]
+        few_rows = int(rows_bound.group(1)) if rows_bound else 0
         lower = 0
         for bound in BUCKETS:
-            inside = [shape for shape in kernel_timings if shape[0] > 32
+            inside = [shape for shape in kernel_timings if shape[0] > few_rows
                       and lower < shape[1] and (bound is None or shape[1] <= bound)]
             lower = bound or lower
             common = (set.intersection(*(set(kernel_timings[s]) for s in inside)) if inside
@@ -231,10 +238,9 @@ def write_configs(timings: dict, path: str) -> None:
                                                   for s in inside))
             where = "" if bound is None else f"max: {{cols: {bound}}}\n        "
             lines.append(f"      - {where}config: {{CLUSTER: {choice[0]}, num_warps: {choice[1]}, "
-                         f"num_stages: 1}}  # {', '.join(f'{r}x{c}' for r, c in inside)}")
+                         f"num_stages: 1}}" + (f"  # {', '.join(f'{r}x{c}' for r, c in inside)}"
+                                               if inside else "  # nothing timed here"))
             print(f"{kernel} cols <= {bound}: CLUSTER {choice[0]} x {choice[1]} warps", flush=True)
-        start = next(i for i, line in enumerate(shipped) if line.startswith(f"    {kernel}:"))
-        end = next(i for i in range(start + 1, len(shipped)) if not shipped[i].startswith("      "))
         shipped = shipped[:start] + lines + shipped[end:]
     Path(path).write_text("\n".join(shipped) + "\n")
 
