@@ -700,13 +700,16 @@ def _tune_problem(rows: int, cols: int, kernel: str):
     return make
 
 
+_NO_CLUSTER = runtime.LaunchConfig((("CLUSTER", 0),), 8, 1)  # the Hopper paths off
+
+
 def _forward_on_triton(x: torch.Tensor) -> torch.Tensor:
-    with SOFTMAX_CLUSTER_FWD.forced(runtime.LaunchConfig((("CLUSTER", 0),), 8, 1)):
+    with SOFTMAX_CLUSTER_FWD.forced(_NO_CLUSTER):
         return _forward(x, -1, False, x.dtype)
 
 
 def _backward_on_triton(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    with SOFTMAX_CLUSTER_BWD.forced(runtime.LaunchConfig((("CLUSTER", 0),), 8, 1)):
+    with SOFTMAX_CLUSTER_BWD.forced(_NO_CLUSTER):
         return _backward(grad, y, -1, False, y.dtype)
 
 
@@ -722,6 +725,13 @@ _ROW_CANDIDATES = tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
                         for w in (4, 8, 16)) \
     + tuple({"BLOCK_M": 1, "BLOCK_N": 32768, "num_warps": w} for w in (16, 32))  # 32000 in one read
 
+# CLUSTER 0 is the Triton kernels (as the split and row kernels' configs choose them)
+_CLUSTER_CANDIDATES = ({"CLUSTER": 0, "num_warps": 8},) + tuple(
+    {"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16))
+_CLUSTER_SHAPES = (({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
+                   ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
+                   ({"cols": 160000}, 256, 152064), (None, 512, 262144))
+
 TUNING = (
     TuneSpace(SOFTMAX_FWD, _ROW_CANDIDATES,
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
@@ -734,21 +744,9 @@ TUNING = (
                       for w in (2, 4, 8, 16)),
               _buckets((({"cols": 32768}, 8192, 32000), ({"cols": 65536}, 2048, 50257),
                         (None, 1024, 131072)), "split")),
-    # CLUSTER 0 is the Triton kernels (as softmax_split_fwd's configs choose them)
-    TuneSpace(SOFTMAX_CLUSTER_FWD,
-              ({"CLUSTER": 0, "num_warps": 8},)
-              + tuple({"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16)),
-              _buckets((({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
-                        ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
-                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)), "cluster")),
+    TuneSpace(SOFTMAX_CLUSTER_FWD, _CLUSTER_CANDIDATES, _buckets(_CLUSTER_SHAPES, "cluster")),
     TuneSpace(SOFTMAX_BWD, _ROW_CANDIDATES,
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 1024}, 65536, 1024),
                         ({"cols": 8192}, 16384, 4096), (None, 8192, 32000)), "bwd")),
-    TuneSpace(SOFTMAX_CLUSTER_BWD,
-              ({"CLUSTER": 0, "num_warps": 8},)
-              + tuple({"CLUSTER": c, "num_warps": w} for c in (1, 2, 4, 8) for w in (4, 8, 16)),
-              _buckets((({"cols": 8192}, 16384, 4096), ({"cols": 32768}, 8192, 32000),
-                        ({"cols": 65536}, 2048, 50257), ({"cols": 131072}, 1024, 131072),
-                        ({"cols": 160000}, 256, 152064), (None, 512, 262144)),
-                       "cluster_bwd")),
+    TuneSpace(SOFTMAX_CLUSTER_BWD, _CLUSTER_CANDIDATES, _buckets(_CLUSTER_SHAPES, "cluster_bwd")),
 )
