@@ -681,6 +681,9 @@ class TunedKernel:
     bounded by those names. The entry for kernel ``name`` of operator ``op`` lives under
     ``ops.<op>.<name>`` in the config file.
 
+    ``cluster_knob``: the launcher knob whose value is the number of CTAs in a thread-block
+    cluster (Triton's ``num_ctas`` compile option), for kernels written for clusters.
+
     ``device_asserts``: the kernel's ``tl.device_assert`` checks of its inputs' values (which
     Triton compiles only in debug mode) are compiled in, without debug mode's integer-overflow
     checks. A failed one stops the kernel with a device-side assert, which torch reports at
@@ -688,9 +691,14 @@ class TunedKernel:
     """
 
     def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str],
-                 launcher_knobs: Sequence[str] = (), device_asserts: bool = False):
+                 launcher_knobs: Sequence[str] = (), cluster_knob: str | None = None,
+                 device_asserts: bool = False):
         self.op, self.name, self.fn = op, name, fn
         self.launcher_knobs = frozenset(launcher_knobs)
+        if cluster_knob is not None and cluster_knob not in self.launcher_knobs:
+            raise ValueError(f"{name}: cluster_knob {cluster_knob!r} must be one of the "
+                             f"launcher_knobs {sorted(self.launcher_knobs)}")
+        self.cluster_knob = cluster_knob
         self.tunables = frozenset(tunables) | self.launcher_knobs  # every key of a config
         self.shape_keys = tuple(shape_keys)
         self.options = {"debug": True, "sanitize_overflow": False} if device_asserts else {}
@@ -814,11 +822,14 @@ class TunedKernel:
 
     def kernel_kwargs(self, config: LaunchConfig) -> dict[str, int]:
         """What the kernel's launch takes from ``config``: its constexprs (the launcher's knobs
-        left out), num_warps, num_stages and the kernel's compile options."""
+        left out), num_warps, num_stages, num_ctas (from ``cluster_knob``) and the kernel's
+        compile options."""
         kwargs = self._kernel_kwargs.get(config)
         if kwargs is None:
             kwargs = {key: value for key, value in config.launch_kwargs.items()
                       if key not in self.launcher_knobs}
+            if self.cluster_knob is not None:
+                kwargs["num_ctas"] = config.meta_dict[self.cluster_knob]
             kwargs.update(self.options)
             if len(self._kernel_kwargs) < 4096:
                 self._kernel_kwargs[config] = kwargs

@@ -309,29 +309,29 @@ def _clusters_on(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def forward(x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool, cluster: int,
-            num_warps: int) -> None:
-    """softmax (log_softmax) of the rows of ``x_rows`` into ``out_rows``; the caller checked
-    ``eligible`` and ``fits``."""
+def forward(kernel: runtime.TunedKernel, x_rows: torch.Tensor, out_rows: torch.Tensor, log: bool,
+            cluster: int, num_warps: int) -> None:
+    """softmax (log_softmax) of the rows of ``x_rows`` into ``out_rows`` through ``kernel``
+    (the TunedKernel of ``_softmax_cluster_fwd_kernel``, whose config for this shape is
+    (``cluster``, ``num_warps``): its launches are kept and planned like Triton's); the caller
+    checked ``eligible`` and ``fits``."""
     n_rows, n_cols = x_rows.shape
     element_size = x_rows.element_size()
     partials = runtime.split_scratch(x_rows.device, 1, n_rows * cluster * 2)[1]
-    _softmax_cluster_fwd_kernel[(n_rows,)](
-        x_rows, out_rows, partials, n_cols, x_rows.stride(0), out_rows.stride(0),
-        LOG=log, VEC=16 // element_size,
-        N_CHUNKS=n_chunks(n_cols, element_size, cluster, num_warps),
-        num_warps=num_warps, num_ctas=cluster)
+    kernel.launch(lambda meta: (n_rows,), x_rows, out_rows, partials, n_cols,
+                  x_rows.stride(0), out_rows.stride(0), log, 16 // element_size,
+                  n_chunks(n_cols, element_size, cluster, num_warps), shape=(n_rows, n_cols))
 
 
-def backward(grad_rows: torch.Tensor, y_rows: torch.Tensor, dx_rows: torch.Tensor, log: bool,
-             cluster: int, num_warps: int) -> None:
-    """dx of softmax (log_softmax) into ``dx_rows`` from dy and the forward's y; the caller
-    checked ``eligible`` and ``fits`` (two slices)."""
+def backward(kernel: runtime.TunedKernel, grad_rows: torch.Tensor, y_rows: torch.Tensor,
+             dx_rows: torch.Tensor, log: bool, cluster: int, num_warps: int) -> None:
+    """dx of softmax (log_softmax) into ``dx_rows`` from dy and the forward's y, through
+    ``kernel`` (``_softmax_cluster_bwd_kernel``'s, as in :func:`forward`); the caller checked
+    ``eligible`` and ``fits`` (two slices)."""
     n_rows, n_cols = y_rows.shape
     element_size = y_rows.element_size()
     partials = runtime.split_scratch(y_rows.device, 1, n_rows * cluster)[1]
-    _softmax_cluster_bwd_kernel[(n_rows,)](
-        grad_rows, y_rows, dx_rows, partials, n_cols, grad_rows.stride(0), y_rows.stride(0),
-        dx_rows.stride(0), LOG=log, VEC=16 // element_size,
-        N_CHUNKS=n_chunks(n_cols, element_size, cluster, num_warps),
-        num_warps=num_warps, num_ctas=cluster)
+    kernel.launch(lambda meta: (n_rows,), grad_rows, y_rows, dx_rows, partials, n_cols,
+                  grad_rows.stride(0), y_rows.stride(0), dx_rows.stride(0), log,
+                  16 // element_size, n_chunks(n_cols, element_size, cluster, num_warps),
+                  shape=(n_rows, n_cols))

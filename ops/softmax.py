@@ -320,16 +320,16 @@ SOFTMAX_BWD = runtime.TunedKernel("softmax", "softmax_bwd", _softmax_bwd_kernel,
 SOFTMAX_SPLIT_FWD = runtime.TunedKernel("softmax", "softmax_split_fwd", _softmax_split_fwd_kernel,
                                         tunables=("CHUNK",), shape_keys=("rows", "cols"))
 _MAX_CHUNKS = 256  # pieces per row the statistics combine in one block
-# the Hopper path (_softmax_hopper.py): a config's CLUSTER CTAs a row, 0 where it is not used;
-# the Gluon kernel is launched by its own launcher, the config only chooses
+# the Hopper path (_softmax_hopper.py): a config's CLUSTER CTAs a row (the Gluon kernels'
+# num_ctas), 0 where it is not used
 SOFTMAX_CLUSTER_FWD = runtime.TunedKernel(
     "softmax", "softmax_cluster_fwd",
     None if _softmax_hopper is None else _softmax_hopper._softmax_cluster_fwd_kernel,
-    tunables=(), launcher_knobs=("CLUSTER",), shape_keys=("rows", "cols"))
+    tunables=(), launcher_knobs=("CLUSTER",), cluster_knob="CLUSTER", shape_keys=("rows", "cols"))
 SOFTMAX_CLUSTER_BWD = runtime.TunedKernel(
     "softmax", "softmax_cluster_bwd",
     None if _softmax_hopper is None else _softmax_hopper._softmax_cluster_bwd_kernel,
-    tunables=(), launcher_knobs=("CLUSTER",), shape_keys=("rows", "cols"))
+    tunables=(), launcher_knobs=("CLUSTER",), cluster_knob="CLUSTER", shape_keys=("rows", "cols"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,8 +437,7 @@ def _forward(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> to
     if cluster:
         x_rows, out_rows = layout.as_rows(moved), out.view(-1, n_cols)
         if _softmax_hopper.eligible(x_rows, out_rows):
-            runtime.launched_outside_plans()
-            _softmax_hopper.forward(x_rows, out_rows, log, *cluster)
+            _softmax_hopper.forward(SOFTMAX_CLUSTER_FWD, x_rows, out_rows, log, *cluster)
             return out.reshape(()) if x.dim() == 0 else _from_last(out, dim, x.dim())
     chunk = _split_chunk(out.numel() // n_cols, n_cols) if out.numel() else 0
     if chunk:
@@ -463,8 +462,8 @@ def _backward(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool,
         grad_rows, y_rows = layout.as_rows(moved_grad), layout.as_rows(moved_y)
         dx_rows = dx.view(-1, n_cols)
         if _softmax_hopper.eligible(grad_rows, y_rows, dx_rows):
-            runtime.launched_outside_plans()
-            _softmax_hopper.backward(grad_rows, y_rows, dx_rows, log, *cluster)
+            _softmax_hopper.backward(SOFTMAX_CLUSTER_BWD, grad_rows, y_rows, dx_rows, log,
+                                     *cluster)
             return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())
     _launch_rows(SOFTMAX_BWD, [moved_grad, moved_y], dx, log)
     return dx.reshape(()) if scalar else _from_last(dx, dim, y.dim())

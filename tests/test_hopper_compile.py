@@ -576,7 +576,8 @@ for name, size, n_cols, cluster, warps, log in variants:
                             {"LOG": log, "VEC": 16 // size, "N_CHUNKS": n_chunks},
                             attrs={(i,): aligned for i in range(len(rows) + 1)})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_ctas": cluster})
+                              options={"num_warps": warps, "num_ctas": cluster,
+                                       "num_stages": 1})  # as TunedKernel.launch passes them
     ptx = compiled.asm["ptx"]
     report[f"{name} {n_cols} x{cluster} {warps}w"] = {
         "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared,

@@ -197,9 +197,9 @@ def _hopper_launches(monkeypatch) -> list:
     launches = []
     forward = softmax_ops._softmax_hopper.forward
 
-    def counted(x_rows, out_rows, log, cluster, num_warps):
+    def counted(kernel, x_rows, out_rows, log, cluster, num_warps):
         launches.append((cluster, num_warps))
-        forward(x_rows, out_rows, log, cluster, num_warps)
+        forward(kernel, x_rows, out_rows, log, cluster, num_warps)
 
     monkeypatch.setattr(softmax_ops._softmax_hopper, "forward", counted)
     return launches
@@ -271,6 +271,49 @@ def test_rows_held_across_a_cluster_from_strided_views(monkeypatch, name):
                                   reduction_len=view.shape[-1])
 
 
+class _RecordedLaunch:
+    """Stands for a TunedKernel: records what a cluster launcher hands to ``launch``."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, grid, *args, shape):
+        self.launches.append((tuple(grid({})), args, tuple(shape)))
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_cluster_launchers_pass_every_kernel_parameter_by_position(log):
+    """The Hopper launchers go through TunedKernel.launch (kept and planned like Triton's
+    launches), which binds arguments by position: each one must land on its parameter."""
+    hopper = softmax_ops._softmax_hopper
+    x = torch.empty(5, 3011, dtype=torch.bfloat16)[:, :3003]  # rows 3011 apart
+    out = torch.empty(5, 3003, dtype=torch.bfloat16)
+    recorder = _RecordedLaunch()
+    hopper.forward(recorder, x, out, log, 2, 4)
+    hopper.backward(recorder, x, out, out, log, 4, 8)
+    for (grid, args, shape), kernel, (cluster, warps) in zip(
+            recorder.launches, (hopper._softmax_cluster_fwd_kernel,
+                                hopper._softmax_cluster_bwd_kernel), ((2, 4), (4, 8))):
+        named = dict(zip(kernel.arg_names, args))
+        assert len(args) == len(kernel.arg_names) and grid == (5,) and shape == (5, 3003)
+        assert named["n_cols"] == 3003 and named["LOG"] is log and named["VEC"] == 8
+        assert named["N_CHUNKS"] == hopper.n_chunks(3003, 2, cluster, warps)
+        assert named["y_ptr"] is out and named[kernel.arg_names[0]] is x
+        assert named["partial_ptr"].dtype == torch.float32
+        assert named["partial_ptr"].numel() >= 5 * cluster
+        strides = [value for name, value in named.items() if name.startswith("stride_")]
+        assert strides[0] == 3011 and set(strides[1:]) == {3003}
+
+
+def test_cluster_knob_becomes_the_kernels_num_ctas():
+    for kernel in (softmax_ops.SOFTMAX_CLUSTER_FWD, softmax_ops.SOFTMAX_CLUSTER_BWD):
+        kwargs = kernel.kernel_kwargs(runtime.LaunchConfig((("CLUSTER", 4),), 8, 1))
+        assert kwargs == {"num_warps": 8, "num_stages": 1, "num_ctas": 4}
+    with pytest.raises(ValueError, match="cluster_knob 'CTAS' must be one of the launcher_knobs"):
+        runtime.TunedKernel("softmax", "nope", None, tunables=(), shape_keys=("rows",),
+                            cluster_knob="CTAS")
+
+
 def _cluster_backward_rows(cluster: int, num_warps: int = 8):
     """Force the backward's Hopper path (0: the Triton kernel)."""
     return softmax_ops.SOFTMAX_CLUSTER_BWD.forced(
@@ -281,9 +324,9 @@ def _hopper_backward_launches(monkeypatch) -> list:
     launches = []
     backward = softmax_ops._softmax_hopper.backward
 
-    def counted(grad_rows, y_rows, dx_rows, log, cluster, num_warps):
+    def counted(kernel, grad_rows, y_rows, dx_rows, log, cluster, num_warps):
         launches.append((cluster, num_warps))
-        backward(grad_rows, y_rows, dx_rows, log, cluster, num_warps)
+        backward(kernel, grad_rows, y_rows, dx_rows, log, cluster, num_warps)
 
     monkeypatch.setattr(softmax_ops._softmax_hopper, "backward", counted)
     return launches

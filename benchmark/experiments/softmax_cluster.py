@@ -18,7 +18,9 @@ import argparse
 import torch
 import triton
 
+from gemslib import runtime
 from gemslib.ops import _softmax_hopper as hopper
+from gemslib.ops import softmax as softmax_ops
 
 VEC = 8  # 16-bit elements per 16-byte copy
 
@@ -29,8 +31,13 @@ def softmax_cluster(x: torch.Tensor, log: bool = False, cluster: int = 2,
     out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     if not hopper.eligible(x, out) or not hopper.fits(x.shape[1], 2, cluster, num_warps):
         raise ValueError(f"softmax_cluster: {tuple(x.shape)} {x.dtype} does not take the path")
-    hopper.forward(x, out, log, cluster, num_warps)
+    with softmax_ops.SOFTMAX_CLUSTER_FWD.forced(_config(cluster, num_warps)):
+        hopper.forward(softmax_ops.SOFTMAX_CLUSTER_FWD, x, out, log, cluster, num_warps)
     return out
+
+
+def _config(cluster: int, num_warps: int) -> runtime.LaunchConfig:
+    return runtime.LaunchConfig((("CLUSTER", cluster),), num_warps, 1)
 
 
 def softmax_cluster_backward(grad: torch.Tensor, y: torch.Tensor, log: bool = False,
@@ -40,7 +47,8 @@ def softmax_cluster_backward(grad: torch.Tensor, y: torch.Tensor, log: bool = Fa
     if not hopper.eligible(grad, y, dx) or not hopper.fits(y.shape[1], y.element_size(), cluster,
                                                           num_warps, slices=2):
         raise ValueError(f"softmax_cluster_backward: {tuple(y.shape)} does not take the path")
-    hopper.backward(grad, y, dx, log, cluster, num_warps)
+    with softmax_ops.SOFTMAX_CLUSTER_BWD.forced(_config(cluster, num_warps)):
+        hopper.backward(softmax_ops.SOFTMAX_CLUSTER_BWD, grad, y, dx, log, cluster, num_warps)
     return dx
 
 
@@ -173,7 +181,6 @@ def _backward_line(x: torch.Tensor, configs, copy: float) -> tuple[str, dict]:
     checked first; rates over the 3 passes of bytes it needs (dy and y read, dx written).
     Returns the line and {(CLUSTER, num_warps): ms}, (0, 8) the Triton kernel."""
     from benchmark.harness import median_ms
-    from gemslib.ops import softmax as softmax_ops
 
     def rate(ms):
         return f"{ms * 1e3:.1f} us ({3 * x.numel() * x.element_size() / ms / 1e6 / copy:.0%})"
@@ -214,8 +221,6 @@ def write_configs(timings: dict, path: str) -> None:
     experiment measures)."""
     import re
     from pathlib import Path
-
-    from gemslib import runtime
 
     shipped = (runtime.shipped_configs_dir() / "nvidia_h200.yaml").read_text().splitlines()
     for kernel, kernel_timings in timings.items():
