@@ -24,8 +24,8 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     ways = ("eager", "static-gemslib")
     done = subprocess.run(
         [sys.executable, "-m", "benchmark", "--models", "--decode", "--tiny", "--model-names",
-         "llama3-8b", "--ways", *ways, "--cases", "2x12+3of32", "--reps", "2", "--out",
-         str(tmp_path)],
+         "llama3-8b", "--ways", *ways, "--cases", "2x12+3of32", "--warmup", "0", "--reps", "1",
+         "--out", str(tmp_path)],
         cwd=REPO_ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "decode.json").read_text())
