@@ -11,6 +11,13 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread a process: the suite runs one pytest-xdist worker per core, and the
+    # processes some tests start share those cores with the workers. torch's default, a thread
+    # per core in every process, oversubscribes them, and on a busy core each small CPU op
+    # waits for its OpenMP threads (10x slower in a float64 gradcheck). The processes tests
+    # start inherit the setting through the environment (they pass os.environ on).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import gemslib  # noqa: E402  (after the interpreter decision)
 from gemslib import runtime  # noqa: E402
