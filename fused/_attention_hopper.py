@@ -23,7 +23,10 @@ keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
 dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
-is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs).
+is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs). With FUSED_DQ
+(``backward``) it computes dQ too, from the ds it already has: dq += ds k over both
+warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to a writer
+warp that adds the tiles into an fp32 buffer with atomics; no second pass over s and dp.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
+WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
+#                    registers setmaxnreg sets together (more would come out of a consumer's)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -273,10 +278,10 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, qdo_ready,
-                  qdo_empty, ds_ready, ds_empty, p_lse, p_delta, p_dk, p_dv, p_dq, first_key,
-                  seq_q, seq_kv, group_size, first_row_block, row_blocks, scale, scale_log2,
-                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
+                  qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, p_lse, p_delta, p_dk, p_dv,
+                  first_key, seq_q, seq_kv, group_size, first_row_block, row_blocks, scale,
+                  scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: keys first_key + i_half * KEYS + [0, KEYS) of one KV head, keys-major like
     the Triton kernel: s^T = k q^T and dp^T = v do^T (K and V straight from shared memory),
     p^T = 2^(s^T scale_log2 - lse log2 e), ds^T = p^T (dp^T - delta), then dv += p^T do and
@@ -287,10 +292,10 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, qd
     FUSED_DQ (ds_smem of 4 buffers; a partition's constexpr arguments arrive as tensors, a
     shape stays constant): dQ's part too, from the ds both warpgroups computed (FlashAttention-3's plan):
     each writes its ds^T into ds_smem (two buffers of both halves, by step parity), the two
-    meet at ds_ready, and warpgroup h adds dq[rows, h-th half of D] = ds[rows, 2 KEYS] k[2 KEYS,
-    half] into the fp32 (Sq, D) rows of the step's query head at p_dq (the group's first
-    head; scaled and rounded afterwards), one 64 x D / 2 tile of atomics a step;
-    ds_empty frees a buffer once both have read it."""
+    meet at ds_ready, and warpgroup h computes dq[rows, h-th half of D] = ds[rows, 2 KEYS]
+    k[2 KEYS, half] into dq_smem (two buffers of both halves, freed by dq_empty) for the
+    writer warp (``_bwd_dq_writer``) to add; ds_empty frees a ds buffer once both have read
+    it."""
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     ROWS: gl.constexpr = q_smem.shape[3]
@@ -353,16 +358,14 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, qd
                 b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
             else:
                 b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
+            mbarrier.arrive(ds_empty.index(buffer))
+            # the writer added this buffer's tile of two steps ago: hand it this step's half
+            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+            dq_smem.index(2 * buffer + i_half).store(b_dq)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready.index(buffer))
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
-            mbarrier.arrive(ds_empty.index(buffer))
-            # the step's rows from one scalar base: 32-bit offsets keep the addresses cheap
-            first_row = (first_row_block + i_step % row_blocks) * ROWS
-            p_dq_rows = p_dq + ((i_step // row_blocks).to(gl.int64) * seq_q + first_row) * HEAD_D
-            o_dq_m = gl.arange(0, ROWS, layout=gl.SliceLayout(1, DQ_LAYOUT))
-            o_dq_d = i_half * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, DQ_LAYOUT))
-            gl.atomic_add(p_dq_rows + (o_dq_m[:, None] * HEAD_D + o_dq_d[None, :]), b_dq,
-                          mask=(first_row + o_dq_m < seq_q)[:, None], sem="relaxed")
         else:
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
@@ -391,11 +394,46 @@ def _dq_half(ds_low, ds_high, k_smem, b_zero, FIRST_COL: gl.constexpr):
 
 
 @gluon.jit
+def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, row_blocks,
+                   n_steps):
+    """One warp: for each step, the two warpgroups' dq halves ([ROWS, D / 2] fp32 in dq_smem
+    buffer step % 2) added into the step's query rows of the fp32 (Sq, D) rows at p_dq (the
+    group's first head; member after member) in [CHUNK, COLS] pieces, one 16-byte atomic a
+    lane (more a lane would spill: the warp shares the producer's 40 registers); then the
+    buffer is released."""
+    ROWS: gl.constexpr = dq_smem.shape[1]
+    HALF_D: gl.constexpr = dq_smem.shape[2]
+    HEAD_D: gl.constexpr = 2 * HALF_D
+    CHUNK: gl.constexpr = 8   # rows (the swizzle's period), by COLS columns
+    COLS: gl.constexpr = 16
+    LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [1, 1], [1, 0])
+    o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
+    o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    for i_step in range(n_steps):
+        buffer = i_step % 2
+        mbarrier.wait(dq_ready.index(buffer), (i_step // 2) & 1)
+        first_row = (first_row_block + i_step % row_blocks) * ROWS
+        p_dq_rows = p_dq + ((i_step // row_blocks).to(gl.int64) * seq_q + first_row) * HEAD_D
+        for i_half in gl.static_range(2):
+            half = dq_smem.index(2 * buffer + i_half)
+            for i_chunk in gl.static_range(ROWS // CHUNK):
+                rows = half.slice(i_chunk * CHUNK, CHUNK, dim=0)
+                o_m = i_chunk * CHUNK + o_chunk_m
+                m_m = (first_row + o_m < seq_q)[:, None]
+                for i_cols in gl.static_range(HALF_D // COLS):
+                    b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
+                    o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
+                    gl.atomic_add(p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :]), b_dq,
+                                  mask=m_m, sem="relaxed")
+        mbarrier.arrive(dq_empty.index(buffer))
+
+
+@gluon.jit
 def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr,
                                dv_ptr, dq_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale,
                                scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
     """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in layout.head_and_block's order: one program
     per 2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones).
     q_desc / do_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
@@ -426,8 +464,14 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     ds_smem = gl.allocate_shared_memory(
         DTYPE, [4 if FUSED_DQ else 1, KEYS, ROWS],
         gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # FUSED_DQ: the warpgroups' dq halves for the writer, two steps' worth ([buffer * 2 + half])
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1, HEAD_D // 2],
+        gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -438,21 +482,32 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     for i_buffer in gl.static_range(2):
         mbarrier.init(ds_ready.index(i_buffer), count=2)
         mbarrier.init(ds_empty.index(i_buffer), count=2)
+        mbarrier.init(dq_ready.index(i_buffer), count=2)  # both warpgroups' halves
+        mbarrier.init(dq_empty.index(i_buffer), count=1)  # the writer
 
     group_rows = (i_b * n_kv_heads + i_hkv).to(gl.int64) * group_size * seq_q
     kv_rows = i_bhkv.to(gl.int64) * seq_kv
-    consumer_args = (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_ready, qdo_ready, qdo_empty,
-                     ds_ready, ds_empty, lse_ptr + group_rows, delta_ptr + group_rows,
-                     dk_ptr + kv_rows * HEAD_D, dv_ptr + kv_rows * HEAD_D,
-                     dq_ptr + group_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
+    consumer_args = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
+                     qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, lse_ptr + group_rows,
+                     delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
+                     dv_ptr + kv_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
                      first_row_block, row_blocks, scale, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which KEYS of the program's keys
     producer_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                      qdo_ready, qdo_empty, i_b, i_hkv, first_key, group_size,
                      first_row_block, row_blocks, STAGES)
-    gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
-                        (_bwd_consumer, (high,) + consumer_args),
-                        (_bwd_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if FUSED_DQ:
+        writer_args = (dq_smem, dq_ready, dq_empty, dq_ptr + group_rows * HEAD_D, seq_q,
+                       first_row_block, row_blocks, group_size * row_blocks)
+        gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                            (_bwd_consumer, (high,) + consumer_args),
+                            (_bwd_producer, producer_args), (_bwd_dq_writer, writer_args)],
+                           [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+    else:
+        gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                            (_bwd_consumer, (high,) + consumer_args),
+                            (_bwd_producer, producer_args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def shared_layouts(dtype: torch.dtype):
@@ -530,5 +585,6 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
             seq_q=seq_q, seq_kv=seq_kv, n_kv_heads=n_kv_heads,
             group_size=n_q_heads // n_kv_heads, scale=scale, scale_log2=scale * LOG2E.value,
             CAUSAL=causal, STAGES=BWD_STAGES, FUSED_DQ=dq_sum is not None,
-            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WRITER_REGS=WRITER_REGS,
+            num_warps=4)
     return dk, dv
