@@ -301,6 +301,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
     ROWS: gl.constexpr = q_smem.shape[3]
     DTYPE: gl.constexpr = k_smem.dtype
     FUSED_DQ: gl.constexpr = ds_smem.shape[0] == 4
+    DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2  # 0 but in the diagnostics (_launch_backward)
     S_LAYOUT: gl.constexpr = _wgmma_layout(ROWS)
     ACC_LAYOUT: gl.constexpr = _wgmma_layout(HEAD_D)
     OPERAND_LAYOUT: gl.constexpr = _register_operand_layout(HEAD_D)
@@ -354,10 +355,11 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
             ds_high = ds_smem.index(2 * buffer + 1).permute((1, 0))
             b_dq = gl.zeros([ROWS, HALF_D], gl.float32, DQ_LAYOUT)
             # the column half is a slice of constant offset, so each warpgroup has its branch
-            if i_half == 0:
-                b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
-            else:
-                b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
+            if DQ_DIAG != 3:
+                if i_half == 0:
+                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
+                else:
+                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
             mbarrier.arrive(ds_empty.index(buffer))
             # the writer added this buffer's tile of two steps ago: hand it this step's half
             mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
@@ -404,6 +406,7 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
     ROWS: gl.constexpr = dq_smem.shape[1]
     HALF_D: gl.constexpr = dq_smem.shape[2]
     HEAD_D: gl.constexpr = 2 * HALF_D
+    DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2
     CHUNK: gl.constexpr = 8   # rows (the swizzle's period), by COLS columns
     COLS: gl.constexpr = 16
     LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [1, 1], [1, 0])
@@ -421,10 +424,14 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
                 o_m = i_chunk * CHUNK + o_chunk_m
                 m_m = (first_row + o_m < seq_q)[:, None]
                 for i_cols in gl.static_range(HALF_D // COLS):
-                    b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
-                    o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
-                    gl.atomic_add(p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :]), b_dq,
-                                  mask=m_m, sem="relaxed")
+                    if DQ_DIAG < 2:
+                        b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
+                        o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
+                        p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
+                        if DQ_DIAG == 1:
+                            gl.store(p_tile, b_dq, mask=m_m)
+                        else:
+                            gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
         mbarrier.arrive(dq_empty.index(buffer))
 
 
@@ -433,7 +440,8 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                                dv_ptr, dq_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale,
                                scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr):
+                               PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
+                               DQ_DIAG: gl.constexpr = 0):
     """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in layout.head_and_block's order: one program
     per 2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones).
     q_desc / do_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
@@ -471,7 +479,8 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # DQ_DIAG rides on dq_empty's length (partitions receive constexprs as tensors)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 + DQ_DIAG, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -567,7 +576,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.
 
 
 def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
-                     dq_sum: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     dq_sum: torch.Tensor | None,
+                     dq_diag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq_diag (benchmark/experiments/attention_backward_parts.py only; wrong dq): 1 the writer
+    stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul."""
     batch, n_q_heads, seq_q, _ = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
     dk = torch.empty((batch, n_kv_heads, seq_kv, HEAD_DIM), dtype=k.dtype, device=k.device)
@@ -586,5 +598,5 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
             group_size=n_q_heads // n_kv_heads, scale=scale, scale_log2=scale * LOG2E.value,
             CAUSAL=causal, STAGES=BWD_STAGES, FUSED_DQ=dq_sum is not None,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WRITER_REGS=WRITER_REGS,
-            num_warps=4)
+            DQ_DIAG=dq_diag, num_warps=4)
     return dk, dv

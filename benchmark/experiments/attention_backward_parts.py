@@ -2,7 +2,7 @@
 backward, and whether FlashAttention-3's dQ (fp32 atomics from the dK/dV kernel, no dQ kernel
 recomputing s and dp) would be affordable on this GPU.
 
-    python -m benchmark.experiments.attention_backward_parts [--atomics]
+    python -m benchmark.experiments.attention_backward_parts [--atomics] [--diagnose]
 
 bf16, one process. Per case (B, Hq/Hkv, S, D, causal), each part of
 ``fused/attention.py::_launch_backward`` timed alone on the inputs it receives (out and lse from
@@ -33,6 +33,7 @@ from gemslib.fused._attention_common import default_scale
 from gemslib.layout import LOG2E
 
 # (B, Hq, Hkv, S, D, causal)
+DIAGNOSE = False  # --diagnose
 CASES = ((1, 32, 32, 8192, 128, False), (1, 32, 32, 8192, 128, True),
          (4, 32, 32, 2048, 128, False), (4, 32, 32, 2048, 128, True),
          (2, 16, 16, 4096, 64, False), (2, 16, 16, 4096, 64, True),
@@ -178,7 +179,23 @@ def backward_parts(grad_out, q, k, v, out, lse, causal: bool, scale: float) -> d
 
     run_delta()  # delta first: the other parts read it
     return {"delta": run_delta, "dkdv": run_dkdv, "dq": run_dq,
-            "dkdv path": "Gluon" if gluon else "Triton"}
+            "dkdv path": "Gluon" if gluon else "Triton", "delta tensor": delta}
+
+
+def fused_diagnostics(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
+                      errors: list) -> str:
+    """The fused-dQ kernel alone (no zeroing or scaling of dq) in its four forms
+    (``_attention_hopper._launch_backward``'s dq_diag): 0 as shipped, 1 the writer's atomics as
+    plain stores, 2 the writer only meets the consumers, 3 also no dq matmul."""
+    hopper = attention_ops._attention_hopper
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cells = []
+    for mode in range(4):
+        ms = _timed(lambda: hopper._launch_backward(q, k, v, grad_out, lse, delta, causal, scale,
+                                                    dq_sum, mode), errors)
+        cells.append(f"{mode}:{_us(ms, 6)}")
+    return "    fused kernel alone, us by form (0 shipped, 1 stores, 2 no writes, 3 no dq mma): " \
+        + " ".join(cells)
 
 
 def cudnn_backward(q, k, v, grad_out, causal: bool):
@@ -265,6 +282,9 @@ def run_case(batch, n_q_heads, n_kv_heads, seq, head_dim, causal) -> tuple[str, 
             f"{_us(parts_ms, 7)}{_us(ms['whole'], 7)}{_tf(useful, ms['whole'])}"
             f"{_us(ms['fused'], 7)}{_tf(useful, ms['fused'])}"
             f"{_us(ms['cudnn'], 7)}{_tf(useful, ms['cudnn'])} {ratio}")
+    if DIAGNOSE and parts["dkdv path"] == "Gluon":
+        line += "\n" + fused_diagnostics(q, k, v, grad_out, lse, parts["delta tensor"], causal,
+                                         scale, errors)
     if errors:
         line += "\n    ! " + "; ".join(errors)[:160]
     del q, k, v, out, lse, grad_out, parts
@@ -296,7 +316,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--atomics", action="store_true", help="also the atomic microbenchmark")
-    atomics = parser.parse_args().atomics
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also the fused-dQ kernel's diagnostic forms (Gluon cases)")
+    arguments = parser.parse_args()
+    atomics = arguments.atomics
+    global DIAGNOSE
+    DIAGNOSE = arguments.diagnose
 
     try:
         ceilings = measure_ceilings(matmul=True, copy_bytes=2**30)
