@@ -52,6 +52,7 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
+WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
 WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
 #                    registers setmaxnreg sets together (more would come out of a consumer's)
 
@@ -407,9 +408,11 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
     HALF_D: gl.constexpr = dq_smem.shape[2]
     HEAD_D: gl.constexpr = 2 * HALF_D
     DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2
-    CHUNK: gl.constexpr = 8   # rows (the swizzle's period), by COLS columns
+    WARPS: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = 8 * WARPS   # rows (a multiple of the swizzle's period), by COLS columns
     COLS: gl.constexpr = 16
-    LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [1, 1], [1, 0])
+    LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [WARPS, 1],
+                                            [1, 0])
     o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
     o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
     for i_step in range(n_steps):
@@ -441,7 +444,7 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                                scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                               DQ_DIAG: gl.constexpr = 0):
+                               WRITER_WARPS: gl.constexpr, DQ_DIAG: gl.constexpr = 0):
     """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in layout.head_and_block's order: one program
     per 2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones).
     q_desc / do_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
@@ -511,7 +514,7 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
         gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
                             (_bwd_consumer, (high,) + consumer_args),
                             (_bwd_producer, producer_args), (_bwd_dq_writer, writer_args)],
-                           [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+                           [4, 1, WRITER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
     else:
         gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
                             (_bwd_consumer, (high,) + consumer_args),
@@ -577,7 +580,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.
 
 def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
                      dq_sum: torch.Tensor | None,
-                     dq_diag: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     dq_diag: int = 0,
+                     writer_warps: int = WRITER_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """dq_diag (benchmark/experiments/attention_backward_parts.py only; wrong dq): 1 the writer
     stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul."""
     batch, n_q_heads, seq_q, _ = q.shape
@@ -598,5 +602,5 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
             group_size=n_q_heads // n_kv_heads, scale=scale, scale_log2=scale * LOG2E.value,
             CAUSAL=causal, STAGES=BWD_STAGES, FUSED_DQ=dq_sum is not None,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WRITER_REGS=WRITER_REGS,
-            DQ_DIAG=dq_diag, num_warps=4)
+            WRITER_WARPS=writer_warps, DQ_DIAG=dq_diag, num_warps=4)
     return dk, dv

@@ -436,7 +436,7 @@ def compile_for_sm90(dtype, causal, backward):
     if backward:
         kernel = hopper._attention_bwd_dkdv_hopper
         constexprs.update(FUSED_DQ=backward == "fused", WRITER_REGS=hopper.WRITER_REGS,
-                          DQ_DIAG=0)
+                          WRITER_WARPS=hopper.WRITER_WARPS, DQ_DIAG=0)
         signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
                      "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
                      "dv_ptr": f"*{name}", "dq_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",

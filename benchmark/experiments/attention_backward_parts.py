@@ -190,12 +190,12 @@ def fused_diagnostics(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
     hopper = attention_ops._attention_hopper
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     cells = []
-    for mode in range(4):
+    for mode, warps in ((0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (2, 2), (3, 2)):
         ms = _timed(lambda: hopper._launch_backward(q, k, v, grad_out, lse, delta, causal, scale,
-                                                    dq_sum, mode), errors)
-        cells.append(f"{mode}:{_us(ms, 6)}")
-    return "    fused kernel alone, us by form (0 shipped, 1 stores, 2 no writes, 3 no dq mma): " \
-        + " ".join(cells)
+                                                    dq_sum, mode, warps), errors)
+        cells.append(f"{mode}/{warps}w:{_us(ms, 5)}")
+    return ("    fused kernel alone, us by form/writer warps (0 shipped, 1 stores, 2 no writes, "
+            "3 no dq mma): " + " ".join(cells))
 
 
 def cudnn_backward(q, k, v, grad_out, causal: bool):
@@ -282,7 +282,7 @@ def run_case(batch, n_q_heads, n_kv_heads, seq, head_dim, causal) -> tuple[str, 
             f"{_us(parts_ms, 7)}{_us(ms['whole'], 7)}{_tf(useful, ms['whole'])}"
             f"{_us(ms['fused'], 7)}{_tf(useful, ms['fused'])}"
             f"{_us(ms['cudnn'], 7)}{_tf(useful, ms['cudnn'])} {ratio}")
-    if DIAGNOSE and parts["dkdv path"] == "Gluon":
+    if DIAGNOSE and parts["dkdv path"] == "Gluon" and not causal:
         line += "\n" + fused_diagnostics(q, k, v, grad_out, lse, parts["delta tensor"], causal,
                                          scale, errors)
     if errors:
