@@ -227,8 +227,9 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
 def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
                                                                          fused_dq, monkeypatch):
     """With the Gluon dK/dV path on (the default), every such call on sm_90 computes dK/dV in
-    the Gluon kernel (counted), with dQ from the same kernel (the default) or from the Triton
-    one (that path switched off), and the gradients match float64 (GQA/MQA, ragged lengths,
+    the Gluon kernel (counted), with dQ from the same kernel (the default without a causal
+    mask) or from the Triton one (with one, or that path switched off), and the gradients
+    match float64 (GQA/MQA, ragged lengths,
     Sq != Skv, views, a negative scale); elsewhere the Triton kernels give the same answers."""
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
     shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
@@ -239,7 +240,7 @@ def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, d
         q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
     scale = 128 ** -0.5 if scale is None else scale
     calls = []
-    entry = "backward" if fused_dq else "backward_dkdv"
+    entry = "backward" if fused_dq and not causal else "backward_dkdv"
     hopper_backward = getattr(attention_ops._attention_hopper, entry)
     monkeypatch.setattr(attention_ops._attention_hopper, entry,
                         lambda *args: calls.append(args) or hopper_backward(*args))
