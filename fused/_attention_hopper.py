@@ -23,7 +23,10 @@ keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
 dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
-is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs).
+is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs). With FUSED_DQ
+(``backward``) it computes dQ too, from the ds it already has: dq += ds k over both
+warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to a writer
+warp that adds the tiles into an fp32 buffer with atomics; no second pass over s and dp.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
@@ -49,6 +52,9 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
+WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
+WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
+#                    registers setmaxnreg sets together (more would come out of a consumer's)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -273,20 +279,30 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty, p_lse,
-                  p_delta, p_dk, p_dv, first_key, seq_q, seq_kv, group_size,
-                  first_row_block, row_blocks, scale, scale_log2,
-                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
+                  qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, p_lse, p_delta, p_dk, p_dv,
+                  first_key, seq_q, seq_kv, group_size, first_row_block, row_blocks, scale,
+                  scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: keys first_key + i_half * KEYS + [0, KEYS) of one KV head, keys-major like
     the Triton kernel: s^T = k q^T and dp^T = v do^T (K and V straight from shared memory),
     p^T = 2^(s^T scale_log2 - lse log2 e), ds^T = p^T (dp^T - delta), then dv += p^T do and
     dk += ds^T q with p^T and ds^T as register operands. p_lse / p_delta point at the
     group's first query head ((Sq,) per member, consecutive); p_dk / p_dv at the KV head's
-    (Skv, D) slices."""
+    (Skv, D) slices.
+
+    FUSED_DQ (ds_smem of 4 buffers; a partition's constexpr arguments arrive as tensors, a
+    shape stays constant): dQ's part too, from the ds both warpgroups computed (FlashAttention-3's plan):
+    each writes its ds^T into ds_smem (two buffers of both halves, by step parity), the two
+    meet at ds_ready, and warpgroup h computes dq[rows, h-th half of D] = ds[rows, 2 KEYS]
+    k[2 KEYS, half] into dq_smem (two buffers of both halves, freed by dq_empty) for the
+    writer warp (``_bwd_dq_writer``) to add; ds_empty frees a ds buffer once both have read
+    it."""
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     ROWS: gl.constexpr = q_smem.shape[3]
     DTYPE: gl.constexpr = k_smem.dtype
+    FUSED_DQ: gl.constexpr = ds_smem.shape[0] == 4
+    DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2  # 0 but in the diagnostics (_launch_backward)
     S_LAYOUT: gl.constexpr = _wgmma_layout(ROWS)
     ACC_LAYOUT: gl.constexpr = _wgmma_layout(HEAD_D)
     OPERAND_LAYOUT: gl.constexpr = _register_operand_layout(HEAD_D)
@@ -320,12 +336,42 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, 
             m_keep = m_keep & (o_n[:, None] <= o_m[None, :])
         b_pt = gl.where(m_keep, gl.exp2(b_st * scale_log2 - b_lse_log2[None, :]), 0.0)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
+        buffer = i_step % 2  # FUSED_DQ's ds buffer
+        if FUSED_DQ:
+            # both warpgroups read this buffer two steps ago: wait until both are done
+            mbarrier.wait(ds_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+            ds_smem.index(2 * buffer + i_half).store(b_dst.to(DTYPE))
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part is in before the warpgroup arrives
+            mbarrier.arrive(ds_ready.index(buffer))
         b_pt_op = gl.convert_layout(b_pt.to(DTYPE), OPERAND_LAYOUT)
         b_dst_op = gl.convert_layout(b_dst.to(DTYPE), OPERAND_LAYOUT)
         dv_token = warpgroup_mma(b_pt_op, do_tile, b_dv, is_async=True)
         dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
-        b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
-        mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+        if FUSED_DQ:
+            HALF_D: gl.constexpr = HEAD_D // 2
+            DQ_LAYOUT: gl.constexpr = _wgmma_layout(HALF_D)
+            mbarrier.wait(ds_ready.index(buffer), (i_step // 2) & 1)
+            ds_low = ds_smem.index(2 * buffer).permute((1, 0))       # [ROWS, KEYS]
+            ds_high = ds_smem.index(2 * buffer + 1).permute((1, 0))
+            b_dq = gl.zeros([ROWS, HALF_D], gl.float32, DQ_LAYOUT)
+            # the column half is a slice of constant offset, so each warpgroup has its branch
+            if DQ_DIAG != 3:
+                if i_half == 0:
+                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
+                else:
+                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
+            mbarrier.arrive(ds_empty.index(buffer))
+            # the writer added this buffer's tile of two steps ago: hand it this step's half
+            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+            dq_smem.index(2 * buffer + i_half).store(b_dq)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready.index(buffer))
+            b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+            mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+        else:
+            b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+            mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
 
     o_n_out = first_key + i_half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, ACC_LAYOUT))
     o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
@@ -336,15 +382,76 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, 
 
 
 @gluon.jit
+def _dq_half(ds_low, ds_high, k_smem, b_zero, FIRST_COL: gl.constexpr):
+    """ds[rows, 2 KEYS] k[2 KEYS, FIRST_COL + [0, D / 2)] from the two halves' ds ([ROWS, KEYS]
+    views of ds^T) and K, both in shared memory."""
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    HALF_D: gl.constexpr = b_zero.shape[1]
+    k_low = k_smem.index(0).reshape([KEYS, HEAD_D]).slice(FIRST_COL, HALF_D, dim=1)
+    k_high = k_smem.index(1).reshape([KEYS, HEAD_D]).slice(FIRST_COL, HALF_D, dim=1)
+    token = warpgroup_mma(ds_low, k_low, b_zero, use_acc=False, is_async=True)
+    token = warpgroup_mma(ds_high, k_high, token, is_async=True)
+    b_dq, _, _, _, _ = warpgroup_mma_wait(0, deps=[token, ds_low, ds_high, k_low, k_high])
+    return b_dq
+
+
+@gluon.jit
+def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, row_blocks,
+                   n_steps):
+    """One warp: for each step, the two warpgroups' dq halves ([ROWS, D / 2] fp32 in dq_smem
+    buffer step % 2) added into the step's query rows of the fp32 (Sq, D) rows at p_dq (the
+    group's first head; member after member) in [CHUNK, COLS] pieces, one 16-byte atomic a
+    lane (more a lane would spill: the warp shares the producer's 40 registers); then the
+    buffer is released."""
+    ROWS: gl.constexpr = dq_smem.shape[1]
+    HALF_D: gl.constexpr = dq_smem.shape[2]
+    HEAD_D: gl.constexpr = 2 * HALF_D
+    DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2
+    WARPS: gl.constexpr = gl.num_warps()
+    CHUNK: gl.constexpr = 8 * WARPS   # rows (a multiple of the swizzle's period), by COLS columns
+    COLS: gl.constexpr = 16
+    LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [WARPS, 1],
+                                            [1, 0])
+    o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
+    o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    for i_step in range(n_steps):
+        buffer = i_step % 2
+        mbarrier.wait(dq_ready.index(buffer), (i_step // 2) & 1)
+        first_row = (first_row_block + i_step % row_blocks) * ROWS
+        p_dq_rows = p_dq + ((i_step // row_blocks).to(gl.int64) * seq_q + first_row) * HEAD_D
+        for i_half in gl.static_range(2):
+            half = dq_smem.index(2 * buffer + i_half)
+            for i_chunk in gl.static_range(ROWS // CHUNK):
+                rows = half.slice(i_chunk * CHUNK, CHUNK, dim=0)
+                o_m = i_chunk * CHUNK + o_chunk_m
+                m_m = (first_row + o_m < seq_q)[:, None]
+                for i_cols in gl.static_range(HALF_D // COLS):
+                    if DQ_DIAG < 2:
+                        b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
+                        o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
+                        p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
+                        if DQ_DIAG == 1:
+                            gl.store(p_tile, b_dq, mask=m_m)
+                        else:
+                            gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
+        mbarrier.arrive(dq_empty.index(buffer))
+
+
+@gluon.jit
 def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr,
-                               dv_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale, scale_log2,
-                               CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               dv_ptr, dq_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale,
+                               scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                               FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
+                               WRITER_WARPS: gl.constexpr, DQ_DIAG: gl.constexpr = 0):
     """Grid (B * Hkv * cdiv(Skv, 2 * KEYS),) in layout.head_and_block's order: one program
     per 2 * KEYS keys of one KV head (causal: the first key blocks are the heavy ones).
     q_desc / do_desc over (B, Hq, Sq, D) in (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in
     (1, 1, KEYS, D) blocks; lse and delta (B, Hq, Sq) fp32, dk and dv (B, Hkv, Skv, D)
-    contiguous. Rows and keys past the ends read as zeros and are masked."""
+    contiguous. Rows and keys past the ends read as zeros and are masked. FUSED_DQ: dq_ptr is
+    a zeroed fp32 (B, Hq, Sq, D) that receives sum_j ds_ij k_j (unscaled; see _bwd_consumer),
+    else unused."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
@@ -364,6 +471,19 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                                         do_desc.layout)
     k_smem = gl.allocate_shared_memory(DTYPE, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(DTYPE, [2] + v_desc.block_type.shape, v_desc.layout)
+    # FUSED_DQ: ds^T of both warpgroups, two steps' worth ([buffer * 2 + half])
+    ds_smem = gl.allocate_shared_memory(
+        DTYPE, [4 if FUSED_DQ else 1, KEYS, ROWS],
+        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # FUSED_DQ: the warpgroups' dq halves for the writer, two steps' worth ([buffer * 2 + half])
+    dq_smem = gl.allocate_shared_memory(
+        gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1, HEAD_D // 2],
+        gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # DQ_DIAG rides on dq_empty's length (partitions receive constexprs as tensors)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 + DQ_DIAG, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     qdo_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -371,20 +491,35 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     for i_stage in gl.static_range(STAGES):
         mbarrier.init(qdo_ready.index(i_stage), count=1)
         mbarrier.init(qdo_empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
+    for i_buffer in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i_buffer), count=2)
+        mbarrier.init(ds_empty.index(i_buffer), count=2)
+        mbarrier.init(dq_ready.index(i_buffer), count=2)  # both warpgroups' halves
+        mbarrier.init(dq_empty.index(i_buffer), count=1)  # the writer
 
     group_rows = (i_b * n_kv_heads + i_hkv).to(gl.int64) * group_size * seq_q
     kv_rows = i_bhkv.to(gl.int64) * seq_kv
-    consumer_args = (q_smem, do_smem, k_smem, v_smem, kv_ready, qdo_ready, qdo_empty,
-                     lse_ptr + group_rows, delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
+    consumer_args = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
+                     qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, lse_ptr + group_rows,
+                     delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
                      dv_ptr + kv_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
                      first_row_block, row_blocks, scale, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which KEYS of the program's keys
     producer_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                      qdo_ready, qdo_empty, i_b, i_hkv, first_key, group_size,
                      first_row_block, row_blocks, STAGES)
-    gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
-                        (_bwd_consumer, (high,) + consumer_args),
-                        (_bwd_producer, producer_args)], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if FUSED_DQ:
+        writer_args = (dq_smem, dq_ready, dq_empty, dq_ptr + group_rows * HEAD_D, seq_q,
+                       first_row_block, row_blocks, group_size * row_blocks)
+        gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                            (_bwd_consumer, (high,) + consumer_args),
+                            (_bwd_producer, producer_args), (_bwd_dq_writer, writer_args)],
+                           [4, 1, WRITER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, WRITER_REGS])
+    else:
+        gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                            (_bwd_consumer, (high,) + consumer_args),
+                            (_bwd_producer, producer_args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def shared_layouts(dtype: torch.dtype):
@@ -430,6 +565,25 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     """(dk, dv) for ``eligible`` q, k, v with a TMA-addressable grad_out (B, Hq, Sq, 128), the
     forward's lse and delta = rowsum(o * do) - grad_lse, both (B, Hq, Sq) fp32 contiguous:
     dk, dv (B, Hkv, Skv, 128) contiguous in k's dtype."""
+    return _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, None)
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, causal: bool,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) as ``backward_dkdv`` takes them, dq from the same kernel (FUSED_DQ: no
+    second pass over s and dp): accumulated in fp32, then scaled and rounded to q's dtype."""
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum)
+    return dq_sum.mul_(scale).to(q.dtype), dk, dv
+
+
+def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
+                     dq_sum: torch.Tensor | None,
+                     dq_diag: int = 0,
+                     writer_warps: int = WRITER_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq_diag (benchmark/experiments/attention_backward_parts.py only; wrong dq): 1 the writer
+    stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul."""
     batch, n_q_heads, seq_q, _ = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
     dk = torch.empty((batch, n_kv_heads, seq_kv, HEAD_DIM), dtype=k.dtype, device=k.device)
@@ -443,8 +597,10 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     with torch.cuda.device(q.device):
         _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
             q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_ptr=lse,
-            delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, seq_q=seq_q, seq_kv=seq_kv,
-            n_kv_heads=n_kv_heads, group_size=n_q_heads // n_kv_heads, scale=scale,
-            scale_log2=scale * LOG2E.value, CAUSAL=causal, STAGES=BWD_STAGES,
-            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4)
+            delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, dq_ptr=dk if dq_sum is None else dq_sum,
+            seq_q=seq_q, seq_kv=seq_kv, n_kv_heads=n_kv_heads,
+            group_size=n_q_heads // n_kv_heads, scale=scale, scale_log2=scale * LOG2E.value,
+            CAUSAL=causal, STAGES=BWD_STAGES, FUSED_DQ=dq_sum is not None,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, WRITER_REGS=WRITER_REGS,
+            WRITER_WARPS=writer_warps, DQ_DIAG=dq_diag, num_warps=4)
     return dk, dv

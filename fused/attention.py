@@ -390,6 +390,10 @@ ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attenti
 # benchmark/NOTES.md). Switched off, every call stays on the Triton kernels.
 HOPPER_FORWARD = runtime.KernelPath("attention", "the Gluon forward on sm_90")
 HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_90")
+# ...and dQ from that kernel too (fp32 atomics of ds k, no second pass over s and dp), where
+# HOPPER_BACKWARD applies to a call without a causal mask (with one it was no faster, or
+# slower: benchmark/NOTES.md); switched off, dQ comes from the Triton kernel
+HOPPER_FUSED_DQ = runtime.KernelPath("attention", "dQ from the Gluon dK/dV kernel on sm_90")
 
 
 def _launch_forward(q, k, v, causal: bool, scale: float,
@@ -486,6 +490,8 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
             causal, q.dtype == torch.float32, block_d, block_dv)
     if HOPPER_BACKWARD.on and _attention_hopper is not None and \
             _attention_hopper.eligible(q, k, v) and layout.tma_addressable(grad_out):
+        if HOPPER_FUSED_DQ.on and not causal:
+            return _attention_hopper.backward(q, k, v, grad_out, lse, delta, causal, scale)
         dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
     else:
         ATTENTION_BWD_DKDV.launch(

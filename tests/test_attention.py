@@ -1,5 +1,6 @@
 """attention: forward and backward against float64 references, the SDPA overrides, custom ops."""
 
+import contextlib
 import logging
 
 import pytest
@@ -219,14 +220,17 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
 
 
+@pytest.mark.parametrize("fused_dq", [True, False], ids=["dq_fused", "dq_triton"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES)
 def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
-                                                                         monkeypatch):
-    """With the Gluon dK/dV path on (the default), every such call on sm_90 computes dK/dV in the Gluon kernel
-    (counted), and the gradients match float64 (GQA/MQA, ragged lengths, Sq != Skv, views,
-    a negative scale); elsewhere the Triton kernels give the same answers."""
+                                                                         fused_dq, monkeypatch):
+    """With the Gluon dK/dV path on (the default), every such call on sm_90 computes dK/dV in
+    the Gluon kernel (counted), with dQ from the same kernel (the default without a causal
+    mask) or from the Triton one (with one, or that path switched off), and the gradients
+    match float64 (GQA/MQA, ragged lengths,
+    Sq != Skv, views, a negative scale); elsewhere the Triton kernels give the same answers."""
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
     shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
     if views:  # (B, S, H, D) storage: strided but TMA-addressable
@@ -236,12 +240,14 @@ def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, d
         q, k, v = (random_tensor(shape, dtype, scale=1.0).requires_grad_() for shape in shapes)
     scale = 128 ** -0.5 if scale is None else scale
     calls = []
-    hopper_backward = attention_ops._attention_hopper.backward_dkdv
-    monkeypatch.setattr(attention_ops._attention_hopper, "backward_dkdv",
+    entry = "backward" if fused_dq and not causal else "backward_dkdv"
+    hopper_backward = getattr(attention_ops._attention_hopper, entry)
+    monkeypatch.setattr(attention_ops._attention_hopper, entry,
                         lambda *args: calls.append(args) or hopper_backward(*args))
     out, _ = torch.ops.gemslib.attention(q, k, v, causal, scale)
     grad_out = random_tensor(out.shape, dtype, scale=1.0)
-    ours = torch.autograd.grad(out, (q, k, v), grad_out)
+    with contextlib.nullcontext() if fused_dq else attention_ops.HOPPER_FUSED_DQ.switched_off():
+        ours = torch.autograd.grad(out, (q, k, v), grad_out)
     assert len(calls) == int(HOPPER)
     _assert_grads_close(ours, _reference_grads(q, k, v, causal, scale, grad_out), dtype)
 

@@ -426,7 +426,8 @@ from gemslib.fused import _attention_hopper as hopper
 
 
 def compile_for_sm90(dtype, causal, backward):
-    # the forward kernel, or the backward's dK/dV kernel, with the launchers' constexprs
+    # the forward kernel, or the backward's dK/dV kernel (backward "fused": with dQ), with the
+    # launchers' constexprs
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     q_layout, kv_layout = hopper.shared_layouts(dtype)
     constexprs = {"CAUSAL": causal, "STAGES": hopper.BWD_STAGES if backward else hopper.STAGES,
@@ -434,10 +435,13 @@ def compile_for_sm90(dtype, causal, backward):
     block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {hopper.HEAD_DIM}],{q_layout!r}>"
     if backward:
         kernel = hopper._attention_bwd_dkdv_hopper
+        constexprs.update(FUSED_DQ=backward == "fused", WRITER_REGS=hopper.WRITER_REGS,
+                          WRITER_WARPS=hopper.WRITER_WARPS, DQ_DIAG=0)
         signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
                      "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
-                     "dv_ptr": f"*{name}", "seq_q": "i32", "seq_kv": "i32", "n_kv_heads": "i32",
-                     "group_size": "i32", "scale": "fp32", "scale_log2": "fp32"}
+                     "dv_ptr": f"*{name}", "dq_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
+                     "n_kv_heads": "i32", "group_size": "i32", "scale": "fp32",
+                     "scale_log2": "fp32"}
     else:
         kernel = hopper._attention_fwd_hopper
         kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {hopper.HEAD_DIM}],{kv_layout!r}>"
@@ -451,33 +455,39 @@ def compile_for_sm90(dtype, causal, backward):
 
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
-    for causal, backward in ((False, False), (True, False), (False, True), (True, True)):
-        compiled = compile_for_sm90(dtype, causal, backward)
-        ptx = compiled.asm["ptx"]
-        report[f"{dtype} {causal} {backward}"] = {"shared": compiled.metadata.shared,
-                                       "cubin": bool(compiled.asm["cubin"]),
-                                       "wgmma": ptx.count("wgmma.mma_async"),
-                                       "setmaxnreg": ptx.count("setmaxnreg")}
+    for causal in (False, True):
+        for backward in (False, True, "fused"):
+            compiled = compile_for_sm90(dtype, causal, backward)
+            ptx = compiled.asm["ptx"]
+            report[f"{dtype} {causal} {backward}"] = {
+                "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+                "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32")}
 print(json.dumps(report))
 """
 
 
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the attention tests run this kernel for real")
 def test_hopper_attention_kernel_compiles_for_sm90():
-    """The Gluon kernels, forward and the backward's dK/dV (bf16/fp16, causal or not), compile
-    to cubins within an SM's shared memory, with their warpgroups' register budgets rebalanced
-    (setmaxnreg: producer down, consumers up) and every product issued as wgmma (forward: q.K
-    and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over 64 rows)."""
+    """The Gluon kernels, forward and the backward's dK/dV with and without dQ (bf16/fp16,
+    causal or not), compile to cubins within an SM's shared memory, with their warpgroups'
+    register budgets rebalanced (setmaxnreg: producer down, consumers up) and every product
+    issued as wgmma (forward: q.K and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over
+    64 rows; with dQ also ds.k over 2 x 64 keys, added into dq by atomics)."""
     report = _run_compiler(_GLUON_COMPILER)
-    assert len(report) == 8
+    assert len(report) == 12
     for variant, facts in report.items():
         assert facts["cubin"], variant
         assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
         assert facts["setmaxnreg"] >= 2, variant
-        # wgmma steps of K = 16: forward 2 x 128 / 16; backward 2 x 128 / 16 + 2 x 64 / 16
-        backward = variant.endswith("True")
-        assert facts["wgmma"] >= (2 * 128 // 16 + 2 * 64 // 16 if backward else 2 * 128 // 16), \
-            variant
+        # wgmma steps of K = 16: forward 2 x 128 / 16; backward 2 x 128 / 16 + 2 x 64 / 16,
+        # with dQ + 2 x 64 / 16
+        kind = variant.split()[-1]
+        minimum = {"False": 2 * 128 // 16, "True": 2 * 128 // 16 + 2 * 64 // 16,
+                   "fused": 2 * 128 // 16 + 4 * 64 // 16}[kind]
+        assert facts["wgmma"] >= minimum, variant
+        # the two warpgroups' 64 x 64 dq halves: 32 elements a thread each
+        assert (facts["atomic_adds"] >= 2 * 32) == (kind == "fused"), variant
 
 
 _FUSED_COMPILER = r"""

@@ -2,12 +2,13 @@
 backward, and whether FlashAttention-3's dQ (fp32 atomics from the dK/dV kernel, no dQ kernel
 recomputing s and dp) would be affordable on this GPU.
 
-    python -m benchmark.experiments.attention_backward_parts
+    python -m benchmark.experiments.attention_backward_parts [--atomics] [--diagnose]
 
 bf16, one process. Per case (B, Hq/Hkv, S, D, causal), each part of
 ``fused/attention.py::_launch_backward`` timed alone on the inputs it receives (out and lse from
 ``_launch_forward``): the delta kernel, the dK/dV kernel (Gluon ``backward_dkdv`` where the
-launcher takes it, else the Triton one), the Triton dQ kernel; then the whole call and the
+launcher takes it, else the Triton one), the Triton dQ kernel; then the whole call with them,
+the whole call with dQ from the Gluon dK/dV kernel (``HOPPER_FUSED_DQ``, where it applies) and the
 backward of SDPA with cuDNN forced (``torch.autograd.grad`` of a graph built once). Executed
 TFLOP/s count 4 matmuls (dK/dV) and 3 (dQ) of 2 * D FLOPs per visible (row, key) pair; the
 "useful" rate of a whole backward is 2.5x the forward's FLOPs over its time. Then the atomic
@@ -32,6 +33,7 @@ from gemslib.fused._attention_common import default_scale
 from gemslib.layout import LOG2E
 
 # (B, Hq, Hkv, S, D, causal)
+DIAGNOSE = False  # --diagnose
 CASES = ((1, 32, 32, 8192, 128, False), (1, 32, 32, 8192, 128, True),
          (4, 32, 32, 2048, 128, False), (4, 32, 32, 2048, 128, True),
          (2, 16, 16, 4096, 64, False), (2, 16, 16, 4096, 64, True),
@@ -177,7 +179,23 @@ def backward_parts(grad_out, q, k, v, out, lse, causal: bool, scale: float) -> d
 
     run_delta()  # delta first: the other parts read it
     return {"delta": run_delta, "dkdv": run_dkdv, "dq": run_dq,
-            "dkdv path": "Gluon" if gluon else "Triton"}
+            "dkdv path": "Gluon" if gluon else "Triton", "delta tensor": delta}
+
+
+def fused_diagnostics(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
+                      errors: list) -> str:
+    """The fused-dQ kernel alone (no zeroing or scaling of dq) in its four forms
+    (``_attention_hopper._launch_backward``'s dq_diag): 0 as shipped, 1 the writer's atomics as
+    plain stores, 2 the writer only meets the consumers, 3 also no dq matmul."""
+    hopper = attention_ops._attention_hopper
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cells = []
+    for mode, warps in ((0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (2, 2), (3, 2)):
+        ms = _timed(lambda: hopper._launch_backward(q, k, v, grad_out, lse, delta, causal, scale,
+                                                    dq_sum, mode, warps), errors)
+        cells.append(f"{mode}/{warps}w:{_us(ms, 5)}")
+    return ("    fused kernel alone, us by form/writer warps (0 shipped, 1 stores, 2 no writes, "
+            "3 no dq mma): " + " ".join(cells))
 
 
 def cudnn_backward(q, k, v, grad_out, causal: bool):
@@ -241,7 +259,10 @@ def run_case(batch, n_q_heads, n_kv_heads, seq, head_dim, causal) -> tuple[str, 
     grad_out = torch.randn_like(out)
     parts = backward_parts(grad_out, q, k, v, out, lse, causal, scale)
     ms = {name: _timed(parts[name], errors) for name in ("delta", "dkdv", "dq")}
-    ms["whole"] = _timed(lambda: attention_ops._launch_backward(
+    with attention_ops.HOPPER_FUSED_DQ.switched_off():
+        ms["whole"] = _timed(lambda: attention_ops._launch_backward(
+            grad_out, q, k, v, out, lse, None, causal, scale), errors)
+    ms["fused"] = _timed(lambda: attention_ops._launch_backward(
         grad_out, q, k, v, out, lse, None, causal, scale), errors)
     try:
         ms["cudnn"] = _timed(cudnn_backward(q, k, v, grad_out, causal), errors)
@@ -253,13 +274,17 @@ def run_case(batch, n_q_heads, n_kv_heads, seq, head_dim, causal) -> tuple[str, 
     useful = 2.5 * 4 * batch * n_q_heads * seq * seq * head_dim / (2 if causal else 1)
     parts_ms = (sum(ms[p] for p in ("delta", "dkdv", "dq"))
                 if all(ms[p] is not None for p in ("delta", "dkdv", "dq")) else None)
-    ratio = (f"{ms['cudnn'] / ms['whole']:5.2f}" if ms["whole"] and ms["cudnn"]
-             else f"{'-':>5}")
+    ratio = " ".join(f"{ms['cudnn'] / ms[way]:5.2f}" if ms[way] and ms["cudnn"]
+                     else f"{'-':>5}" for way in ("whole", "fused"))
     line = (f"{_case_name(batch, n_q_heads, n_kv_heads, seq, head_dim, causal):<22}"
             f"{_us(ms['delta'], 6)} {parts['dkdv path'][0]}{_us(ms['dkdv'], 7)}"
             f"{_tf(4 * per_matmul, ms['dkdv'])}{_us(ms['dq'], 7)}{_tf(3 * per_matmul, ms['dq'])}"
             f"{_us(parts_ms, 7)}{_us(ms['whole'], 7)}{_tf(useful, ms['whole'])}"
+            f"{_us(ms['fused'], 7)}{_tf(useful, ms['fused'])}"
             f"{_us(ms['cudnn'], 7)}{_tf(useful, ms['cudnn'])} {ratio}")
+    if DIAGNOSE and parts["dkdv path"] == "Gluon" and not causal:
+        line += "\n" + fused_diagnostics(q, k, v, grad_out, lse, parts["delta tensor"], causal,
+                                         scale, errors)
     if errors:
         line += "\n    ! " + "; ".join(errors)[:160]
     del q, k, v, out, lse, grad_out, parts
@@ -285,7 +310,18 @@ def run_atomics(batch, n_q_heads, n_kv_heads, seq, head_dim, causal, dq_ms) -> s
 
 
 def main() -> None:
+    import argparse
+
     from benchmark.harness import measure_ceilings
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--atomics", action="store_true", help="also the atomic microbenchmark")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also the fused-dQ kernel's diagnostic forms (Gluon cases)")
+    arguments = parser.parse_args()
+    atomics = arguments.atomics
+    global DIAGNOSE
+    DIAGNOSE = arguments.diagnose
 
     try:
         ceilings = measure_ceilings(matmul=True, copy_bytes=2**30)
@@ -294,10 +330,12 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001
         print(f"ceilings failed: {_first_line(error)}", flush=True)
     print("us per call; TF = TFLOP/s (dK/dV, dQ: executed, 4 and 3 matmuls a visible pair; "
-          "whole, cuDNN: useful, 2.5x fwd);\nG/T = Gluon/Triton dK/dV; parts = sum of the three; "
-          "x = cuDNN us / whole us (>1: gemslib faster)")
+          "whole, fused, cuDNN: useful, 2.5x fwd);\nG/T = Gluon/Triton dK/dV; parts = sum of "
+          "the three; whole: with them; fused: dQ from the Gluon dK/dV kernel;\nx = cuDNN us / "
+          "whole us, then / fused us (>1: gemslib faster)")
     print(f"{'case':<22}{'delta':>6} {'dK/dV':>8}{'TF':>5}{'dQ':>7}{'TF':>5}{'parts':>7}"
-          f"{'whole':>7}{'TF':>5}{'cuDNN':>7}{'TF':>5}{'x':>6}", flush=True)
+          f"{'whole':>7}{'TF':>5}{'fused':>7}{'TF':>5}{'cuDNN':>7}{'TF':>5}{'x':>6}{'x':>6}",
+          flush=True)
     dq_ms = {}
     for case in CASES:
         try:
@@ -306,6 +344,8 @@ def main() -> None:
             line = f"{_case_name(*case):<22}failed: {_first_line(error)}"
         print(line, flush=True)
         torch.cuda.empty_cache()
+    if not atomics:
+        return
     print(f"\ndQ by fp32 atomics from a dK/dV grid of {ATOMIC_KEYS} keys a program, one "
           f"{ATOMIC_ROWS}xD tile per (program, query block); GB = atomic payload;\neach variant: "
           "us, GB/s, us / dQ kernel us. 2-d: aligned rows (v4 atomics); x2: a tile per 64 keys\n"
@@ -313,7 +353,7 @@ def main() -> None:
           "reduce-add")
     print(f"{'case':<22}{'GB':>5}{'dQ us':>6} |" + " |".join(f"{v:>19}" for v in ATOMIC_VARIANTS),
           flush=True)
-    for case in CASES:
+    for case in CASES if atomics else ():
         if case[4] != 128 or case[3] != 8192:
             continue
         try:
