@@ -54,6 +54,7 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
+DQ_BY_TMA = True   # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
 WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
 #                    registers setmaxnreg sets together (more would come out of a consumer's)
@@ -612,7 +613,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.
     """(dq, dk, dv) as ``backward_dkdv`` takes them, dq from the same kernel (FUSED_DQ: no
     second pass over s and dp): accumulated in fp32, then scaled and rounded to q's dtype."""
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum)
+    dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum,
+                              4 if DQ_BY_TMA else 0)
     return dq_sum.mul_(scale).to(q.dtype), dk, dv
 
 
