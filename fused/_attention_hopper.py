@@ -25,8 +25,10 @@ of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += 
 dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
 is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs). With FUSED_DQ
 (``backward``) it computes dQ too, from the ds it already has: dq += ds k over both
-warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to a writer
-warp that adds the tiles into an fp32 buffer with atomics; no second pass over s and dp.
+warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to
+WRITER_WARPS writer warps that add the tiles into an fp32 buffer with atomics; no second pass
+over s and dp. With DQ_BY_TMA the consumers add their tiles by TMA reduce-add instead, with no
+writer (measured slower on the H200: benchmark/NOTES.md).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
-DQ_BY_TMA = True   # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
+DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
 WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
 #                    registers setmaxnreg sets together (more would come out of a consumer's)
