@@ -25,8 +25,10 @@ of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += 
 dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
 is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs). With FUSED_DQ
 (``backward``) it computes dQ too, from the ds it already has: dq += ds k over both
-warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to a writer
-warp that adds the tiles into an fp32 buffer with atomics; no second pass over s and dp.
+warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to
+WRITER_WARPS writer warps that add the tiles into an fp32 buffer with atomics; no second pass
+over s and dp. With DQ_BY_TMA the consumers add their tiles by TMA reduce-add instead, with no
+writer (measured slower on the H200: benchmark/NOTES.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton._C.libtriton import ir as _ir
 
 from gemslib import layout, runtime
 from gemslib.layout import LN2, LOG2E
@@ -52,10 +56,12 @@ PRODUCER_REGS = 40
 KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
+DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
 WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
 #                    registers setmaxnreg sets together (more would come out of a consumer's)
 
+_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -281,7 +287,7 @@ def _bwd_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
 @gluon.jit
 def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
                   qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, p_lse, p_delta, p_dk, p_dv,
-                  first_key, seq_q, seq_kv, group_size, first_row_block, row_blocks, scale,
+                  dq_desc, first_head, first_key, seq_q, seq_kv, group_size, first_row_block, row_blocks, scale,
                   scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: keys first_key + i_half * KEYS + [0, KEYS) of one KV head, keys-major like
     the Triton kernel: s^T = k q^T and dp^T = v do^T (K and V straight from shared memory),
@@ -362,23 +368,48 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
                 else:
                     b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
             mbarrier.arrive(ds_empty.index(buffer))
-            # the writer added this buffer's tile of two steps ago: hand it this step's half
-            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
-            dq_smem.index(2 * buffer + i_half).store(b_dq)
-            gl.thread_barrier()
-            mbarrier.arrive(dq_ready.index(buffer))
+            if DQ_DIAG == 4:
+                # this buffer's reduce of two steps ago has read it: one TMA reduce-add this step
+                tma.store_wait(1)
+                gl.thread_barrier()
+                dq_tile = dq_smem.index(2 * buffer + i_half)
+                dq_tile.reshape([ROWS, HALF_D]).store(b_dq)
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_reduce_add(dq_desc, [first_head + i_step // row_blocks,
+                                          (first_row_block + i_step % row_blocks) * ROWS,
+                                          i_half * HALF_D], dq_tile)
+            else:
+                # the writer added this buffer's tile of two steps ago: hand it this step's half
+                mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+                dq_smem.index(2 * buffer + i_half).store(b_dq)
+                gl.thread_barrier()
+                mbarrier.arrive(dq_ready.index(buffer))
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
         else:
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
 
+    if FUSED_DQ:
+        if DQ_DIAG == 4:
+            tma.store_wait(0)  # the last reduces have read their tiles
     o_n_out = first_key + i_half * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, ACC_LAYOUT))
     o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ACC_LAYOUT))
     o_dkv = o_n_out[:, None].to(gl.int64) * HEAD_D + o_d[None, :]
     m_n_out = (o_n_out < seq_kv)[:, None]
     gl.store(p_dk + o_dkv, (b_dk * scale).to(DTYPE), mask=m_n_out)
     gl.store(p_dv + o_dkv, b_dv.to(DTYPE), mask=m_n_out)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of the shared tile ``src`` into ``tensor_desc``'s block at ``coord``
+    (cp.reduce.async.bulk.tensor .add, one bulk group; ``tma.store_wait`` waits for it): the
+    Gluon builder has the op, Triton 3.6's Hopper module does not name it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
 
 
 @gluon.jit
@@ -440,7 +471,7 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
 
 @gluon.jit
 def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dk_ptr,
-                               dv_ptr, dq_ptr, seq_q, seq_kv, n_kv_heads, group_size, scale,
+                               dv_ptr, dq_ptr, dq_desc, seq_q, seq_kv, n_kv_heads, group_size, scale,
                                scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                                FUSED_DQ: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                PRODUCER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
@@ -476,9 +507,13 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
         DTYPE, [4 if FUSED_DQ else 1, KEYS, ROWS],
         gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     # FUSED_DQ: the warpgroups' dq halves for the writer, two steps' worth ([buffer * 2 + half])
-    dq_smem = gl.allocate_shared_memory(
-        gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1, HEAD_D // 2],
-        gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
+    if DQ_DIAG == 4:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape,
+                                            dq_desc.layout)
+    else:
+        dq_smem = gl.allocate_shared_memory(
+            gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1, HEAD_D // 2],
+            gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -502,13 +537,19 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     consumer_args = (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_ready, qdo_ready,
                      qdo_empty, ds_ready, ds_empty, dq_ready, dq_empty, lse_ptr + group_rows,
                      delta_ptr + group_rows, dk_ptr + kv_rows * HEAD_D,
-                     dv_ptr + kv_rows * HEAD_D, first_key, seq_q, seq_kv, group_size,
+                     dv_ptr + kv_rows * HEAD_D, dq_desc,
+                     (i_b * n_kv_heads + i_hkv) * group_size, first_key, seq_q, seq_kv, group_size,
                      first_row_block, row_blocks, scale, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which KEYS of the program's keys
     producer_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                      qdo_ready, qdo_empty, i_b, i_hkv, first_key, group_size,
                      first_row_block, row_blocks, STAGES)
-    if FUSED_DQ:
+    if DQ_DIAG == 4:
+        gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
+                            (_bwd_consumer, (high,) + consumer_args),
+                            (_bwd_producer, producer_args)], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
+    elif FUSED_DQ:
         writer_args = (dq_smem, dq_ready, dq_empty, dq_ptr + group_rows * HEAD_D, seq_q,
                        first_row_block, row_blocks, group_size * row_blocks)
         gl.warp_specialize([(_bwd_consumer, (low,) + consumer_args),
@@ -574,7 +615,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.
     """(dq, dk, dv) as ``backward_dkdv`` takes them, dq from the same kernel (FUSED_DQ: no
     second pass over s and dp): accumulated in fp32, then scaled and rounded to q's dtype."""
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum)
+    dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum,
+                              4 if DQ_BY_TMA else 0)
     return dq_sum.mul_(scale).to(q.dtype), dk, dv
 
 
@@ -583,7 +625,8 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
                      dq_diag: int = 0,
                      writer_warps: int = WRITER_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """dq_diag (benchmark/experiments/attention_backward_parts.py only; wrong dq): 1 the writer
-    stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul."""
+    stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul; 4 no
+    writer, the consumers add their dq halves by TMA reduce-add."""
     batch, n_q_heads, seq_q, _ = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
     dk = torch.empty((batch, n_kv_heads, seq_kv, HEAD_DIM), dtype=k.dtype, device=k.device)
@@ -594,10 +637,12 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
                        for t in (q, grad_out))
     k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, KEYS, HEAD_DIM], block_layout)
                       for t in (k, v))
+    dq_flat = (dk.view(torch.float32) if dq_sum is None else dq_sum).flatten(0, 1)
+    dq_desc = TensorDescriptor.from_tensor(dq_flat, [1, BWD_ROWS, HEAD_DIM // 2], _DQ_LAYOUT)
     with torch.cuda.device(q.device):
         _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
             q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_ptr=lse,
-            delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, dq_ptr=dk if dq_sum is None else dq_sum,
+            delta_ptr=delta, dk_ptr=dk, dv_ptr=dv, dq_ptr=dk if dq_sum is None else dq_sum, dq_desc=dq_desc,
             seq_q=seq_q, seq_kv=seq_kv, n_kv_heads=n_kv_heads,
             group_size=n_q_heads // n_kv_heads, scale=scale, scale_log2=scale * LOG2E.value,
             CAUSAL=causal, STAGES=BWD_STAGES, FUSED_DQ=dq_sum is not None,

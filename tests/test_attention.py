@@ -220,7 +220,8 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
 
 
-@pytest.mark.parametrize("fused_dq", [True, False], ids=["dq_fused", "dq_triton"])
+@pytest.mark.parametrize("fused_dq", ["tma", "writer", None], ids=["dq_tma", "dq_writer",
+                                                                  "dq_triton"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES)
@@ -241,6 +242,8 @@ def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, d
     scale = 128 ** -0.5 if scale is None else scale
     calls = []
     entry = "backward" if fused_dq and not causal else "backward_dkdv"
+    if HOPPER:
+        monkeypatch.setattr(attention_ops._attention_hopper, "DQ_BY_TMA", fused_dq == "tma")
     hopper_backward = getattr(attention_ops._attention_hopper, entry)
     monkeypatch.setattr(attention_ops._attention_hopper, entry,
                         lambda *args: calls.append(args) or hopper_backward(*args))

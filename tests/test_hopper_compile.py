@@ -439,7 +439,9 @@ def compile_for_sm90(dtype, causal, backward):
                           WRITER_WARPS=hopper.WRITER_WARPS, DQ_DIAG=0)
         signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
                      "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
-                     "dv_ptr": f"*{name}", "dq_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
+                     "dv_ptr": f"*{name}", "dq_ptr": "*fp32",
+                     "dq_desc": f"tensordesc<fp32[1, {hopper.BWD_ROWS}, {hopper.HEAD_DIM // 2}],"
+                                f"{hopper._DQ_LAYOUT!r}>", "seq_q": "i32", "seq_kv": "i32",
                      "n_kv_heads": "i32", "group_size": "i32", "scale": "fp32",
                      "scale_log2": "fp32"}
     else:
