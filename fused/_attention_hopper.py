@@ -58,8 +58,8 @@ BWD_ROWS = 64
 BWD_STAGES = 2
 DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
-WRITER_REGS = 40   # the fused backward's dQ writer warp: it shares the producer's warpgroup, whose
-#                    registers setmaxnreg sets together (more would come out of a consumer's)
+WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
+#                    whose registers setmaxnreg sets together (more would come out of a consumer's)
 
 _DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -430,10 +430,10 @@ def _dq_half(ds_low, ds_high, k_smem, b_zero, FIRST_COL: gl.constexpr):
 @gluon.jit
 def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, row_blocks,
                    n_steps):
-    """One warp: for each step, the two warpgroups' dq halves ([ROWS, D / 2] fp32 in dq_smem
-    buffer step % 2) added into the step's query rows of the fp32 (Sq, D) rows at p_dq (the
-    group's first head; member after member) in [CHUNK, COLS] pieces, one 16-byte atomic a
-    lane (more a lane would spill: the warp shares the producer's 40 registers); then the
+    """WRITER_WARPS warps: for each step, the two warpgroups' dq halves ([ROWS, D / 2] fp32 in
+    dq_smem buffer step % 2) added into the step's query rows of the fp32 (Sq, D) rows at p_dq
+    (the group's first head; member after member) in [CHUNK, COLS] pieces, one 16-byte atomic
+    a lane (more a lane would spill: the warps share the producer's 40 registers); then the
     buffer is released."""
     ROWS: gl.constexpr = dq_smem.shape[1]
     HALF_D: gl.constexpr = dq_smem.shape[2]
