@@ -6,10 +6,12 @@ microseconds, for gemslib's operators and their peers.
 Each figure launches ``--calls`` calls back to back without synchronising and divides the
 wall time by their number, after a warm-up: with work this small the host is the bottleneck,
 so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). Ways
-per operator, in one process and one run: gemslib's direct call, the same with
-``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every launch through Triton's
-argument binding, the path before the lean launch), the torch call under
-``gemslib.enable()``, torch eager (for work eager does in two kernels, both: their sum),
+per operator, in one process and one run: gemslib's direct call (planned calls replayed by
+the native table of ``gemslib.native`` where it is on), the same with
+``runtime.NATIVE_REPLAY`` switched off (``gemslib-python``: the plans' generated Python
+replays), the same with ``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every
+launch through Triton's argument binding, the path before the lean launch), the torch call
+under ``gemslib.enable()`` (and ``enable-python``, native replay off), torch eager (for work eager does in two kernels, both: their sum),
 the torch call under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two
 where importable. The ratios are against torch eager's (issue 23's bar: at most 1.5x). Under
 the table, a planned silu piece by piece (its allocation, the compiled launcher alone): the
@@ -27,7 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 BENCH_DIR = Path(__file__).resolve().parent
-HOST_WAYS = ("gemslib", "gemslib-bound", "enable", "torch", "flaggems", "liger")
+HOST_WAYS = ("gemslib", "gemslib-python", "gemslib-bound", "enable", "enable-python", "torch",
+             "flaggems", "liger")
 
 
 def host_us(fn: Callable, calls: int, synchronize: Callable = lambda: None,
@@ -97,8 +100,8 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
             "torch": sdpa_row},
     }
     for ways in table.values():  # the scoped ways call what gemslib's or torch's does
-        ways["gemslib-bound"] = ways["gemslib"]
-        ways["enable"] = ways["flaggems"] = ways["torch"]
+        ways["gemslib-bound"] = ways["gemslib-python"] = ways["gemslib"]
+        ways["enable"] = ways["enable-python"] = ways["flaggems"] = ways["torch"]
         ways.setdefault("liger", None)
     return table
 
@@ -117,10 +120,20 @@ def _scope(way: str):
         import gemslib
 
         return gemslib.enable
-    if way == "gemslib-bound":
+    if way in ("gemslib-bound", "gemslib-python"):
         from gemslib import runtime
 
-        return runtime.DIRECT_LAUNCH.switched_off
+        path = runtime.DIRECT_LAUNCH if way == "gemslib-bound" else runtime.NATIVE_REPLAY
+        return path.switched_off
+    if way == "enable-python":
+        import gemslib
+        from gemslib import runtime
+
+        @contextlib.contextmanager
+        def enabled_in_python():
+            with gemslib.enable(), runtime.NATIVE_REPLAY.switched_off():
+                yield
+        return enabled_in_python
     if way == "flaggems":
         try:
             import flag_gems
@@ -151,7 +164,7 @@ def run(calls: int, device, warmup: int = 50) -> dict:
                     row[way] = host_us(fn, calls, synchronize, warmup)
             except Exception as err:  # a peer that refuses the case: reported, not fatal
                 row[way] = f"{type(err).__name__}: {str(err)[:120]}"
-            if way in ("gemslib", "enable"):  # which of gemslib's calls replayed a plan
+            if way in ("gemslib", "enable"):  # which of gemslib's calls made a plan
                 row["plans"][way] = {op: counts for op, counts in
                                      runtime.call_plan_counts().items()
                                      if before.get(op) != counts}
@@ -246,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
               "nothing was run.", file=sys.stderr)
         return 1
     device = torch.device("cuda")
+    from gemslib import native
+
     header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}; "
-              f"{args.calls} calls per figure; microseconds of host time per call.")
+              f"{args.calls} calls per figure; microseconds of host time per call; "
+              f"native replay {native.status()}.")
     results = run(args.calls, device)
     try:
         floor = floor_pieces(args.calls, device)

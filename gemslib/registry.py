@@ -263,7 +263,7 @@ def _make_wrapper(override: AtenOverride, original) -> Callable:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s -> gemslib", aten)
             _record(aten, True)
-            return plans.plan(key, args, lambda: override.impl(*args, **kwargs))
+            return plans.plan(key, args, lambda: override.impl(*args, **kwargs), kwargs)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s -> torch (%s)", aten, reason)
         _record(aten, False)

@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import re
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,8 @@ class KernelPath:
 
 DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straight to the "
                            "compiled kernel, past Triton's argument binding")
+NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ (gemslib.native), "
+                           "not by their generated Python")
 _SCALARS = (int, float, bool, type(None))
 
 
@@ -153,9 +156,9 @@ def tensor_key(tensors) -> tuple[tuple, list]:
 
 def launch_compiled(compiled: tuple, stream: int, launch_args) -> None:
     """Launch a kept compiled kernel (:meth:`TunedKernel.replay`'s ``(launcher, grid, function,
-    cooperative, pdl, metadata, constexprs)``) on ``stream``: the tensors in ``launch_args``
+    cooperative, pdl, metadata, constexprs, parameter types)``) on ``stream``: the tensors in ``launch_args``
     as data pointers, the constexprs after them, no launch hooks."""
-    launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+    launch, grid3, function, cooperative, pdl, metadata, constexprs, _ = compiled
     launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None, None,
            *launch_args, *constexprs)
 
@@ -184,6 +187,13 @@ class _Opaque:
 
 class _ReadsATensor(Exception):
     pass
+
+
+def _parameter_types(kernel) -> tuple | None:
+    """The Triton types of a compiled kernel's parameters, one per argument in order
+    (``"constexpr"`` for those compiled in), or None where the kernel does not say."""
+    signature = getattr(getattr(kernel, "src", None), "signature", None)
+    return tuple(signature.values()) if isinstance(signature, dict) else None
 
 
 def _heuristic_values(fn, args, kwargs: dict) -> tuple[Any, dict] | None:
@@ -891,7 +901,8 @@ class TunedKernel:
         self._compiled[key, device] = (
             launcher.launch, (*grid, 1, 1)[:3], kernel.function,
             launcher.launch_cooperative_grid, launcher.launch_pdl, kernel.packed_metadata,
-            tuple(values[name] for name in rest))
+            tuple(values[name] for name in rest),
+            _parameter_types(kernel))
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)
@@ -1139,7 +1150,7 @@ class _Plan:
                              f"{on_stream})")
             lines.append(f"    p{first_scratch + index} = {pair}[{which}].data_ptr() + {offset}")
         for n, (compiled, template, slots) in enumerate(self.launches):
-            launch, grid3, function, cooperative, pdl, metadata, constexprs = compiled
+            launch, grid3, function, cooperative, pdl, metadata, constexprs, _ = compiled
             names[f"launch{n}"], names[f"metadata{n}"] = launch, metadata
             head = [f"grid{n}_{axis}" for axis in range(3)] + ["stream", f"function{n}",
                                                                f"cooperative{n}", f"pdl{n}"]
@@ -1174,6 +1185,72 @@ class _Plan:
         exec(compile("\n".join(lines), f"<gemslib plan {len(self.launches)} launches>", "exec"),
              names)
         return names["replay"]
+
+
+_INT_PARAMS = {"i1": 8, "i8": 8, "i16": 16, "i32": 32, "i64": 64, "u1": 8, "u8": 8,
+               "u16": 16, "u32": 32, "u64": 64}
+_FLOAT_PARAMS = {"fp16": "<e", "fp32": "<f", "f32": "<f", "fp64": "<d"}
+
+
+def _parameter_bytes(kind: str, value) -> int | None:
+    """A scalar parameter as the little-endian bytes cuLaunchKernel copies (as an integer),
+    packed as Triton's launcher packs it; None for a type the native replay does not pass."""
+    if kind in _INT_PARAMS:
+        if type(value) not in (int, bool):
+            return None
+        return int(value) & ((1 << _INT_PARAMS[kind]) - 1)
+    if kind in _FLOAT_PARAMS and type(value) in (int, float):
+        return int.from_bytes(struct.pack(_FLOAT_PARAMS[kind], value), "little")
+    if kind == "bf16" and type(value) in (int, float):  # Triton truncates the fp32 bits
+        return int.from_bytes(struct.pack("<f", value), "little") >> 16
+    return None
+
+
+def native_spec(plan: _Plan) -> tuple | None:
+    """``plan`` as :mod:`gemslib.native`'s table takes it (see ``_launch.cpp``'s
+    ``Table.add``), or None where a launch has a parameter it does not pass (a tuple, a
+    descriptor) or its kernel did not say its parameter types."""
+    first_scratch = len(plan.inputs) + len(plan.outputs)
+    launches = []
+    for compiled, template, slots in plan.launches:
+        _, grid3, function, cooperative, pdl, metadata, constexprs, types = compiled
+        values = (*template, *constexprs)
+        if types is None or len(types) != len(values) or not isinstance(function, int):
+            return None
+        slot_at = dict(slots)
+        params = []
+        for position, (kind, value) in enumerate(zip(types, values)):
+            if kind == "constexpr":
+                continue
+            if not isinstance(kind, str):
+                return None
+            if kind.startswith("*"):
+                slot = slot_at.get(position)
+                if slot is None:
+                    return None
+                if slot >= first_scratch:
+                    index = slot - first_scratch
+                    params.append((1, index, plan.scratch[index][3]))
+                else:
+                    params.append((0, slot, 0))
+                continue
+            packed = _parameter_bytes(kind, value)
+            if packed is None or position in slot_at:
+                return None
+            params.append((2, 0, packed))
+        num_warps, num_ctas, shared = metadata
+        launches.append((function, tuple(grid3), num_warps, num_ctas, shared, bool(cooperative),
+                         bool(pdl), tuple(params)))
+    if type(plan.result) is int:
+        result = plan.result
+    else:
+        result = tuple((value, None) if is_output else (-1, value)
+                       for is_output, value in plan.result)
+    outputs = tuple((tuple(shape), tuple(stride), dtype, zeroed)
+                    for shape, stride, dtype, zeroed in plan.outputs)
+    scratch = tuple((n_counters, n_floats, which)
+                    for n_counters, n_floats, which, _ in plan.scratch)
+    return (plan.device.index, tuple(plan.inputs), outputs, scratch, tuple(launches), result)
 
 
 class _Route:
@@ -1216,11 +1293,14 @@ class CallPlans:
         self.name, self.below_autograd = name, below_autograd
         self._plans: dict[tuple, _Plan] = {}
         self._tries: dict[tuple, int] = {}  # calls of a signature not (yet) planned
+        self._native = None  # the native table of the plans (gemslib.native), once one is made
         _PLANS.append(self)
 
     def clear(self) -> None:
         self._plans.clear()
         self._tries.clear()
+        if self._native is not None:
+            self._native.clear()
 
     def signature(self, *args, **kwargs) -> tuple | None:
         """The key of a call with these arguments (a plan replays with the positional ones;
@@ -1262,6 +1342,13 @@ class CallPlans:
         """(the call's key, its outputs replayed by its plan, or None where it has none): the
         start of a planned operator, which runs its own path when the second is None and
         hands the key to :meth:`plan`."""
+        native = self._native
+        if native is not None and _planning.launches is None and not _forcing and \
+                not DIRECT_LAUNCH._switched_off and not NATIVE_REPLAY._switched_off and \
+                not _is_compiling() and not _launch_hooked():
+            planned = native.run(*args, **kwargs)
+            if planned is not None:
+                return None, planned
         key = self.signature(*args, **kwargs)
         plan = self.get(key)
         return key, (plan.run(*args) if plan is not None else None)
@@ -1284,10 +1371,12 @@ class CallPlans:
             self._plans[key] = _Route(run)
             self._tries.pop(key, None)
 
-    def plan(self, key: tuple | None, args: Sequence, call: Callable):
-        """``call()``, the operator's own path for ``args`` (those given to :meth:`signature`),
-        keeping its plan under ``key`` when it is replayable; returns what ``call`` returns (a
-        tensor, or a tuple of tensors and Nones)."""
+    def plan(self, key: tuple | None, args: Sequence, call: Callable,
+             kwargs: Mapping[str, Any] | None = None):
+        """``call()``, the operator's own path for ``args`` and ``kwargs`` (those given to
+        :meth:`signature`), keeping its plan under ``key`` when it is replayable (in the
+        native table too, where :mod:`gemslib.native` is on); returns what ``call`` returns
+        (a tensor, or a tuple of tensors and Nones)."""
         if key is None or key in self._plans or _planning.launches is not None:
             return call()
         tries = self._tries.get(key)
@@ -1308,7 +1397,19 @@ class CallPlans:
         if plan is not None and len(self._plans) < 1024:
             self._plans[key] = plan
             del self._tries[key]
+            self._keep_native(plan, args, kwargs)
         return result
+
+    def _keep_native(self, plan: _Plan, args: Sequence, kwargs: Mapping[str, Any] | None):
+        from gemslib import native
+
+        module = native.module()
+        spec = native_spec(plan) if module is not None else None
+        if spec is None:
+            return
+        if self._native is None:
+            self._native = module.Table(below_autograd=self.below_autograd)
+        self._native.add(tuple(args), dict(kwargs or {}), spec)
 
     @staticmethod
     def _replayable(args, result, launches, zeroed) -> _Plan | None:

@@ -39,7 +39,7 @@ def test_every_way_is_timed_in_its_scope_and_set_against_torch(monkeypatch):
     assert row["ratios"]["gemslib"] == row["gemslib"] / row["torch"]
     assert results["broken 1"]["gemslib"].startswith("RuntimeError: no such case here")
     markdown = host.format_markdown(results, "header")
-    assert "| double 3 | " in markdown and "| broken 1 | failed | failed |" in markdown
+    assert "| double 3 | " in markdown and "| broken 1 | failed | - | failed |" in markdown
     assert markdown.count("\n|") == 4  # the head, its rule and one row per case
 
 
