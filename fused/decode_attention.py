@@ -430,6 +430,9 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
     return _UNCHECKED
 
 
+_DECODE_CALLS = runtime.CallPlans("decode_attention")
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seqlens: torch.Tensor | None = None, scale: float | None = None,
                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -440,6 +443,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     length is split over programs (flash-decoding) and the parts merged by log-sum-exp; the
     query heads of one KV head share a program, so K/V are read once. A sequence with no key
     gives 0."""
+    args = (q, k_cache, v_cache, seqlens, scale, key_mask)
+    key, planned = _DECODE_CALLS.replayed(*args)
+    if planned is not None:
+        return planned
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
     layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask)
     plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask)
@@ -447,7 +454,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
     elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
-        return _run_decode(plan, q, k_cache, v_cache, seqlens, key_mask=key_mask)
+        return _DECODE_CALLS.plan(key, args, lambda: _run_decode(plan, q, k_cache, v_cache, seqlens,
+                                                                 key_mask=key_mask))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):

@@ -7,6 +7,12 @@
 // allocates, launches on the current stream with cuLaunchKernel(Ex) and returns the outputs,
 // or returns None when the table has no plan for the call (the Python path then runs).
 // The plans are made in Python from the calls' recorded launches; nothing here decides.
+//
+// For an aten override, register_replay() also puts a kernel of its own after autograd
+// (the ADInplaceOrView key, for functional operators only): it keys the call from the
+// dispatcher's stack, replays a plan there without entering Python's boxing, and otherwise
+// passes the call on to the override's Python kernel, leaving its key pending so that the
+// plan Python makes of the call is kept under it.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,12 +27,15 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
 #include "cuda.h"
 
@@ -166,11 +175,9 @@ bool put_value(std::string& key, PyObject* value) {
   return true;
 }
 
-bool put_argument(std::string& key, PyObject* arg, bool stop_on_grad, Keyed& keyed) {
-  PyTypeObject* type = Py_TYPE(arg);
-  if (type == tensor_type || type == parameter_type) {
-    const at::Tensor& t = THPVariable_Unpack(arg);
-    if (t.layout() != c10::kStrided) return false;
+bool put_tensor(std::string& key, const at::Tensor& t, bool stop_on_grad, Keyed& keyed) {
+  if (!t.defined() || t.layout() != c10::kStrided) return false;
+  {
     bool requires_grad = t.requires_grad();
     if (stop_on_grad && requires_grad) return false;
     void* start = const_cast<void*>(t.unsafeGetTensorImpl()->data());  // start, any dtype
@@ -192,6 +199,12 @@ bool put_argument(std::string& key, PyObject* arg, bool stop_on_grad, Keyed& key
     key.push_back(requires_grad);
     return true;
   }
+}
+
+bool put_argument(std::string& key, PyObject* arg, bool stop_on_grad, Keyed& keyed) {
+  PyTypeObject* type = Py_TYPE(arg);
+  if (type == tensor_type || type == parameter_type)
+    return put_tensor(key, THPVariable_Unpack(arg), stop_on_grad, keyed);
   if (PyTuple_CheckExact(arg) || PyList_CheckExact(arg)) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(arg);
     PyObject** items = PySequence_Fast_ITEMS(arg);
@@ -205,10 +218,9 @@ bool put_argument(std::string& key, PyObject* arg, bool stop_on_grad, Keyed& key
   return put_value(key, arg);
 }
 
-// The key of a call, or false where this table keys no such call.
-bool signature(std::string& key, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
-               bool below_autograd, Keyed& keyed) {
-  bool grad = c10::GradMode::is_enabled();
+// The start of every key: the current device and grad mode; false where CUDA is unusable.
+bool put_context(std::string& key, bool& grad) {
+  grad = c10::GradMode::is_enabled();
   int8_t current = -1;
   if (c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
     try {
@@ -219,6 +231,29 @@ bool signature(std::string& key, PyObject* const* args, Py_ssize_t nargs, PyObje
   }
   put<int8_t>(key, current);
   key.push_back(grad);
+  return true;
+}
+
+// The end of every key: which tensors start at one address (k and v as one tensor, say).
+void put_aliasing(std::string& key, const Keyed& keyed) {
+  const auto& starts = keyed.starts;
+  for (size_t i = 1; i < starts.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (starts[i] == starts[j]) {
+        key.push_back(ALIAS);
+        put<int16_t>(key, static_cast<int16_t>(i));
+        put<int16_t>(key, static_cast<int16_t>(j));
+        break;
+      }
+    }
+  }
+}
+
+// The key of a call from Python, or false where this table keys no such call.
+bool signature(std::string& key, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
+               bool below_autograd, Keyed& keyed) {
+  bool grad;
+  if (!put_context(key, grad)) return false;
   bool stop_on_grad = grad && !below_autograd;
   for (Py_ssize_t i = 0; i < nargs; ++i)
     if (!put_argument(key, args[i], stop_on_grad, keyed)) return false;
@@ -234,20 +269,58 @@ bool signature(std::string& key, PyObject* const* args, Py_ssize_t nargs, PyObje
       if (!put_value(key, args[nargs + i])) return false;
     }
   }
-  // tensors that start at one address (k and v as one tensor, say): which ones
-  const auto& starts = keyed.starts;
-  for (size_t i = 1; i < starts.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (starts[i] == starts[j]) {
-        key.push_back(ALIAS);
-        put<int16_t>(key, static_cast<int16_t>(i));
-        put<int16_t>(key, static_cast<int16_t>(j));
-        break;
-      }
-    }
-  }
+  put_aliasing(key, keyed);
   return true;
 }
+
+// The key of a call on the dispatcher's stack (its schema's arguments, in order), or false
+// where the table keys no such call. Only the kernel after autograd makes and reads these.
+bool stack_signature(std::string& key, c10::ArrayRef<c10::IValue> args, bool below_autograd,
+                     Keyed& keyed) {
+  bool grad;
+  if (!put_context(key, grad)) return false;
+  key.push_back('D');  // never equal to a key of Python objects
+  bool stop_on_grad = grad && !below_autograd;
+  for (const c10::IValue& v : args) {
+    if (v.isTensor()) {
+      if (!put_tensor(key, v.toTensor(), stop_on_grad, keyed)) return false;
+    } else if (v.isNone()) {
+      key.push_back(NONE);
+    } else if (v.isBool()) {
+      key.push_back(BOOL);
+      key.push_back(v.toBool());
+    } else if (v.isInt()) {
+      key.push_back(INT);
+      put<int64_t>(key, v.toInt());
+    } else if (v.isDouble()) {
+      key.push_back(FLOAT);
+      put<double>(key, v.toDouble());
+    } else if (v.isIntList()) {
+      auto items = v.toIntList();
+      key.push_back(SEQ);
+      put<int32_t>(key, static_cast<int32_t>(items.size()));
+      for (int64_t item : items) {
+        key.push_back(INT);
+        put<int64_t>(key, item);
+      }
+    } else {
+      return false;
+    }
+  }
+  put_aliasing(key, keyed);
+  return true;
+}
+
+// Keys of calls the kernel after autograd passed on to Python, by thread: the plan Python makes
+// of such a call is kept under its key (see Table.add), with the tensors' starts to check.
+struct Pending {
+  uint64_t id;
+  const void* table;
+  std::string key;
+  std::vector<void*> starts;
+};
+thread_local std::vector<Pending> pending;
+thread_local uint64_t pending_ids = 0;
 
 // ---- the table -------------------------------------------------------------------------
 
@@ -373,9 +446,12 @@ bool launch(const Launch& l, CUstream stream, const std::vector<uint64_t>& point
                         "cuLaunchKernelEx");
 }
 
-PyObject* replay(TableObject* self, const Plan& plan, const Keyed& keyed) {
-  // no driver or no CUDA in this torch: nothing to launch with, the Python path decides
-  if (!driver.launch || !c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) Py_RETURN_NONE;
+// Replays `plan` for the keyed call into `outputs`: 1 done, 0 not here (no driver, a capture
+// that needs fresh scratch, a thread without a CUDA context: the caller's other path runs),
+// -1 failed with a Python error set. Holds the GIL.
+int replay_into(TableObject* self, const Plan& plan, const Keyed& keyed,
+                std::vector<at::Tensor>& outputs) {
+  if (!driver.launch || !c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) return 0;
   c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(plan.device_index));
   CUstream stream;
   try {
@@ -383,23 +459,22 @@ PyObject* replay(TableObject* self, const Plan& plan, const Keyed& keyed) {
     stream = static_cast<CUstream>(guard->getStream(device).native_handle());
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
-    return nullptr;
+    return -1;
   }
   if (!plan.scratch.empty()) {
     CUstreamCaptureStatus capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     if (driver_failed(driver.stream_is_capturing(stream, &capturing), "cuStreamIsCapturing"))
-      return nullptr;
-    if (capturing != CU_STREAM_CAPTURE_STATUS_NONE) Py_RETURN_NONE;  // fresh scratch: Python's
+      return -1;
+    if (capturing != CU_STREAM_CAPTURE_STATUS_NONE) return 0;  // fresh scratch: Python's path
   }
   CUcontext context = nullptr;
-  if (driver_failed(driver.ctx_get_current(&context), "cuCtxGetCurrent")) return nullptr;
-  if (!context) Py_RETURN_NONE;  // a thread that has not used CUDA yet: Python's path sets it
+  if (driver_failed(driver.ctx_get_current(&context), "cuCtxGetCurrent")) return -1;
+  if (!context) return 0;  // a thread that has not used CUDA yet: Python's path sets it
 
   std::vector<uint64_t> pointers;
   pointers.reserve(plan.inputs.size() + plan.outputs.size());
   for (int position : plan.inputs)
     pointers.push_back(reinterpret_cast<uint64_t>(keyed.starts[position]));
-  std::vector<at::Tensor> outputs;
   outputs.reserve(plan.outputs.size());
   try {
     auto options = at::TensorOptions().device(device);
@@ -410,13 +485,21 @@ PyObject* replay(TableObject* self, const Plan& plan, const Keyed& keyed) {
     }
   } catch (const std::exception& err) {
     PyErr_SetString(PyExc_RuntimeError, err.what());
-    return nullptr;
+    return -1;
   }
   std::vector<uint64_t> scratch;
-  if (!plan.scratch.empty() && !scratch_pointers(self, plan, stream, scratch)) return nullptr;
+  if (!plan.scratch.empty() && !scratch_pointers(self, plan, stream, scratch)) return -1;
   for (const Launch& l : plan.launches)
-    if (!launch(l, stream, pointers, scratch)) return nullptr;
+    if (!launch(l, stream, pointers, scratch)) return -1;
   ++self->replays;
+  return 1;
+}
+
+PyObject* replay(TableObject* self, const Plan& plan, const Keyed& keyed) {
+  std::vector<at::Tensor> outputs;
+  int done = replay_into(self, plan, keyed, outputs);
+  if (done < 0) return nullptr;
+  if (done == 0) Py_RETURN_NONE;
   if (plan.single >= 0) return THPVariable_Wrap(std::move(outputs[plan.single]));
   PyObject* result = PyTuple_New(static_cast<Py_ssize_t>(plan.returned.size()));
   if (!result) return nullptr;
@@ -519,10 +602,21 @@ PyObject* table_add(PyObject* self_, PyObject* args) {
   Keyed keyed;
   bool keyable = signature(key, flat.data(), nargs, kwnames, self->below_autograd, keyed);
   Py_XDECREF(kwnames);
-  if (!keyable) {
-    PyErr_Clear();
-    Py_RETURN_FALSE;
+  if (!keyable) PyErr_Clear();
+  // a call the kernel after autograd passed on: its plan is kept under that kernel's key, if
+  // the call's tensors are the ones it keyed (in the same order)
+  bool from_stack = false;
+  for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+    if (it->table != self) continue;
+    bool same = keyable && keyed.starts.size() <= it->starts.size();
+    for (size_t i = 0; same && i < keyed.starts.size(); ++i) same = keyed.starts[i] == it->starts[i];
+    if (!same) Py_RETURN_FALSE;
+    key = it->key;
+    from_stack = true;
+    pending.erase(std::next(it).base());
+    break;
   }
+  if (!keyable) Py_RETURN_FALSE;
   auto plan = std::make_shared<Plan>();
   PyObject *inputs, *outputs, *scratch, *launches, *result;
   if (!PyArg_ParseTuple(spec, "iOOOOO", &plan->device_index, &inputs, &outputs, &scratch,
@@ -650,6 +744,11 @@ PyObject* table_add(PyObject* self_, PyObject* args) {
         PyErr_SetString(PyExc_ValueError, "gemslib: a plan result out of range");
         return nullptr;
       }
+      if (from_stack && index < 0 && value != Py_None && !PyBool_Check(value) &&
+          !PyLong_CheckExact(value) && !PyFloat_CheckExact(value)) {
+        Py_DECREF(fast);
+        Py_RETURN_FALSE;  // a returned constant the dispatcher's stack cannot hold
+      }
       Py_INCREF(value);
       plan->returned.emplace_back(index, value);
     }
@@ -716,6 +815,157 @@ void table_dealloc(PyObject* self_) {
   Py_TYPE(self_)->tp_free(self_);
 }
 
+// ---- the kernel after autograd -----------------------------------------------------------
+
+std::string python_error_text() {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  std::string text = "gemslib: a native replay failed";
+  if (value) {
+    PyObject* str = PyObject_Str(value);
+    if (str) {
+      const char* utf8 = PyUnicode_AsUTF8(str);
+      if (utf8) text = utf8;
+      Py_DECREF(str);
+    }
+  }
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  PyErr_Clear();
+  return text;
+}
+
+// The result of `plan` as the schema's returns, or false where they do not match it.
+bool returns_fit(const Plan& plan, size_t n_returns) {
+  return plan.single >= 0 ? n_returns == 1 : plan.returned.size() == n_returns;
+}
+
+void push_returns(const Plan& plan, std::vector<at::Tensor>& outputs, torch::jit::Stack* stack) {
+  if (plan.single >= 0) {
+    torch::jit::push(stack, std::move(outputs[plan.single]));
+    return;
+  }
+  for (const auto& item : plan.returned) {
+    PyObject* value = item.second;
+    if (item.first >= 0) torch::jit::push(stack, outputs[item.first]);
+    else if (value == Py_None) torch::jit::push(stack, c10::IValue());
+    else if (PyBool_Check(value)) torch::jit::push(stack, value == Py_True);
+    else if (PyLong_CheckExact(value)) torch::jit::push(stack, static_cast<int64_t>(PyLong_AsLongLong(value)));
+    else torch::jit::push(stack, PyFloat_AS_DOUBLE(value));
+  }
+}
+
+// Registered for one functional aten operator at ADInplaceOrView, after autograd and before
+// the backend's kernel (the override's Python kernel): a planned call is replayed here, any
+// other passed on.
+class ReplayKernel final : public c10::OperatorKernel {
+ public:
+  ReplayKernel(PyObject* table, PyObject* allowed) : table_(table), allowed_(allowed) {
+    Py_INCREF(table_);
+    Py_INCREF(allowed_);
+  }
+  ~ReplayKernel() override {
+    if (Py_IsInitialized()) {
+      PyGILState_STATE gil = PyGILState_Ensure();
+      Py_DECREF(table_);
+      Py_DECREF(allowed_);
+      PyGILState_Release(gil);
+    }
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack) {
+    auto* table = reinterpret_cast<TableObject*>(table_);
+    const auto& schema = op.schema();
+    const size_t n_args = schema.arguments().size();
+    uint64_t pending_id = 0;
+    {
+      PyGILState_STATE gil = PyGILState_Ensure();
+      std::string key;
+      key.reserve(256);
+      Keyed keyed;
+      if (stack_signature(key, torch::jit::last(stack, n_args), table->below_autograd, keyed)) {
+        auto found = table->plans->find(key);
+        if (found == table->plans->end()) {
+          pending_id = ++pending_ids;
+          pending.push_back(Pending{pending_id, table, std::move(key), keyed.starts});
+        } else if (returns_fit(*found->second, schema.returns().size()) && allowed()) {
+          std::shared_ptr<Plan> plan = found->second;
+          std::vector<at::Tensor> outputs;
+          int done = replay_into(table, *plan, keyed, outputs);
+          if (done < 0) {
+            std::string text = python_error_text();
+            PyGILState_Release(gil);
+            throw std::runtime_error(text);
+          }
+          if (done > 0) {
+            torch::jit::drop(stack, n_args);
+            push_returns(*plan, outputs, stack);
+            PyGILState_Release(gil);
+            return;
+          }
+        }
+      }
+      PyGILState_Release(gil);
+    }
+    struct PopPending {  // whatever the call does, its key is not left pending
+      uint64_t id;
+      ~PopPending() {
+        if (!id) return;
+        for (auto it = pending.begin(); it != pending.end(); ++it) {
+          if (it->id == id) {
+            pending.erase(it);
+            break;
+          }
+        }
+      }
+    } pop{pending_id};
+    op.redispatchBoxed(
+        keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::ADInplaceOrView),
+        stack);
+  }
+
+ private:
+  bool allowed() {  // runtime's verdict: no call being planned, no launch hook, nothing forced
+    PyObject* verdict = PyObject_CallNoArgs(allowed_);
+    if (!verdict) {
+      PyErr_Clear();
+      return false;
+    }
+    bool yes = verdict == Py_True;
+    Py_DECREF(verdict);
+    return yes;
+  }
+
+  PyObject* table_;
+  PyObject* allowed_;
+};
+
+struct RegistrationObject {
+  PyObject_HEAD
+  torch::Library* library;
+};
+
+PyObject* registration_remove(PyObject* self_, PyObject*) {
+  auto* self = reinterpret_cast<RegistrationObject*>(self_);
+  delete self->library;  // unregisters the kernel
+  self->library = nullptr;
+  Py_RETURN_NONE;
+}
+
+void registration_dealloc(PyObject* self_) {
+  auto* self = reinterpret_cast<RegistrationObject*>(self_);
+  delete self->library;
+  Py_TYPE(self_)->tp_free(self_);
+}
+
+PyMethodDef registration_methods[] = {
+    {"remove", registration_remove, METH_NOARGS, "unregister the kernel (idempotent)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyTypeObject RegistrationType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
 PyMethodDef table_methods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(table_run)),
      METH_FASTCALL | METH_KEYWORDS, "run(*args, **kwargs): the planned call's outputs, or None"},
@@ -746,6 +996,42 @@ PyObject* module_setup(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// register_replay(name, table, allowed): the kernel after autograd for the operator `name`
+// ("aten::_softmax", "aten::add.Tensor"), replaying `table`'s plans while `allowed()` is
+// True. Returns a Registration; its remove() (or its end) unregisters.
+PyObject* module_register_replay(PyObject*, PyObject* args) {
+  const char* qualified;
+  PyObject *table, *allowed;
+  if (!PyArg_ParseTuple(args, "sO!O", &qualified, &TableType, &table, &allowed)) return nullptr;
+  std::string full(qualified);
+  size_t colons = full.find("::");
+  if (colons == std::string::npos || colons == 0 || colons + 2 >= full.size()) {
+    PyErr_Format(PyExc_ValueError, "gemslib: register_replay needs 'namespace::name', got '%s'",
+                 qualified);
+    return nullptr;
+  }
+  std::string ns = full.substr(0, colons), name = full.substr(colons + 2);
+  if (!PyCallable_Check(allowed)) {
+    PyErr_SetString(PyExc_TypeError, "gemslib: register_replay needs a callable `allowed`");
+    return nullptr;
+  }
+  auto* registration = PyObject_New(RegistrationObject, &RegistrationType);
+  if (!registration) return nullptr;
+  registration->library = nullptr;
+  try {
+    auto library = std::make_unique<torch::Library>(
+        torch::Library::IMPL, ns, c10::DispatchKey::ADInplaceOrView, __FILE__, __LINE__);
+    library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(
+                            std::make_unique<ReplayKernel>(table, allowed)));
+    registration->library = library.release();
+  } catch (const std::exception& err) {
+    Py_DECREF(registration);
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(registration);
+}
+
 PyObject* module_load_driver(PyObject*, PyObject*) {
   if (load_driver()) Py_RETURN_TRUE;
   Py_RETURN_FALSE;
@@ -754,6 +1040,8 @@ PyObject* module_load_driver(PyObject*, PyObject*) {
 PyMethodDef module_methods[] = {
     {"setup", module_setup, METH_VARARGS,
      "setup(torch.Tensor, torch.nn.Parameter, split_scratch)"},
+    {"register_replay", module_register_replay, METH_VARARGS,
+     "register_replay(name, table, allowed): replay an aten override's plans after autograd"},
     {"load_driver", module_load_driver, METH_NOARGS,
      "find the CUDA driver's launch functions; False where there is no driver"},
     {nullptr, nullptr, 0, nullptr}};
@@ -774,6 +1062,13 @@ PyMODINIT_FUNC PyInit_gemslib_launch() {
   TableType.tp_methods = table_methods;
   TableType.tp_getset = table_getset;
   if (PyType_Ready(&TableType) < 0) return nullptr;
+  RegistrationType.tp_name = "gemslib_launch.Registration";
+  RegistrationType.tp_basicsize = sizeof(RegistrationObject);
+  RegistrationType.tp_flags = Py_TPFLAGS_DEFAULT;
+  RegistrationType.tp_doc = "A replay kernel registered after autograd for one aten operator";
+  RegistrationType.tp_dealloc = registration_dealloc;
+  RegistrationType.tp_methods = registration_methods;
+  if (PyType_Ready(&RegistrationType) < 0) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (!module) return nullptr;
   Py_INCREF(&TableType);

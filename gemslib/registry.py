@@ -296,6 +296,22 @@ def _check_kernels_exist(overrides: list[AtenOverride], key: str) -> None:
                            f"which gemslib would override and hand unsupported calls to. {where}.")
 
 
+def _register_native_replay(aten: str, key: str):
+    """The native replay kernel for an override's planned calls, registered after autograd
+    (gemslib.native; its Registration), or None: not on CUDA, the native path off, or an
+    operator with a kernel of its own at that key (in-place and out= overloads bump version
+    counters there), which keeps the Python kernel alone."""
+    if key != "CUDA" or torch._C._dispatch_has_kernel_for_dispatch_key(aten, "ADInplaceOrView"):
+        return None
+    plans = _override_plans.get(aten)
+    table = plans.native_table() if plans is not None else None
+    if table is None:
+        return None
+    from gemslib import native
+
+    return native.module().register_replay(aten, table, runtime.native_replay_allowed)
+
+
 _permanent_library = None  # torch.library.Library, kept for the whole process
 _permanent_fallbacks: dict[str, str] = {}  # aten overload -> the dispatch-table line it added
 
@@ -347,6 +363,7 @@ class Activation:
         self.fallbacks: Counter[str] = Counter()
         self.aten_overloads: tuple[str, ...] = ()
         self._library = None
+        self._replays: list = []  # gemslib.native's kernels after autograd
         key = runtime.dispatch_key()
         with _lock:
             todo = [override for name in self.ops for override in operators()[name].overrides
@@ -357,6 +374,7 @@ class Activation:
                     _install_permanent_fallback(override, key)
             library = torch.library.Library("aten", "IMPL")
             mine = []
+            replays = []
             try:
                 for override in todo:
                     if override.aten in _served_by:
@@ -371,14 +389,20 @@ class Activation:
                         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously")
                         library.impl(override.aten.split("::", 1)[1],
                                      _make_wrapper(override, original), key, with_keyset=True)
+                    replay = _register_native_replay(override.aten, key)
+                    if replay is not None:
+                        replays.append(replay)
                     mine.append(override.aten)
                     _served_by[override.aten] = self
             except BaseException:
+                for replay in replays:
+                    replay.remove()
                 library._destroy()
                 for aten in mine:
                     _served_by.pop(aten, None)
                 raise
             self._library = library
+            self._replays = replays
             self.aten_overloads = tuple(mine)
             _activations.append(self)
 
@@ -391,6 +415,8 @@ class Activation:
         with _lock:
             if self not in _activations:
                 return
+            for replay in self._replays:
+                replay.remove()
             self._library._destroy()
             for aten in self.aten_overloads:
                 if _served_by.get(aten) is self:

@@ -1045,6 +1045,16 @@ _PLANS: list["CallPlans"] = []
 _PLAN_TRIES = 2  # watched calls of a signature before it is left unplanned
 
 
+def native_replay_allowed() -> bool:
+    """Whether a plan may be replayed by the native table now (:mod:`gemslib.native`): not
+    inside a call being planned (which records its launches in Python), with no Triton launch
+    hook installed (a profiler wants Triton's launches), no config forced and neither the
+    direct launch nor the native replay switched off. The native kernel registered after
+    autograd asks it before each replay."""
+    return (_planning.launches is None and not _forcing and not DIRECT_LAUNCH._switched_off
+            and not NATIVE_REPLAY._switched_off and not _launch_hooked())
+
+
 def _not_plannable() -> None:
     planning = _planning.launches
     if planning is not None:
@@ -1343,9 +1353,7 @@ class CallPlans:
         start of a planned operator, which runs its own path when the second is None and
         hands the key to :meth:`plan`."""
         native = self._native
-        if native is not None and _planning.launches is None and not _forcing and \
-                not DIRECT_LAUNCH._switched_off and not NATIVE_REPLAY._switched_off and \
-                not _is_compiling() and not _launch_hooked():
+        if native is not None and native_replay_allowed() and not _is_compiling():
             planned = native.run(*args, **kwargs)
             if planned is not None:
                 return None, planned
@@ -1400,16 +1408,22 @@ class CallPlans:
             self._keep_native(plan, args, kwargs)
         return result
 
-    def _keep_native(self, plan: _Plan, args: Sequence, kwargs: Mapping[str, Any] | None):
-        from gemslib import native
-
-        module = native.module()
-        spec = native_spec(plan) if module is not None else None
-        if spec is None:
-            return
+    def native_table(self):
+        """This operator's table in :mod:`gemslib.native` (made on first use), or None where
+        the native path is off."""
         if self._native is None:
-            self._native = module.Table(below_autograd=self.below_autograd)
-        self._native.add(tuple(args), dict(kwargs or {}), spec)
+            from gemslib import native
+
+            module = native.module()
+            if module is not None:
+                self._native = module.Table(below_autograd=self.below_autograd)
+        return self._native
+
+    def _keep_native(self, plan: _Plan, args: Sequence, kwargs: Mapping[str, Any] | None):
+        table = self.native_table()
+        spec = native_spec(plan) if table is not None else None
+        if spec is not None:
+            table.add(tuple(args), dict(kwargs or {}), spec)
 
     @staticmethod
     def _replayable(args, result, launches, zeroed) -> _Plan | None:

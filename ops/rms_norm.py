@@ -331,7 +331,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
     Differentiable (dx and dweight).
     """
-    key, planned = _RMS_NORM_CALLS.replayed(x, weight, eps)
+    args = (x, weight, eps)  # as given: a plan is found by the arguments of the calls it serves
+    key, planned = _RMS_NORM_CALLS.replayed(*args)
     if planned is not None:
         return planned
     _check_inputs("gemslib.rms_norm", x, weight)
@@ -340,8 +341,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         return _rms_norm_forward_op(x, weight, eps)[0]
     if not _kernel_takes(x, weight):
         return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
-    return _RMS_NORM_CALLS.plan(key, (x, weight, eps),
-                                lambda: _forward(x, weight, eps, want_rstd=False)[0])
+    return _RMS_NORM_CALLS.plan(key, args, lambda: _forward(x, weight, eps, want_rstd=False)[0])
 
 
 def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
@@ -396,8 +396,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     other or within themselves (an expanded tensor): a ValueError says which. Out of place,
     they may (``add_rms_norm(a, a)`` normalises ``2 * a``). Differentiable when not in place.
     """
-    key, planned = _ADD_RMS_NORM_CALLS.replayed(x, residual, weight, eps) \
-        if inplace is False else (None, None)
+    args = (x, residual, weight, eps)  # as given (see rms_norm)
+    key, planned = _ADD_RMS_NORM_CALLS.replayed(*args) if inplace is False else (None, None)
     if planned is not None:
         return planned
     _check_inputs("gemslib.add_rms_norm", x, weight, residual)
@@ -411,8 +411,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
     if runtime.wants_custom_op(x, residual, weight):
         return _add_rms_norm_op(x, residual, weight, eps)
-    return _ADD_RMS_NORM_CALLS.plan(key, (x, residual, weight, eps),
-                                    lambda: _add_rms_norm(x, residual, weight, eps))
+    return _ADD_RMS_NORM_CALLS.plan(key, args, lambda: _add_rms_norm(x, residual, weight, eps))
 
 
 def _forward_with_rstd(x, weight, eps):

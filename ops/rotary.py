@@ -451,8 +451,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
     """
-    key, planned = _ROTARY_CALLS.replayed(q, k, cos, sin, positions, interleaved) \
-        if inplace is False else (None, None)
+    args = (q, k, cos, sin, positions, interleaved)  # as given (see rms_norm)
+    key, planned = _ROTARY_CALLS.replayed(*args) if inplace is False else (None, None)
     if planned is not None:
         return planned
     interleaved = checks.as_bool("gemslib.apply_rotary", "interleaved", interleaved)
@@ -471,7 +471,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return _rotary(q, k, cos, sin, positions, interleaved, False, q, k)
     if runtime.wants_custom_op(q, k, cos, sin):
         return _rotary_op(q, k, cos, sin, positions, interleaved, False)
-    return _ROTARY_CALLS.plan(key, (q, k, cos, sin, positions, interleaved), lambda: _rotary(
+    return _ROTARY_CALLS.plan(key, args, lambda: _rotary(
         q, k, cos, sin, positions, interleaved, False, torch.empty_like(q), torch.empty_like(k)))
 
 

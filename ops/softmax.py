@@ -518,24 +518,26 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Statistics in fp32; rows of any width (vocabulary-sized ones in an online pass).
     Differentiable.
     """
-    key, planned = _SOFTMAX_CALLS.replayed(x, dim)
+    args = (x, dim)  # as given: a plan is found by the arguments of the calls it serves
+    key, planned = _SOFTMAX_CALLS.replayed(*args)
     if planned is not None:
         return planned
     dim = _check("gemslib.softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, False)
-    return _SOFTMAX_CALLS.plan(key, (x, dim), lambda: _softmax_any(x, dim, log=False))
+    return _SOFTMAX_CALLS.plan(key, args, lambda: _softmax_any(x, dim, log=False))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
-    key, planned = _LOG_SOFTMAX_CALLS.replayed(x, dim)
+    args = (x, dim)  # as given: a plan is found by the arguments of the calls it serves
+    key, planned = _LOG_SOFTMAX_CALLS.replayed(*args)
     if planned is not None:
         return planned
     dim = _check("gemslib.log_softmax", x, dim)
     if runtime.wants_custom_op(x):
         return _softmax_op(x, dim, True)
-    return _LOG_SOFTMAX_CALLS.plan(key, (x, dim), lambda: _softmax_any(x, dim, log=True))
+    return _LOG_SOFTMAX_CALLS.plan(key, args, lambda: _softmax_any(x, dim, log=True))
 
 
 def _backward_any(grad, y, dim, log, out_dtype):

@@ -146,11 +146,28 @@ def test_repeated_calls_replay_natively_where_the_native_path_is_on():
     if not ON_GPU:
         assert native.module() is None and native.status().startswith("off: ")
         return
+    from gemslib import registry
+
     assert native.status() == "on"
     weight = random_tensor((256,), torch.float16)
     f16 = torch.float16
     for _ in range(5):
         x = random_tensor((5, 256), f16)
+        logits = random_tensor((3, 40000), f16)  # the split form, with kept scratch
+        assert_close_to_reference(gemslib.softmax(logits), torch.softmax(logits.double(), -1),
+                                  f16, 40000)
+        leaf = x.clone().requires_grad_()
+        with gemslib.enable():
+            assert_close_to_reference(torch.softmax(logits, -1),
+                                      torch.softmax(logits.double(), -1), f16, 40000)
+            assert_close_to_reference(
+                F.rms_norm(x, (256,), weight, 1e-5),
+                rms_norm_ops.rms_norm_reference(x.double(), weight.double(), 1e-5), f16, 256)
+            out = F.silu(leaf)  # planned below autograd: the graph is still recorded
+        out.backward(torch.ones_like(out))
+        assert_close_to_reference(out, silu_ops.silu_reference(x.double()), f16)
+        assert_close_to_reference(leaf.grad, silu_ops.silu_backward_reference(
+            torch.ones_like(x).double(), x.double()), f16)
         assert_close_to_reference(gemslib.silu(x), silu_ops.silu_reference(x.double()), f16)
         assert_close_to_reference(
             gemslib.rms_norm(x, weight, 1e-5),
@@ -165,3 +182,47 @@ def test_repeated_calls_replay_natively_where_the_native_path_is_on():
     assert silu_ops._SILU_CALLS._native.replays >= 2
     assert rms_norm_ops._RMS_NORM_CALLS._native.replays >= 2
     assert rms_norm_ops._ADD_RMS_NORM_CALLS._native.replays >= 2
+    from gemslib.ops import softmax as softmax_ops
+
+    assert softmax_ops._SOFTMAX_CALLS._native.replays >= 2
+    for aten in ("aten::silu", "aten::_fused_rms_norm", "aten::_softmax"):
+        assert registry._override_plans[aten]._native.replays >= 2, aten
+
+
+def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_passed_on(built):
+    """register_replay's kernel keys a call from the dispatcher's stack: one it has no plan for
+    goes on to the backend's kernel, and a plan that kernel keeps (Table.add) is kept under
+    the stack's key; the next call of that signature finds it (and asks ``allowed`` before
+    replaying; without a driver it passes the call on all the same). Other signatures are
+    not found; after remove() the kernel is gone. Results are the backend kernel's."""
+    library = torch.library.Library("gemslib_native_test", "DEF")
+    library.define("twice(Tensor x, int[] shape, float eps) -> Tensor")
+    table = built.Table(below_autograd=True)
+    kept, asked = [], []
+
+    def backend(x, shape, eps):
+        kept.append(table.add((x, shape, eps), {}, _spec()))  # as CallPlans.plan would
+        return x * 2
+
+    library.impl("twice", backend, "CPU")
+    twice = torch.ops.gemslib_native_test.twice
+    registration = built.register_replay("gemslib_native_test::twice", table,
+                                         lambda: asked.append(1) or True)
+    try:
+        x = torch.randn(16, 16)
+        assert torch.equal(twice(x, [16], 1e-6), x * 2)
+        assert kept == [True] and table.size == 1 and asked == []
+        y = torch.randn(16, 16)
+        assert torch.equal(twice(y, [16], 1e-6), y * 2)
+        assert asked == [1]  # found under the stack's key
+        assert table.size == 2  # passed on: the backend's add keyed it from Python's objects
+        twice(y, [16], 1e-5)
+        assert asked == [1] and table.size == 3  # another signature: pending again, kept
+        registration.remove()
+        twice(y, [16], 1e-6)
+        assert asked == [1]
+    finally:
+        registration.remove()
+        library._destroy()
+    with pytest.raises(ValueError, match="namespace::name"):
+        built.register_replay("twice", table, lambda: True)
