@@ -841,14 +841,21 @@ bool returns_fit(const Plan& plan, size_t n_returns) {
   return plan.single >= 0 ? n_returns == 1 : plan.returned.size() == n_returns;
 }
 
-void push_returns(const Plan& plan, std::vector<at::Tensor>& outputs, torch::jit::Stack* stack) {
+// The plan's results onto the stack as the schema's returns: a None where the schema returns a
+// Tensor is an undefined tensor (what torch makes of a Python kernel's None there).
+void push_returns(const Plan& plan, std::vector<at::Tensor>& outputs,
+                  const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
   if (plan.single >= 0) {
     torch::jit::push(stack, std::move(outputs[plan.single]));
     return;
   }
-  for (const auto& item : plan.returned) {
+  const auto& returns = schema.returns();
+  for (size_t i = 0; i < plan.returned.size(); ++i) {
+    const auto& item = plan.returned[i];
     PyObject* value = item.second;
     if (item.first >= 0) torch::jit::push(stack, outputs[item.first]);
+    else if (value == Py_None && returns[i].type()->kind() == c10::TypeKind::TensorType)
+      torch::jit::push(stack, at::Tensor());
     else if (value == Py_None) torch::jit::push(stack, c10::IValue());
     else if (PyBool_Check(value)) torch::jit::push(stack, value == Py_True);
     else if (PyLong_CheckExact(value)) torch::jit::push(stack, static_cast<int64_t>(PyLong_AsLongLong(value)));
@@ -901,7 +908,7 @@ class ReplayKernel final : public c10::OperatorKernel {
           }
           if (done > 0) {
             torch::jit::drop(stack, n_args);
-            push_returns(*plan, outputs, stack);
+            push_returns(*plan, outputs, schema, stack);
             PyGILState_Release(gil);
             return;
           }

@@ -192,8 +192,8 @@ def test_repeated_calls_replay_natively_where_the_native_path_is_on():
 def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_passed_on(built):
     """register_replay's kernel keys a call from the dispatcher's stack: one it has no plan for
     goes on to the backend's kernel, and a plan that kernel keeps (Table.add) is kept under
-    the stack's key; the next call of that signature finds it (and asks ``allowed`` before
-    replaying; without a driver it passes the call on all the same). Other signatures are
+    the stack's key; the next call of that signature finds it and asks ``allowed`` before
+    replaying (here it says no: the plan's kernel is made up). Other signatures are
     not found; after remove() the kernel is gone. Results are the backend kernel's."""
     library = torch.library.Library("gemslib_native_test", "DEF")
     library.define("twice(Tensor x, int[] shape, float eps) -> Tensor")
@@ -207,7 +207,7 @@ def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_pas
     library.impl("twice", backend, "CPU")
     twice = torch.ops.gemslib_native_test.twice
     registration = built.register_replay("gemslib_native_test::twice", table,
-                                         lambda: asked.append(1) or True)
+                                         lambda: asked.append(1) or False)
     try:
         x = torch.randn(16, 16)
         assert torch.equal(twice(x, [16], 1e-6), x * 2)
