@@ -85,6 +85,9 @@ def describe_environment() -> list[str]:
                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
     source = "$" + runtime.CONFIG_ENV if os.environ.get(runtime.CONFIG_ENV) else "shipped"
     lines.append(f"tune config: {runtime.config_path()} ({source})")
+    from gemslib import native
+
+    lines.append(f"native replay of repeated calls: {native.status()}")
     lines.append("operators: " + ", ".join(
         f"{name} ({len(atens)} aten overrides)" for name, atens in gemslib.registered_ops().items()))
     return lines

@@ -19,6 +19,7 @@ def test_main_job_checks_every_operator_and_passes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "torch " in out and "triton " in out and "tune config:" in out
+    assert "native replay of repeated calls: " in out
     assert ("Triton interpreter" in out) == (env.get("TRITON_INTERPRET") == "1")
     for check in ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward", "attention",
                   "attention_backward", "decode_attention", "rms_norm_linear_silu"):
