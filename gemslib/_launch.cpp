@@ -175,8 +175,16 @@ bool put_value(std::string& key, PyObject* value) {
   return true;
 }
 
+// Tensors a plan may take: defined, strided, with memory of their own (not a fake, meta or
+// functional tensor, nor one a Python subclass or mode handles).
+const c10::DispatchKeySet not_plain_keys({c10::DispatchKey::Python,
+                                          c10::DispatchKey::PythonTLSSnapshot,
+                                          c10::DispatchKey::Functionalize});
+
 bool put_tensor(std::string& key, const at::Tensor& t, bool stop_on_grad, Keyed& keyed) {
-  if (!t.defined() || t.layout() != c10::kStrided) return false;
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_meta() || !t.has_storage() ||
+      !(t.key_set() & not_plain_keys).empty())
+    return false;
   {
     bool requires_grad = t.requires_grad();
     if (stop_on_grad && requires_grad) return false;
@@ -887,7 +895,9 @@ class ReplayKernel final : public c10::OperatorKernel {
     const auto& schema = op.schema();
     const size_t n_args = schema.arguments().size();
     uint64_t pending_id = 0;
-    {
+    // a Python mode (fake tensors while tracing, gemslib's planning) or a subclass sees the
+    // call first: nothing to replay here
+    if ((keys & not_plain_keys).empty()) {
       PyGILState_STATE gil = PyGILState_Ensure();
       std::string key;
       key.reserve(256);

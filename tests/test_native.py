@@ -193,8 +193,9 @@ def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_pas
     """register_replay's kernel keys a call from the dispatcher's stack: one it has no plan for
     goes on to the backend's kernel, and a plan that kernel keeps (Table.add) is kept under
     the stack's key; the next call of that signature finds it and asks ``allowed`` before
-    replaying (here it says no: the plan's kernel is made up). Other signatures are
-    not found; after remove() the kernel is gone. Results are the backend kernel's."""
+    replaying (here it says no: the plan's kernel is made up). Other signatures are not
+    found; a call a Python mode sees is never keyed; after remove() the kernel is gone.
+    Results are the backend kernel's."""
     library = torch.library.Library("gemslib_native_test", "DEF")
     library.define("twice(Tensor x, int[] shape, float eps) -> Tensor")
     table = built.Table(below_autograd=True)
@@ -218,6 +219,15 @@ def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_pas
         assert table.size == 2  # passed on: the backend's add keyed it from Python's objects
         twice(y, [16], 1e-5)
         assert asked == [1] and table.size == 3  # another signature: pending again, kept
+
+        class Watching(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with Watching():  # a Python mode sees the call first (fake tensors, say): not keyed
+            twice(y, [16], 1e-4)
+            twice(y, [16], 1e-4)
+        assert asked == [1]
         registration.remove()
         twice(y, [16], 1e-6)
         assert asked == [1]
