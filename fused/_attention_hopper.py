@@ -33,6 +33,8 @@ writer (measured slower on the H200: benchmark/NOTES.md).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -563,6 +565,7 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
                            [CONSUMER_REGS, PRODUCER_REGS])
 
 
+@functools.cache  # ~10 us to build, on every forward call otherwise
 def shared_layouts(dtype: torch.dtype):
     """NVMMA shared layouts of the q and the K/V blocks for ``dtype``."""
     element = _GL_DTYPES[dtype]

@@ -26,6 +26,8 @@ never the (M, 2I) projection.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -210,6 +212,7 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, 
                        [4, 1], [232, 40])
 
 
+@functools.cache  # built on every launch otherwise
 def _shared_layouts(dtype: torch.dtype, block_n: int = BLOCK_N):
     """The shared layouts of an xg block and a [block_n, BLOCK_K] weight block."""
     element = _GL_DTYPES[dtype]
