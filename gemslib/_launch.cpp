@@ -50,6 +50,7 @@ using CtxGetCurrent = CUresult (*)(CUcontext*);
 using StreamIsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
 using GetErrorString = CUresult (*)(CUresult, const char**);
 using FuncSetAttribute = CUresult (*)(CUfunction, CUfunction_attribute, int);
+using CtxSynchronize = CUresult (*)();
 
 struct Driver {
   LaunchKernel launch = nullptr;
@@ -58,6 +59,7 @@ struct Driver {
   StreamIsCapturing stream_is_capturing = nullptr;
   GetErrorString error_string = nullptr;
   FuncSetAttribute func_set_attribute = nullptr;
+  CtxSynchronize ctx_synchronize = nullptr;
 };
 
 Driver driver;
@@ -74,8 +76,10 @@ bool load_driver() {
   driver.error_string = reinterpret_cast<GetErrorString>(dlsym(handle, "cuGetErrorString"));
   driver.func_set_attribute =
       reinterpret_cast<FuncSetAttribute>(dlsym(handle, "cuFuncSetAttribute"));
+  driver.ctx_synchronize = reinterpret_cast<CtxSynchronize>(dlsym(handle, "cuCtxSynchronize"));
   return driver.launch && driver.launch_ex && driver.ctx_get_current &&
-         driver.stream_is_capturing && driver.error_string && driver.func_set_attribute;
+         driver.stream_is_capturing && driver.error_string && driver.func_set_attribute &&
+         driver.ctx_synchronize;
 }
 
 bool driver_failed(CUresult result, const char* what) {
@@ -349,6 +353,13 @@ PyObject* scratch_pointers(TableObject* self, const Plan& plan, CUstream stream,
     put<void*>(key, static_cast<void*>(stream));
     put<int64_t>(key, s.n_counters);
     put<int64_t>(key, s.n_floats);
+    if (self->scratch->size() >= 64 && !self->scratch->count(key)) {
+      // a new stream (a graph capture's warm-up, say) past 64 kept pairs: drop them as
+      // split_scratch does, once no kernel can still be using them
+      if (driver_failed(driver.ctx_synchronize(), "cuCtxSynchronize")) return nullptr;
+      for (auto& item : *self->scratch) Py_DECREF(item.second);
+      self->scratch->clear();
+    }
     auto found = self->scratch->find(key);
     PyObject* pair;
     if (found == self->scratch->end()) {
