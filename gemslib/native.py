@@ -4,7 +4,11 @@ A planned call (:class:`gemslib.runtime.CallPlans`) spends its host time in Pyth
 signature from every argument, the lookup, the allocations and the compiled launcher's
 argument parsing. ``_launch.cpp`` does the same work in C++ (a table per operator, from the
 call's signature to its plan: outputs to allocate and kernels to launch with
-``cuLaunchKernel``), so that a repeated call costs about what torch's own call costs.
+``cuLaunchKernel``), so that a repeated call costs about what torch's own call costs. For the
+aten overrides of ``enable()`` it also registers a kernel after autograd (``register_replay``:
+ADInplaceOrView, functional operators only) that replays a planned call from the
+dispatcher's stack without entering Python at all, and passes any other call on to the
+override's Python kernel.
 
 The module is compiled against the installed torch with the system's C++ compiler (Triton
 needs a C compiler on the machine anyway), once per source, torch and Python version, into

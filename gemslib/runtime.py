@@ -1296,7 +1296,9 @@ class CallPlans:
     than it saves). A plan allocates the outputs alike (zeroed where the call zeroed them),
     fetches the scratch of the current stream and launches the same kernels with the new
     pointers on that stream; with a Triton launch hook installed, or inside a call being
-    planned, the call's own code runs again.
+    planned, the call's own code runs again. Where :mod:`gemslib.native` is on, each plan is
+    also kept in the operator's native table, which :meth:`replayed` asks first (and, for an
+    aten override, the kernel it registers after autograd).
     """
 
     def __init__(self, name: str, below_autograd: bool = False):
