@@ -51,6 +51,11 @@ using StreamIsCapturing = CUresult (*)(CUstream, CUstreamCaptureStatus*);
 using GetErrorString = CUresult (*)(CUresult, const char**);
 using FuncSetAttribute = CUresult (*)(CUfunction, CUfunction_attribute, int);
 using CtxSynchronize = CUresult (*)();
+using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                          const cuuint64_t*, const cuuint64_t*,
+                                          const cuuint32_t*, const cuuint32_t*,
+                                          CUtensorMapInterleave, CUtensorMapSwizzle,
+                                          CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 struct Driver {
   LaunchKernel launch = nullptr;
@@ -60,6 +65,7 @@ struct Driver {
   GetErrorString error_string = nullptr;
   FuncSetAttribute func_set_attribute = nullptr;
   CtxSynchronize ctx_synchronize = nullptr;
+  TensorMapEncodeTiled encode_tiled = nullptr;
 };
 
 Driver driver;
@@ -77,9 +83,11 @@ bool load_driver() {
   driver.func_set_attribute =
       reinterpret_cast<FuncSetAttribute>(dlsym(handle, "cuFuncSetAttribute"));
   driver.ctx_synchronize = reinterpret_cast<CtxSynchronize>(dlsym(handle, "cuCtxSynchronize"));
+  driver.encode_tiled =
+      reinterpret_cast<TensorMapEncodeTiled>(dlsym(handle, "cuTensorMapEncodeTiled"));
   return driver.launch && driver.launch_ex && driver.ctx_get_current &&
          driver.stream_is_capturing && driver.error_string && driver.func_set_attribute &&
-         driver.ctx_synchronize;
+         driver.ctx_synchronize;  // encode_tiled: only plans with tensor maps need it
 }
 
 bool driver_failed(CUresult result, const char* what) {
@@ -93,12 +101,22 @@ bool driver_failed(CUresult result, const char* what) {
 
 // ---- a plan ----------------------------------------------------------------------------
 
-enum ParamKind : uint8_t { POINTER_SLOT, POINTER_SCRATCH, CONSTANT };
+enum ParamKind : uint8_t { POINTER_SLOT, POINTER_SCRATCH, CONSTANT, TENSOR_MAP };
 
 struct Param {
   ParamKind kind;
-  int slot;        // POINTER_SLOT: the call's tensor; POINTER_SCRATCH: the scratch pair
-  uint64_t value;  // CONSTANT: the bytes cuLaunchKernel copies; POINTER_SCRATCH: byte offset
+  int slot;        // POINTER_SLOT, TENSOR_MAP: the call's tensor; POINTER_SCRATCH: the pair
+  uint64_t value;  // CONSTANT: the bytes cuLaunchKernel copies; POINTER_SCRATCH: byte offset;
+                   // TENSOR_MAP: which of the plan's maps
+};
+
+// A TMA descriptor's fixed part, encoded per call on the slot's pointer as Triton's
+// fill_tma_descriptor encodes it (dimensions innermost first, strides in bytes).
+struct MapSpec {
+  int element_type, rank, swizzle, padding;
+  cuuint32_t box[5];
+  cuuint64_t shape[5];
+  cuuint64_t strides[5];
 };
 
 struct Launch {
@@ -125,6 +143,7 @@ struct Plan {
   std::vector<int> inputs;  // positions of the tensor arguments, in slot order
   std::vector<Output> outputs;
   std::vector<Scratch> scratch;
+  std::vector<MapSpec> maps;
   std::vector<Launch> launches;
   // the result: -1 = the one output `single`, else a tuple of (output index or -1, value)
   int single = -1;
@@ -394,17 +413,45 @@ PyObject* scratch_pointers(TableObject* self, const Plan& plan, CUstream stream,
   return Py_None;
 }
 
-bool launch(const Launch& l, CUstream stream, const std::vector<uint64_t>& pointers,
-            const std::vector<uint64_t>& scratch_pointers_) {
+bool encode_map(CUtensorMap* map, const MapSpec& spec, uint64_t base) {
+  if (!driver.encode_tiled) {
+    PyErr_SetString(PyExc_RuntimeError, "gemslib: the driver has no cuTensorMapEncodeTiled");
+    return false;
+  }
+  cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  return !driver_failed(
+      driver.encode_tiled(map, static_cast<CUtensorMapDataType>(spec.element_type),
+                          static_cast<cuuint32_t>(spec.rank), reinterpret_cast<void*>(base),
+                          spec.shape, spec.strides, spec.box, element_strides,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE,
+                          static_cast<CUtensorMapSwizzle>(spec.swizzle),
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                          spec.padding ? CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+                                       : CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+      "cuTensorMapEncodeTiled");
+}
+
+bool launch(const Plan& plan, const Launch& l, CUstream stream,
+            const std::vector<uint64_t>& pointers, const std::vector<uint64_t>& scratch_pointers_) {
   uint64_t values[64];
+  CUtensorMap maps[8];  // aligned to 64 bytes by its type, as a __grid_constant__ map must be
   void* params[66];
-  size_t n = l.params.size();
+  size_t n = l.params.size(), n_maps = 0;
   if (n > 64) {
     PyErr_SetString(PyExc_RuntimeError, "gemslib: a planned launch with over 64 parameters");
     return false;
   }
   for (size_t i = 0; i < n; ++i) {
     const Param& p = l.params[i];
+    if (p.kind == TENSOR_MAP) {
+      if (n_maps == 8) {
+        PyErr_SetString(PyExc_RuntimeError, "gemslib: a planned launch with over 8 tensor maps");
+        return false;
+      }
+      if (!encode_map(&maps[n_maps], plan.maps[p.value], pointers[p.slot])) return false;
+      params[i] = &maps[n_maps++];
+      continue;
+    }
     if (p.kind == POINTER_SLOT) values[i] = pointers[p.slot];
     else if (p.kind == POINTER_SCRATCH) values[i] = scratch_pointers_[p.slot] + p.value;
     else values[i] = p.value;
@@ -509,7 +556,7 @@ int replay_into(TableObject* self, const Plan& plan, const Keyed& keyed,
   std::vector<uint64_t> scratch;
   if (!plan.scratch.empty() && !scratch_pointers(self, plan, stream, scratch)) return -1;
   for (const Launch& l : plan.launches)
-    if (!launch(l, stream, pointers, scratch)) return -1;
+    if (!launch(plan, l, stream, pointers, scratch)) return -1;
   ++self->replays;
   return 1;
 }
@@ -584,14 +631,52 @@ bool int_list(PyObject* seq, std::vector<int64_t>& out) {
   return true;
 }
 
+// maps: ((host element type, element bytes, swizzle, box, shape, strides in elements,
+// NaN padding), ...), dimensions outermost first as Python gives them.
+bool parse_maps(PyObject* maps, std::vector<MapSpec>& out) {
+  PyObject* fast = PySequence_Fast(maps, "maps");
+  if (!fast) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    MapSpec m{};
+    int element_size;
+    PyObject *box, *shape, *strides;
+    std::vector<int64_t> box_v, shape_v, strides_v;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iiiOOOi", &m.element_type,
+                          &element_size, &m.swizzle, &box, &shape, &strides, &m.padding) ||
+        !int_list(box, box_v) || !int_list(shape, shape_v) || !int_list(strides, strides_v)) {
+      Py_DECREF(fast);
+      return false;
+    }
+    m.rank = static_cast<int>(shape_v.size());
+    if (m.rank < 1 || m.rank > 5 || box_v.size() != shape_v.size() ||
+        strides_v.size() != shape_v.size() || element_size < 1 || strides_v.back() != 1) {
+      Py_DECREF(fast);
+      PyErr_SetString(PyExc_ValueError, "gemslib: a tensor map needs rank 1-5, a box and "
+                                        "strides for every dim, and a unit last stride");
+      return false;
+    }
+    for (int d = 0; d < m.rank; ++d) {  // innermost first
+      m.box[m.rank - 1 - d] = static_cast<cuuint32_t>(box_v[d]);
+      m.shape[m.rank - 1 - d] = static_cast<cuuint64_t>(shape_v[d]);
+    }
+    for (int d = 0; d + 1 < m.rank; ++d)
+      m.strides[m.rank - 2 - d] = static_cast<cuuint64_t>(element_size * strides_v[d]);
+    out.push_back(m);
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
 // Table.add(args, kwargs, plan): keeps `plan` for the signature of (args, kwargs). The plan is
 // (device index, input positions, outputs, scratch, launches, result), with
 //   outputs: ((shape, stride, scalar type number, zeroed), ...)
 //   scratch: ((n_counters, n_floats, which), ...)
 //   launches: ((function, (gx, gy, gz), num_warps, num_ctas, shared memory, cooperative, pdl,
 //               ((kind, slot, value), ...)), ...), kind 0 a slot's pointer, 1 a scratch
-//               pointer (value: its byte offset), 2 the constant bytes `value`
+//               pointer (value: its byte offset), 2 the constant bytes `value`, 3 a tensor
+//               map on the slot's pointer (value: which of `maps`)
 //   result: the one output's index, or ((output index or -1, value), ...)
+//   maps (optional): see parse_maps
 // Returns whether the call's signature is one this table keys.
 PyObject* table_add(PyObject* self_, PyObject* args) {
   auto* self = reinterpret_cast<TableObject*>(self_);
@@ -637,10 +722,11 @@ PyObject* table_add(PyObject* self_, PyObject* args) {
   }
   if (!keyable) Py_RETURN_FALSE;
   auto plan = std::make_shared<Plan>();
-  PyObject *inputs, *outputs, *scratch, *launches, *result;
-  if (!PyArg_ParseTuple(spec, "iOOOOO", &plan->device_index, &inputs, &outputs, &scratch,
-                        &launches, &result))
+  PyObject *inputs, *outputs, *scratch, *launches, *result, *maps = nullptr;
+  if (!PyArg_ParseTuple(spec, "iOOOOO|O", &plan->device_index, &inputs, &outputs, &scratch,
+                        &launches, &result, &maps))
     return nullptr;
+  if (maps && !parse_maps(maps, plan->maps)) return nullptr;
   std::vector<int64_t> positions;
   if (!int_list(inputs, positions)) return nullptr;
   // run() hands the replay the keyed tensors in argument order: map positions to them
@@ -724,8 +810,9 @@ PyObject* table_add(PyObject* self_, PyObject* args) {
       }
       size_t limit = kind == POINTER_SCRATCH ? plan->scratch.size()
                                              : plan->inputs.size() + plan->outputs.size();
-      if (kind < 0 || kind > CONSTANT || (kind != CONSTANT && (slot < 0 ||
-                                                               static_cast<size_t>(slot) >= limit))) {
+      bool bad_map = kind == TENSOR_MAP && value >= plan->maps.size();
+      if (kind < 0 || kind > TENSOR_MAP || bad_map ||
+          (kind != CONSTANT && (slot < 0 || static_cast<size_t>(slot) >= limit))) {
         Py_DECREF(pfast);
         Py_DECREF(fast);
         PyErr_SetString(PyExc_ValueError, "gemslib: a plan parameter out of range");

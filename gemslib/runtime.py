@@ -113,6 +113,47 @@ NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ (gem
 _SCALARS = (int, float, bool, type(None))
 
 
+def _descriptor_types() -> tuple[type, ...]:
+    types = []
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+        types.append(GluonDescriptor)
+    except ImportError:
+        pass
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as ToolsDescriptor
+        types.append(ToolsDescriptor)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_DESCRIPTORS = _descriptor_types()  # host-side TMA descriptors a kept launch may take
+
+
+class _Address:
+    """A data pointer standing for a tensor where Triton's launcher asks one for it."""
+    __slots__ = ("pointer",)
+
+    def __init__(self, pointer: int):
+        self.pointer = pointer
+
+    def data_ptr(self) -> int:
+        return self.pointer
+
+
+class _MapOn:
+    """A tensor descriptor as a plan keeps it: all but its base (shape, strides, padding), and
+    as a replay passes it, on the new base (what Triton's launcher reads of a descriptor)."""
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base, shape: tuple, strides: tuple, padding: str):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+    def at(self, pointer: int) -> "_MapOn":
+        return _MapOn(_Address(pointer), self.shape, self.strides, self.padding)
+
+
 def _launch_key(config, grid: tuple, args) -> tuple[tuple | None, list]:
     """(key, launch arguments) of a launch. The key is what its compiled kernel depends on:
     the config, the grid, each tensor's dtype and 16-byte alignment, and every other argument
@@ -155,10 +196,11 @@ def tensor_key(tensors) -> tuple[tuple, list]:
 
 
 def launch_compiled(compiled: tuple, stream: int, launch_args) -> None:
-    """Launch a kept compiled kernel (:meth:`TunedKernel.replay`'s ``(launcher, grid, function,
-    cooperative, pdl, metadata, constexprs, parameter types)``) on ``stream``: the tensors in ``launch_args``
+    """Launch a kept compiled kernel (:func:`_compiled_launch`'s ``(launcher, grid, function,
+    cooperative, pdl, metadata, constexprs, parameter types, descriptor metadata)``) on
+    ``stream``: the tensors in ``launch_args``
     as data pointers, the constexprs after them, no launch hooks."""
-    launch, grid3, function, cooperative, pdl, metadata, constexprs, _ = compiled
+    launch, grid3, function, cooperative, pdl, metadata, constexprs, _, _ = compiled
     launch(*grid3, stream, function, cooperative, pdl, None, None, metadata, None, None, None,
            *launch_args, *constexprs)
 
@@ -187,6 +229,30 @@ class _Opaque:
 
 class _ReadsATensor(Exception):
     pass
+
+
+def _compiled_launch(fn, kernel, grid, args, kwargs) -> tuple | None:
+    """What :func:`launch_compiled` needs to launch ``kernel`` (the compiled kernel of
+    ``fn[grid](*args, **kwargs)``) again without Triton: its launcher, the grid, the handle,
+    the launch flags and metadata, the constexprs after ``args`` (every one must come from
+    ``kwargs`` or a heuristic of them: a default left to Triton would be missing), the
+    parameter types and the tensor descriptors' metadata. None where the kernel cannot be
+    launched so (it needs scratch memory, which Triton's wrapper allocates per launch)."""
+    heuristics = _heuristic_values(fn, args, kwargs)
+    if heuristics is None:
+        return None
+    jitted, values = heuristics
+    rest = jitted.arg_names[len(args):]
+    if not all(name in values for name in rest):
+        return None
+    kernel._init_handles()
+    launcher = kernel.run
+    if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None  # scratch is allocated per launch by Triton's wrapper (or a launcher unknown)
+    return (launcher.launch, (*grid, 1, 1)[:3], kernel.function,
+            launcher.launch_cooperative_grid, launcher.launch_pdl, kernel.packed_metadata,
+            tuple(values[name] for name in rest), _parameter_types(kernel),
+            getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None))
 
 
 def _parameter_types(kernel) -> tuple | None:
@@ -887,22 +953,9 @@ class TunedKernel:
             planning.append((compiled, args, launch_args))
 
     def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
-        heuristics = _heuristic_values(self.fn, args, kwargs)
-        if heuristics is None:
-            return
-        jitted, values = heuristics
-        rest = jitted.arg_names[len(args):]
-        if not all(name in values for name in rest):
-            return
-        kernel._init_handles()
-        launcher = kernel.run
-        if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
-            return  # scratch is allocated per launch by Triton's wrapper (or a launcher unknown)
-        self._compiled[key, device] = (
-            launcher.launch, (*grid, 1, 1)[:3], kernel.function,
-            launcher.launch_cooperative_grid, launcher.launch_pdl, kernel.packed_metadata,
-            tuple(values[name] for name in rest),
-            _parameter_types(kernel))
+        compiled = _compiled_launch(self.fn, kernel, grid, args, kwargs)
+        if compiled is not None:
+            self._compiled[key, device] = compiled
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)
@@ -944,6 +997,63 @@ class TunedKernel:
 
 
 @dataclass
+class KeptKernel:
+    """A kernel with fixed constexprs launched outside :class:`TunedKernel` (a Gluon kernel
+    that takes tensor descriptors): its first launch per key goes through Triton and keeps
+    the compiled kernel; later ones go straight to the compiled launcher, and a call being
+    planned records them, its descriptors as tensor maps on the call's tensors (a plan
+    encodes them again on the new tensors). The key: the grid, the constexprs and launch
+    options, each tensor's dtype and 16-byte alignment, each descriptor's dtype, block,
+    layout, padding and base alignment, and every other argument by type and value."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._compiled: dict[tuple, tuple] = {}
+
+    def launch(self, grid: tuple, args: tuple, constexprs: Mapping[str, Any], **options) -> None:
+        """``fn[grid](*args, **constexprs, **options)``, kept as above."""
+        key, launch_args = self._key(grid, args, constexprs, options)
+        if INTERPRETER or key is None:
+            _not_plannable()
+            self.fn[grid](*args, **constexprs, **options)
+            return
+        device = torch.cuda.current_device()
+        compiled = self._compiled.get((key, device))
+        if compiled is None or _launch_hooked() or DIRECT_LAUNCH._switched_off:
+            _not_plannable()
+            kernel = self.fn[grid](*args, **constexprs, **options)
+            if compiled is None and len(self._compiled) < 1024:
+                kept = _compiled_launch(self.fn, kernel, grid, args, {**constexprs, **options})
+                if kept is not None:
+                    self._compiled[key, device] = kept
+            return
+        launch_compiled(compiled, current_stream_handle(device), launch_args)
+        planning = _planning.launches
+        if planning is not None:
+            planning.append((compiled, args, launch_args))
+
+    @staticmethod
+    def _key(grid, args, constexprs, options) -> tuple[tuple | None, list]:
+        key = [tuple(grid), tuple(constexprs.items()), tuple(options.items())]
+        launch_args = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                pointer = arg.data_ptr()
+                key.append((arg.dtype, not pointer & 15))
+                launch_args.append(pointer)
+            elif isinstance(arg, _DESCRIPTORS):
+                base = arg.base
+                key.append((type(arg), base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None),
+                            arg.padding, not base.data_ptr() & 15))
+                launch_args.append(arg)  # Triton's launcher makes its tensor map
+            elif type(arg) in _SCALARS:
+                key.append((type(arg), arg))
+                launch_args.append(arg)
+            else:
+                return None, launch_args
+        return tuple(key), launch_args
+
+
 class RecordedCall:
     """One custom-op call that launched ``kernel`` at ``shape``, kept to be run again: ``run()``
     calls the op's implementation on copies of the arguments it was called with (fresh copies
@@ -1160,7 +1270,7 @@ class _Plan:
                              f"{on_stream})")
             lines.append(f"    p{first_scratch + index} = {pair}[{which}].data_ptr() + {offset}")
         for n, (compiled, template, slots) in enumerate(self.launches):
-            launch, grid3, function, cooperative, pdl, metadata, constexprs, _ = compiled
+            launch, grid3, function, cooperative, pdl, metadata, constexprs, _, _ = compiled
             names[f"launch{n}"], names[f"metadata{n}"] = launch, metadata
             head = [f"grid{n}_{axis}" for axis in range(3)] + ["stream", f"function{n}",
                                                                f"cooperative{n}", f"pdl{n}"]
@@ -1171,7 +1281,10 @@ class _Plan:
             slot_at = dict(slots)
             values = []
             for position, value in enumerate(template):
-                if position in slot_at:
+                if position in slot_at and isinstance(value, _MapOn):
+                    names[f"map{n}_{position}"] = value
+                    values.append(f"map{n}_{position}.at(p{slot_at[position]})")
+                elif position in slot_at:
                     values.append(f"p{slot_at[position]}")
                 else:
                     names[f"arg{n}_{position}"] = value
@@ -1216,24 +1329,59 @@ def _parameter_bytes(kind: str, value) -> int | None:
     return None
 
 
+def _tensor_map_spec(fixed: _MapOn, meta) -> tuple | None:
+    """A descriptor's fixed part as the native replay encodes it per call, the way Triton's
+    ``fill_tma_descriptor`` does: (host element type, element bytes, swizzle, box, shape,
+    strides in elements, NaN padding), or None for a descriptor Triton did not lower to a
+    tensor map (or an fp4-padded one)."""
+    if not isinstance(meta, dict) or meta.get("fp4_padded"):
+        return None
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:
+        return None
+    if fixed.strides[-1] != 1:
+        return None
+    return (TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["elem_size"], meta["swizzle"],
+            tuple(meta["block_size"]), tuple(fixed.shape), tuple(fixed.strides),
+            int(fixed.padding == "nan"))
+
+
 def native_spec(plan: _Plan) -> tuple | None:
     """``plan`` as :mod:`gemslib.native`'s table takes it (see ``_launch.cpp``'s
     ``Table.add``), or None where a launch has a parameter it does not pass (a tuple, a
-    descriptor) or its kernel did not say its parameter types."""
+    descriptor Triton did not make a tensor map of) or its kernel did not say its parameter
+    types. A tensor map parameter is the slot of its base and its fixed part (``maps``),
+    followed by the shape (i32) and strides (i64) Triton's launcher passes after it."""
     first_scratch = len(plan.inputs) + len(plan.outputs)
     launches = []
+    maps = []
     for compiled, template, slots in plan.launches:
-        _, grid3, function, cooperative, pdl, metadata, constexprs, types = compiled
+        _, grid3, function, cooperative, pdl, metadata, constexprs, types, maps_meta = compiled
         values = (*template, *constexprs)
         if types is None or len(types) != len(values) or not isinstance(function, int):
             return None
         slot_at = dict(slots)
         params = []
+        descriptor = 0
         for position, (kind, value) in enumerate(zip(types, values)):
             if kind == "constexpr":
                 continue
             if not isinstance(kind, str):
                 return None
+            if kind.startswith("tensordesc"):
+                slot = slot_at.get(position)
+                meta = maps_meta[descriptor] if maps_meta and descriptor < len(maps_meta) \
+                    else None
+                descriptor += 1
+                fixed = _tensor_map_spec(value, meta) if isinstance(value, _MapOn) else None
+                if slot is None or fixed is None:
+                    return None
+                params.append((3, slot, len(maps)))
+                maps.append(fixed)
+                params.extend((2, 0, size & 0xFFFFFFFF) for size in value.shape)
+                params.extend((2, 0, stride & 0xFFFFFFFFFFFFFFFF) for stride in value.strides)
+                continue
             if kind.startswith("*"):
                 slot = slot_at.get(position)
                 if slot is None:
@@ -1260,7 +1408,8 @@ def native_spec(plan: _Plan) -> tuple | None:
                     for shape, stride, dtype, zeroed in plan.outputs)
     scratch = tuple((n_counters, n_floats, which)
                     for n_counters, n_floats, which, _ in plan.scratch)
-    return (plan.device.index, tuple(plan.inputs), outputs, scratch, tuple(launches), result)
+    return (plan.device.index, tuple(plan.inputs), outputs, scratch, tuple(launches), result,
+            tuple(maps))
 
 
 class _Route:
@@ -1467,6 +1616,13 @@ class CallPlans:
                         slot = slot_of[pointer] = len(inputs) + len(outputs) + len(scratch)
                         scratch.append(place)
                     template[position] = None
+                    slots.append((position, slot))
+                elif isinstance(arg, _DESCRIPTORS):
+                    slot = slot_of.get(arg.base.data_ptr())
+                    if slot is None or slot >= len(inputs) + len(outputs):
+                        return None  # a map on memory the call made for itself, or on scratch
+                    template[position] = _MapOn(None, tuple(arg.shape), tuple(arg.strides),
+                                                arg.padding)
                     slots.append((position, slot))
             planned.append((compiled, tuple(template), tuple(slots)))
         if zeroed - {t.data_ptr() for t in outputs if t.numel()}:

@@ -79,9 +79,10 @@ def _spec(**changes):
 
 
 def test_a_plan_is_checked_when_it_is_kept(built):
-    """add() keeps a well-formed plan under the call's key and refuses one whose slots,
-    results or inputs point at nothing, with the reason; a call the table cannot key keeps
-    nothing. clear() forgets the plans."""
+    """add() keeps a well-formed plan (also one with a tensor map) under the call's key and
+    refuses one whose slots, maps, results or inputs point at nothing, or a map TMA cannot
+    take, with the reason; a call the table cannot key keeps nothing. clear() forgets the
+    plans."""
     table = built.Table()
     x = torch.zeros(16, 16)
     assert table.add((x, 2), {}, _spec()) is True and table.size == 1
@@ -93,11 +94,19 @@ def test_a_plan_is_checked_when_it_is_kept(built):
                                                              False, ((1, 0, 0),)),)),
         "a result past the outputs": dict(result=3),
         "an input that is no tensor": dict(inputs=(1,)),
+        "a tensor map past the maps": dict(launches=((1234, (2, 1, 1), 4, 1, 0, False, False,
+                                                      ((3, 0, 0),)),)),
+        "a tensor map without a unit last stride": dict(maps=((9, 2, 3, (1, 16), (16, 16),
+                                                               (1, 16), 0),)),
     }
     for what, change in bad.items():
         with pytest.raises(ValueError, match="gemslib"):
             table.add((x, 2), {}, _spec(**change))
         assert table.size == 1, what
+    with_map = _spec(launches=((1234, (2, 1, 1), 4, 1, 0, False, False,
+                                ((3, 0, 0), (2, 0, 16), (2, 0, 16), (2, 0, 16), (2, 0, 1),
+                                 (0, 1, 0))),), maps=((9, 2, 3, (1, 16), (16, 16), (16, 1), 0),))
+    assert table.add((x, 4), {}, with_map) is True and table.size == 2
     with pytest.raises(TypeError, match="shape, stride, dtype"):
         table.add((x, 2), {}, _spec(outputs=(((16, 16), (16, 1), "float32", False),)))
     if not ON_GPU:  # no driver: a matching plan gives the call back to the Python path
@@ -108,7 +117,8 @@ def test_a_plan_is_checked_when_it_is_kept(built):
 
 
 def _plan(types, template, slots, constexprs=(), scratch=()):
-    compiled = (lambda *args: None, (3, 1, 1), 99, False, False, (4, 1, 0), constexprs, types)
+    compiled = (lambda *args: None, (3, 1, 1), 99, False, False, (4, 1, 0), constexprs, types,
+                None)
     return runtime._Plan(torch.device("cuda", 0), (0,),
                          (((8,), (1,), torch.float32, False),), scratch, 0,
                          ((compiled, template, slots),))
@@ -124,8 +134,8 @@ def test_a_plan_passes_each_parameter_as_tritons_launcher_packs_it():
     slots = ((0, 0), (1, 1), (9, 2))
     spec = runtime.native_spec(_plan(types, template, slots, constexprs=(),
                                      scratch=((3, 64, 0, 12),)))
-    device, inputs, outputs, scratch, launches, result = spec
-    assert (device, inputs, scratch, result) == (0, (0,), ((3, 64, 0),), 0)
+    device, inputs, outputs, scratch, launches, result, maps = spec
+    assert (device, inputs, scratch, result, maps) == (0, (0,), ((3, 64, 0),), 0, ())
     (function, grid, warps, ctas, shared, cooperative, pdl, params), = launches
     assert (function, grid, warps, ctas, shared) == (99, (3, 1, 1), 4, 1, 0)
     fp32 = int.from_bytes(struct.pack("<f", 1.5), "little")

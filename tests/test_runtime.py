@@ -698,3 +698,106 @@ def test_a_kernel_path_is_switched_off_only_inside_its_block():
     with pytest.raises(ZeroDivisionError), path.switched_off():
         1 / 0
     assert path.on
+
+
+class _FakeDescriptorJit(triton.runtime.KernelInterface):
+    """Stands for a Gluon kernel (x_desc, out_ptr, n, BLOCK): records the launches Triton binds
+    and those straight to its compiled kernel (the descriptor as the launcher gets it)."""
+    arg_names = ["x_desc", "out_ptr", "n", "BLOCK"]
+
+    def __init__(self):
+        self.bound, self.direct = [], []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.bound.append(args)
+        direct = self.direct
+
+        class Launcher:
+            global_scratch_size = profile_scratch_size = 0
+            launch_cooperative_grid = launch_pdl = False
+
+            def launch(self, grid0, grid1, grid2, stream, function, cooperative, pdl, gs, ps,
+                       metadata, launch_metadata, enter, exit_, *launch_args):
+                direct.append(launch_args)
+
+        compiled = type("Compiled", (), {"function": 5, "packed_metadata": (4, 1, 0),
+                                         "_init_handles": lambda self: None})()
+        compiled.run = Launcher()
+        return compiled
+
+
+def _descriptor(t, block=(1, 32)):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+    return TensorDescriptor.from_tensor(t, list(block), layout)
+
+
+def test_a_kept_kernel_with_descriptors_is_launched_directly_and_planned(off_the_interpreter):
+    """KeptKernel: the first launch of a key binds through Triton, the next go to the compiled
+    kernel with the descriptor itself (Triton's launcher makes its tensor map); another
+    block shape is another key. A call planned over such launches replays with the
+    descriptor on its new tensor: the map's base is the new input's pointer, its shape and
+    strides the planned ones."""
+    fake = _FakeDescriptorJit()
+    kept = runtime.KeptKernel(fake)
+
+    def double(x):
+        out = torch.empty_like(x)
+        kept.launch((2,), (_descriptor(x), out, x.numel()), {"BLOCK": 32})
+        return out
+
+    x = torch.randn(4, 32)
+    double(x)
+    double(x)
+    assert len(fake.bound) == 1 and len(fake.direct) == 1
+    assert isinstance(fake.direct[0][0], type(_descriptor(x)))
+    kept.launch((2,), (_descriptor(x, (2, 32)), torch.empty_like(x), x.numel()), {"BLOCK": 32})
+    assert len(fake.bound) == 2
+
+    plans = runtime.CallPlans("test_runtime.kept")
+
+    def planned(x):
+        key, out = plans.replayed(x)
+        return out if out is not None else plans.plan(key, (x,), lambda: double(x))
+
+    for _ in range(3):
+        planned(torch.randn(4, 32))
+    (plan,) = plans._plans.values()
+    y = torch.randn(4, 32)
+    before = len(fake.direct)
+    out = planned(y)
+    mapped, pointer, n, block = fake.direct[-1]  # the constexpr after the arguments
+    assert len(fake.direct) == before + 1
+    assert mapped.base.data_ptr() == y.data_ptr() and pointer == out.data_ptr() and n == 128
+    assert block == 32
+    assert tuple(mapped.shape) == (4, 32) and tuple(mapped.strides) == (32, 1)
+    assert mapped.padding == "zero"
+
+
+def test_a_tensor_map_parameter_is_passed_as_tritons_launcher_expands_it():
+    """native_spec of a launch with a descriptor: a tensor-map parameter on its base's slot
+    and the map's fixed part (host element type, element bytes, swizzle, box, shape, strides,
+    padding), then the shape as i32 and the strides as i64 constants; no native plan where
+    Triton did not lower the descriptor to a tensor map."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 64],
+            "fp4_padded": False}
+    fixed = runtime._MapOn(None, (256, 128), (128, 1), "zero")
+
+    def plan_with(maps_meta):
+        compiled = (lambda *a: None, (3, 1, 1), 99, False, False, (4, 1, 0), (), (
+            "tensordesc<bf16[1, 64]>", "*bf16", "i32"), maps_meta)
+        return runtime._Plan(torch.device("cuda", 0), (0,),
+                             (((8,), (1,), torch.float32, False),), (), 0,
+                             ((compiled, (fixed, None, 7), ((0, 0), (1, 1))),))
+
+    spec = runtime.native_spec(plan_with([meta]))
+    (launch,) = spec[4]
+    assert launch[-1] == ((3, 0, 0), (2, 0, 256), (2, 0, 128), (2, 0, 128), (2, 0, 1),
+                          (0, 1, 0), (2, 0, 7))
+    assert spec[6] == ((TMA_DTYPE_DEVICE_TO_HOST[9], 2, 3, (1, 64), (256, 128), (128, 1), 0),)
+    assert runtime.native_spec(plan_with(None)) is None
+    assert runtime.native_spec(plan_with([{**meta, "fp4_padded": True}])) is None

@@ -6,8 +6,9 @@ Qwen2-7B's attention at B16 S128 (28 query heads, 4 KV heads, head dim 128, caus
 override took ~390 us of host time a call under enable() on 2026-12-04 against ~31 us of GPU
 time (cuDNN's eager call: ~21 us), which is what made Qwen2's prefill 0.76x eager's under
 enable(). Host us per call, back to back, for eager, the override (GQA and repeated K/V),
-the Hopper forward called directly, and Triton's launch of its kernel alone; then a cProfile
-of the override's calls, sorted by own time. Results: benchmark/NOTES.md.
+the Hopper forward called directly, the same with its launch kept (``KEEP_FORWARD_LAUNCH``,
+whose SDPA calls then replay from call plans); then a cProfile of the override's calls,
+sorted by own time. Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ def main():
         figures = {name: host_us(fn) for name, fn in rows_enabled.items()}
     figures.update({name: host_us(fn) for name, fn in rows.items()})
     figures["Hopper forward, direct"] = host_us(lambda: hopper.forward(q, k, v, True, scale))
+    # the kept launch and its call plans (hopper.KEEP_FORWARD_LAUNCH), checked against the
+    # shipped path's output first
+    with gemslib.enable():
+        expected = gqa()
+    hopper.KEEP_FORWARD_LAUNCH = True
+    try:
+        figures["Hopper forward, direct, kept launch"] = host_us(
+            lambda: hopper.forward(q, k, v, True, scale))
+        with gemslib.enable():
+            for _ in range(4):  # planned from the second call, replayed from the third
+                got = gqa()
+            error = (got.float() - expected.float()).abs().max().item()
+            figures["enable(), GQA, kept launch"] = host_us(gqa)
+    finally:
+        hopper.KEEP_FORWARD_LAUNCH = False
+    print(f"kept launch under enable(): largest difference to the shipped path {error:.3g}")
     for name, value in figures.items():
         print(f"{name:<28} {value:8.1f} us a call")
     profile = cProfile.Profile()
