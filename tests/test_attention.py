@@ -185,14 +185,22 @@ HOPPER_CASES = [
 ] if HOPPER else [(1, 2, 1, 40, 70, True, -0.09)]  # the interpreter: the Triton kernel serves
 
 
+def _keep_hopper_launch(monkeypatch, kept: bool) -> None:
+    if attention_ops._attention_hopper is not None:
+        monkeypatch.setattr(attention_ops._attention_hopper, "KEEP_FORWARD_LAUNCH", kept)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["triton_launch", "kept_launch"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES)
 def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dtype, causal,
-                                                                       monkeypatch):
+                                                                       kept, monkeypatch):
     """On sm_90 every such call of more than one query row runs the Gluon kernel (counted), one
-    row the decode kernel; each matches float64 in o and
-    the log-sum-exp; elsewhere the Triton kernel gives the same answers."""
+    row the decode kernel; each matches float64 in o and the log-sum-exp, also when its
+    launch is kept past Triton's (called twice: kept, then launched directly); elsewhere the
+    Triton kernel gives the same answers."""
+    _keep_hopper_launch(monkeypatch, kept)
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
     shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
     if views:  # (B, S, H, D) storage: strided but TMA-addressable
@@ -209,15 +217,42 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     launch_decode = attention_ops._launch_decode
     monkeypatch.setattr(attention_ops, "_launch_decode",
                         lambda *args, **kw: decode_calls.append(args) or launch_decode(*args, **kw))
-    out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
-    one_row = seq_q == 1  # one query row goes to the decode kernel, on every GPU
-    assert (len(calls), len(decode_calls)) == (int(HOPPER and not one_row), int(one_row))
     expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
                                                                 causal, scale)
     rtol = tolerance(dtype)["rtol"]
-    torch.testing.assert_close(out.double(), expected, rtol=rtol,
-                               atol=rtol * v.abs().max().item())
-    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+    for _ in range(2 if kept else 1):
+        out, lse = attention_ops._launch_forward(q, k, v, causal, scale)
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+        assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+    one_row = seq_q == 1  # one query row goes to the decode kernel, on every GPU
+    calls_each = 2 if kept else 1
+    assert (len(calls), len(decode_calls)) == (calls_each * int(HOPPER and not one_row),
+                                               calls_each * int(one_row))
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["triton_launch", "kept_launch"])
+def test_repeated_sdpa_calls_under_enable_each_give_their_own_attention(kept, monkeypatch):
+    """Prefill-shaped SDPA calls of one signature on fresh inputs under enable(), GQA and
+    causal: each matches float64 on its own inputs. On sm_90 with the forward's launch kept,
+    the override's calls are planned (and replayed: the descriptors made again on the new
+    tensors)."""
+    _keep_hopper_launch(monkeypatch, kept)
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    runtime.clear_call_plans()
+    for _ in range(4):
+        q = random_tensor((2, 4, 80, 128), dtype, scale=1.0)
+        k, v = (random_tensor((2, 2, 80, 128), dtype, scale=1.0) for _ in range(2))
+        with gemslib.enable():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        expected, _ = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                        True, 128 ** -0.5)
+        rtol = tolerance(dtype)["rtol"]
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+    planned = {op: counts for op, counts in runtime.call_plan_counts().items()
+               if "scaled_dot_product" in op}
+    assert any(n_planned for n_planned, _ in planned.values()) == (HOPPER and kept), planned
 
 
 @pytest.mark.parametrize("fused_dq", ["tma", "writer", None], ids=["dq_tma", "dq_writer",
