@@ -923,6 +923,14 @@ void table_dealloc(PyObject* self_) {
 
 // ---- the kernel after autograd -----------------------------------------------------------
 
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 std::string python_error_text() {
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
@@ -979,7 +987,7 @@ class ReplayKernel final : public c10::OperatorKernel {
     Py_INCREF(allowed_);
   }
   ~ReplayKernel() override {
-    if (Py_IsInitialized()) {
+    if (Py_IsInitialized() && !python_finalizing()) {  // at exit the references just go
       PyGILState_STATE gil = PyGILState_Ensure();
       Py_DECREF(table_);
       Py_DECREF(allowed_);
@@ -1071,7 +1079,7 @@ PyObject* registration_remove(PyObject* self_, PyObject*) {
 
 void registration_dealloc(PyObject* self_) {
   auto* self = reinterpret_cast<RegistrationObject*>(self_);
-  delete self->library;
+  if (!python_finalizing()) delete self->library;  // at exit the dispatcher goes with it
   Py_TYPE(self_)->tp_free(self_);
 }
 
