@@ -34,6 +34,7 @@ writer (measured slower on the H200: benchmark/NOTES.md).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from triton.experimental import gluon
@@ -60,6 +61,10 @@ BWD_ROWS = 64
 BWD_STAGES = 2
 DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
+# The writer's whole row blocks (all but a head's last) without the rows' mask, which makes
+# every piece a branch around one load and one atomic; not yet measured, so chosen per process
+# (GEMSLIB_DQ_WRITER_FULL_BLOCKS=1): the kernels read it as a global when they compile
+DQ_WRITER_FULL_BLOCKS = gl.constexpr(os.environ.get("GEMSLIB_DQ_WRITER_FULL_BLOCKS", "0") == "1")
 WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
 #                    whose registers setmaxnreg sets together (more would come out of a consumer's)
 
@@ -446,29 +451,56 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
     COLS: gl.constexpr = 16
     LAYOUT: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // COLS, COLS // 4], [WARPS, 1],
                                             [1, 0])
-    o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
-    o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
     for i_step in range(n_steps):
         buffer = i_step % 2
         mbarrier.wait(dq_ready.index(buffer), (i_step // 2) & 1)
         first_row = (first_row_block + i_step % row_blocks) * ROWS
         p_dq_rows = p_dq + ((i_step // row_blocks).to(gl.int64) * seq_q + first_row) * HEAD_D
-        for i_half in gl.static_range(2):
-            half = dq_smem.index(2 * buffer + i_half)
-            for i_chunk in gl.static_range(ROWS // CHUNK):
-                rows = half.slice(i_chunk * CHUNK, CHUNK, dim=0)
-                o_m = i_chunk * CHUNK + o_chunk_m
-                m_m = (first_row + o_m < seq_q)[:, None]
-                for i_cols in gl.static_range(HALF_D // COLS):
-                    if DQ_DIAG < 2:
-                        b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
-                        o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
-                        p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
-                        if DQ_DIAG == 1:
+        if DQ_WRITER_FULL_BLOCKS:
+            if first_row + ROWS <= seq_q:
+                _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
+                               COLS, DQ_DIAG, False)
+            else:
+                _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
+                               COLS, DQ_DIAG, True)
+        else:
+            _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK, COLS,
+                           DQ_DIAG, True)
+        mbarrier.arrive(dq_empty.index(buffer))
+
+
+@gluon.jit
+def _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT: gl.constexpr,
+                   CHUNK: gl.constexpr, COLS: gl.constexpr, DQ_DIAG: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """One step's two dq halves of dq_smem buffer ``buffer`` added into its rows at p_dq_rows
+    (rows from first_row; MASKED: those at seq_q and past are left out, else all ROWS are
+    rows of the head) in [CHUNK, COLS] pieces, one 16-byte atomic a lane."""
+    ROWS: gl.constexpr = dq_smem.shape[1]
+    HALF_D: gl.constexpr = dq_smem.shape[2]
+    HEAD_D: gl.constexpr = 2 * HALF_D
+    o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
+    o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    for i_half in gl.static_range(2):
+        half = dq_smem.index(2 * buffer + i_half)
+        for i_chunk in gl.static_range(ROWS // CHUNK):
+            rows = half.slice(i_chunk * CHUNK, CHUNK, dim=0)
+            o_m = i_chunk * CHUNK + o_chunk_m
+            m_m = (first_row + o_m < seq_q)[:, None]
+            for i_cols in gl.static_range(HALF_D // COLS):
+                if DQ_DIAG < 2:
+                    b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
+                    o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
+                    p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
+                    if DQ_DIAG == 1:
+                        if MASKED:
                             gl.store(p_tile, b_dq, mask=m_m)
                         else:
-                            gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
-        mbarrier.arrive(dq_empty.index(buffer))
+                            gl.store(p_tile, b_dq)
+                    elif MASKED:
+                        gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
+                    else:
+                        gl.atomic_add(p_tile, b_dq, sem="relaxed")
 
 
 @gluon.jit
