@@ -996,7 +996,6 @@ class TunedKernel:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
 class KeptKernel:
     """A kernel with fixed constexprs launched outside :class:`TunedKernel` (a Gluon kernel
     that takes tensor descriptors): its first launch per key goes through Triton and keeps
@@ -1054,6 +1053,7 @@ class KeptKernel:
         return tuple(key), launch_args
 
 
+@dataclass
 class RecordedCall:
     """One custom-op call that launched ``kernel`` at ``shape``, kept to be run again: ``run()``
     calls the op's implementation on copies of the arguments it was called with (fresh copies
