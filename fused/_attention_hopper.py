@@ -65,6 +65,11 @@ WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumer
 # every piece a branch around one load and one atomic; not yet measured, so chosen per process
 # (GEMSLIB_DQ_WRITER_FULL_BLOCKS=1): the kernels read it as a global when they compile
 DQ_WRITER_FULL_BLOCKS = gl.constexpr(os.environ.get("GEMSLIB_DQ_WRITER_FULL_BLOCKS", "0") == "1")
+# The dq matmuls issued between dv's and dk's and waited for with dk still running, so that the
+# hand-off to the writer overlaps a matmul (wgmma groups complete in order: waiting for dq
+# after dk waits for dk too); K's column half is indexed at run time, one path for both
+# warpgroups. Not yet measured: GEMSLIB_DQ_OVERLAP_DK=1, read as DQ_WRITER_FULL_BLOCKS is
+DQ_OVERLAP_DK = gl.constexpr(os.environ.get("GEMSLIB_DQ_OVERLAP_DK", "0") == "1")
 WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
 #                    whose registers setmaxnreg sets together (more would come out of a consumer's)
 
@@ -360,43 +365,66 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
         b_pt_op = gl.convert_layout(b_pt.to(DTYPE), OPERAND_LAYOUT)
         b_dst_op = gl.convert_layout(b_dst.to(DTYPE), OPERAND_LAYOUT)
         dv_token = warpgroup_mma(b_pt_op, do_tile, b_dv, is_async=True)
-        dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
-        if FUSED_DQ:
+        if FUSED_DQ and DQ_OVERLAP_DK and DQ_DIAG == 0:
             HALF_D: gl.constexpr = HEAD_D // 2
-            DQ_LAYOUT: gl.constexpr = _wgmma_layout(HALF_D)
             mbarrier.wait(ds_ready.index(buffer), (i_step // 2) & 1)
             ds_low = ds_smem.index(2 * buffer).permute((1, 0))       # [ROWS, KEYS]
             ds_high = ds_smem.index(2 * buffer + 1).permute((1, 0))
-            b_dq = gl.zeros([ROWS, HALF_D], gl.float32, DQ_LAYOUT)
-            # the column half is a slice of constant offset, so each warpgroup has its branch
-            if DQ_DIAG != 3:
-                if i_half == 0:
-                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
-                else:
-                    b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
+            k_low = _k_column_half(k_smem, 0, i_half)
+            k_high = _k_column_half(k_smem, 1, i_half)
+            dq_token = warpgroup_mma(ds_low, k_low,
+                                     gl.zeros([ROWS, HALF_D], gl.float32, _wgmma_layout(HALF_D)),
+                                     use_acc=False, is_async=True)
+            dq_token = warpgroup_mma(ds_high, k_high, dq_token, is_async=True)
+            dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
+            # dv's and dq's groups are done; dk's runs on under the hand-off
+            b_dq, _, _, _, _ = warpgroup_mma_wait(1, deps=[dq_token, ds_low, ds_high, k_low,
+                                                           k_high])
             mbarrier.arrive(ds_empty.index(buffer))
-            if DQ_DIAG == 4:
-                # this buffer's reduce of two steps ago has read it: one TMA reduce-add this step
-                tma.store_wait(1)
-                gl.thread_barrier()
-                dq_tile = dq_smem.index(2 * buffer + i_half)
-                dq_tile.reshape([ROWS, HALF_D]).store(b_dq)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_reduce_add(dq_desc, [first_head + i_step // row_blocks,
-                                          (first_row_block + i_step % row_blocks) * ROWS,
-                                          i_half * HALF_D], dq_tile)
-            else:
-                # the writer added this buffer's tile of two steps ago: hand it this step's half
-                mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
-                dq_smem.index(2 * buffer + i_half).store(b_dq)
-                gl.thread_barrier()
-                mbarrier.arrive(dq_ready.index(buffer))
+            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+            dq_smem.index(2 * buffer + i_half).store(b_dq)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready.index(buffer))
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
         else:
-            b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
-            mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+            dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
+            if FUSED_DQ:
+                HALF_D: gl.constexpr = HEAD_D // 2
+                DQ_LAYOUT: gl.constexpr = _wgmma_layout(HALF_D)
+                mbarrier.wait(ds_ready.index(buffer), (i_step // 2) & 1)
+                ds_low = ds_smem.index(2 * buffer).permute((1, 0))       # [ROWS, KEYS]
+                ds_high = ds_smem.index(2 * buffer + 1).permute((1, 0))
+                b_dq = gl.zeros([ROWS, HALF_D], gl.float32, DQ_LAYOUT)
+                # the column half is a slice of constant offset, so each warpgroup has its branch
+                if DQ_DIAG != 3:
+                    if i_half == 0:
+                        b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, 0)
+                    else:
+                        b_dq = _dq_half(ds_low, ds_high, k_smem, b_dq, HALF_D)
+                mbarrier.arrive(ds_empty.index(buffer))
+                if DQ_DIAG == 4:
+                    # this buffer's reduce of two steps ago has read it: one reduce-add a step
+                    tma.store_wait(1)
+                    gl.thread_barrier()
+                    dq_tile = dq_smem.index(2 * buffer + i_half)
+                    dq_tile.reshape([ROWS, HALF_D]).store(b_dq)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _tma_reduce_add(dq_desc, [first_head + i_step // row_blocks,
+                                              (first_row_block + i_step % row_blocks) * ROWS,
+                                              i_half * HALF_D], dq_tile)
+                else:
+                    # the writer added this buffer's tile of two steps ago: this step's half
+                    mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+                    dq_smem.index(2 * buffer + i_half).store(b_dq)
+                    gl.thread_barrier()
+                    mbarrier.arrive(dq_ready.index(buffer))
+                b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+                mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+            else:
+                b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+                mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
 
     if FUSED_DQ:
         if DQ_DIAG == 4:
@@ -417,6 +445,19 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
                                               coord, src.handle)
+
+
+@gluon.jit
+def _k_column_half(k_smem, i_block: gl.constexpr, i_half):
+    """Columns i_half * D / 2 + [0, D / 2) of K block i_block ([KEYS, D / 2]): a [KEYS, 128]
+    16-bit tile with a 128-byte swizzle lies in shared memory as two [KEYS, 64] tiles, one
+    after the other (one TMA box each), so the half is an index, not a slice."""
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HALF_D: gl.constexpr = k_smem.shape[4] // 2
+    halves = k_smem._reinterpret(k_smem.dtype, [4, KEYS, HALF_D],
+                                 gl.NVMMASharedLayout(swizzle_byte_width=128,
+                                                      element_bitwidth=16, rank=2))
+    return halves.index(2 * i_block + i_half)
 
 
 @gluon.jit

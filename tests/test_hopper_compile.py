@@ -420,9 +420,11 @@ def test_off_alignment_rows_load_and_store_full_vectors():
 
 _GLUON_COMPILER = r"""
 import json, os, sys
-FULL_BLOCKS = "full_blocks" in sys.argv[1:]  # the dQ writer's unmasked whole blocks, alone
-if FULL_BLOCKS:
-    os.environ["GEMSLIB_DQ_WRITER_FULL_BLOCKS"] = "1"
+# switches of the fused backward not yet measured (set before gemslib is imported): with any,
+# only the fused backward compiles
+SWITCHES = {"full_blocks": "GEMSLIB_DQ_WRITER_FULL_BLOCKS", "overlap_dk": "GEMSLIB_DQ_OVERLAP_DK"}
+for switch in sys.argv[1:]:
+    os.environ[SWITCHES[switch]] = "1"
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -462,13 +464,14 @@ def compile_for_sm90(dtype, causal, backward):
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal in (False, True):
-        for backward in ("fused",) if FULL_BLOCKS else (False, True, "fused"):
+        for backward in ("fused",) if sys.argv[1:] else (False, True, "fused"):
             compiled = compile_for_sm90(dtype, causal, backward)
             ptx = compiled.asm["ptx"]
             report[f"{dtype} {causal} {backward}"] = {
                 "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
-                "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32")}
+                "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
+                "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
 print(json.dumps(report))
 """
 
@@ -479,8 +482,8 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     causal or not), compile to cubins within an SM's shared memory, with their warpgroups'
     register budgets rebalanced (setmaxnreg: producer down, consumers up) and every product
     issued as wgmma (forward: q.K and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over
-    64 rows; with dQ also ds.k over 2 x 64 keys, added into dq by atomics); also with the dQ
-    writer's whole blocks unmasked."""
+    64 rows; with dQ also ds.k over 2 x 64 keys, added into dq by atomics); also with the
+    fused backward's switches not yet measured."""
     report = _run_compiler(_GLUON_COMPILER)
     assert len(report) == 12
     for variant, facts in report.items():
@@ -495,15 +498,18 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["wgmma"] >= minimum, variant
         # the two warpgroups' 64 x 64 dq halves: 32 elements a thread each
         assert (facts["atomic_adds"] >= 2 * 32) == (kind == "fused"), variant
-    # GEMSLIB_DQ_WRITER_FULL_BLOCKS=1 (not yet measured, so off by default): the dQ writer adds
-    # whole row blocks without the rows' mask, masking only a head's last: both forms are in
-    # the kernel, which still fits and issues the same products
-    full_blocks = _run_compiler(_GLUON_COMPILER, args=["full_blocks"])
-    assert len(full_blocks) == 4
-    for variant, facts in full_blocks.items():
+    # the switches not yet measured (off by default), both on: the dQ writer adds whole row
+    # blocks without the rows' mask (GEMSLIB_DQ_WRITER_FULL_BLOCKS: both forms are in the
+    # kernel), and the dq matmuls are waited for with dk's still running (GEMSLIB_DQ_OVERLAP_DK:
+    # one path for both warpgroups, a wait that leaves one group in flight); the kernel still
+    # fits in shared memory and issues every product as wgmma
+    switched = _run_compiler(_GLUON_COMPILER, args=["full_blocks", "overlap_dk"])
+    assert len(switched) == 4
+    for variant, facts in switched.items():
         assert facts["cubin"] and facts["shared"] <= 232448, variant
-        assert facts["wgmma"] == report[variant]["wgmma"], variant
+        assert facts["wgmma"] >= 2 * 128 // 16 + 4 * 64 // 16, variant
         assert facts["atomic_adds"] >= 2 * report[variant]["atomic_adds"], variant
+        assert facts["waits_leaving_one"] >= 1 > report[variant]["waits_leaving_one"], variant
 
 
 _FUSED_COMPILER = r"""
