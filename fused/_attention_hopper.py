@@ -653,13 +653,27 @@ def shared_layouts(dtype: torch.dtype):
             gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], element))
 
 
-def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             head_dims: tuple[int, ...] = (HEAD_DIM,)) -> bool:
     """Whether ``forward`` takes these (validated, non-empty) inputs: CUDA sm_90, fp16/bf16,
-    D = Dv = 128, bases and strides TMA can address (16-byte aligned, unit last stride)."""
+    D = Dv = 128 (or one of ``head_dims``), bases and strides TMA can address (16-byte
+    aligned, unit last stride)."""
     if not q.is_cuda or q.dtype not in _GL_DTYPES or torch.cuda.get_device_capability(q.device) \
-            != (9, 0) or q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+            != (9, 0) or q.shape[-1] not in head_dims or v.shape[-1] != q.shape[-1]:
         return False
     return all(layout.tma_addressable(t) for t in (q, k, v))
+
+
+# The dK/dV kernel at head dim 64 too (its dQ then the Triton kernel's: the fused dQ splits D
+# between the warpgroups, and a 32-column half of a 64-wide K tile starts inside its swizzle).
+# Not yet measured: GEMSLIB_GLUON_BACKWARD_D64=1
+BACKWARD_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_GLUON_BACKWARD_D64") == "1" \
+    else (HEAD_DIM,)
+
+
+def eligible_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``backward_dkdv`` takes these inputs: ``eligible`` at BACKWARD_HEAD_DIMS."""
+    return eligible(q, k, v, BACKWARD_HEAD_DIMS)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -694,9 +708,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   lse: torch.Tensor, delta: torch.Tensor, causal: bool,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dk, dv) for ``eligible`` q, k, v with a TMA-addressable grad_out (B, Hq, Sq, 128), the
-    forward's lse and delta = rowsum(o * do) - grad_lse, both (B, Hq, Sq) fp32 contiguous:
-    dk, dv (B, Hkv, Skv, 128) contiguous in k's dtype."""
+    """(dk, dv) for ``eligible_backward`` q, k, v (head dim D) with a TMA-addressable
+    grad_out (B, Hq, Sq, D), the forward's lse and delta = rowsum(o * do) - grad_lse, both
+    (B, Hq, Sq) fp32 contiguous: dk, dv (B, Hkv, Skv, D) contiguous in k's dtype."""
     return _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, None)
 
 
@@ -718,18 +732,18 @@ def _launch_backward(q, k, v, grad_out, lse, delta, causal: bool, scale: float,
     """dq_diag (benchmark/experiments/attention_backward_parts.py only; wrong dq): 1 the writer
     stores instead of adding, 2 the writer only meets the consumers, 3 also no dq matmul; 4 no
     writer, the consumers add their dq halves by TMA reduce-add."""
-    batch, n_q_heads, seq_q, _ = q.shape
+    batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
-    dk = torch.empty((batch, n_kv_heads, seq_kv, HEAD_DIM), dtype=k.dtype, device=k.device)
+    dk = torch.empty((batch, n_kv_heads, seq_kv, head_dim), dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
-    block_layout = gl.NVMMASharedLayout.get_default_for([1, 1, KEYS, HEAD_DIM],
+    block_layout = gl.NVMMASharedLayout.get_default_for([1, 1, KEYS, head_dim],
                                                         _GL_DTYPES[q.dtype])
-    q_desc, do_desc = (TensorDescriptor.from_tensor(t, [1, 1, BWD_ROWS, HEAD_DIM], block_layout)
+    q_desc, do_desc = (TensorDescriptor.from_tensor(t, [1, 1, BWD_ROWS, head_dim], block_layout)
                        for t in (q, grad_out))
-    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, KEYS, HEAD_DIM], block_layout)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, KEYS, head_dim], block_layout)
                       for t in (k, v))
     dq_flat = (dk.view(torch.float32) if dq_sum is None else dq_sum).flatten(0, 1)
-    dq_desc = TensorDescriptor.from_tensor(dq_flat, [1, BWD_ROWS, HEAD_DIM // 2], _DQ_LAYOUT)
+    dq_desc = TensorDescriptor.from_tensor(dq_flat, [1, BWD_ROWS, head_dim // 2], _DQ_LAYOUT)
     with torch.cuda.device(q.device):
         _attention_bwd_dkdv_hopper[(batch * n_kv_heads * runtime.cdiv(seq_kv, 2 * KEYS),)](
             q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, lse_ptr=lse,

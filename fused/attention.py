@@ -489,8 +489,8 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
             causal, q.dtype == torch.float32, block_d, block_dv)
     if HOPPER_BACKWARD.on and _attention_hopper is not None and \
-            _attention_hopper.eligible(q, k, v) and layout.tma_addressable(grad_out):
-        if HOPPER_FUSED_DQ.on and not causal:
+            _attention_hopper.eligible_backward(q, k, v) and layout.tma_addressable(grad_out):
+        if HOPPER_FUSED_DQ.on and not causal and head_dim == _attention_hopper.HEAD_DIM:
             return _attention_hopper.backward(q, k, v, grad_out, lse, delta, causal, scale)
         dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
     else:

@@ -422,7 +422,8 @@ _GLUON_COMPILER = r"""
 import json, os, sys
 # switches of the fused backward not yet measured (set before gemslib is imported): with any,
 # only the fused backward compiles
-SWITCHES = {"full_blocks": "GEMSLIB_DQ_WRITER_FULL_BLOCKS", "overlap_dk": "GEMSLIB_DQ_OVERLAP_DK"}
+SWITCHES = {"full_blocks": "GEMSLIB_DQ_WRITER_FULL_BLOCKS", "overlap_dk": "GEMSLIB_DQ_OVERLAP_DK",
+            "d64": "GEMSLIB_GLUON_BACKWARD_D64"}
 for switch in sys.argv[1:]:
     os.environ[SWITCHES[switch]] = "1"
 import torch, triton
@@ -431,7 +432,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from gemslib.fused import _attention_hopper as hopper
 
 
-def compile_for_sm90(dtype, causal, backward):
+def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
     # the forward kernel, or the backward's dK/dV kernel (backward "fused": with dQ), with the
     # launchers' constexprs
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -439,6 +440,10 @@ def compile_for_sm90(dtype, causal, backward):
     constexprs = {"CAUSAL": causal, "STAGES": hopper.BWD_STAGES if backward else hopper.STAGES,
                   "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
     block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {hopper.HEAD_DIM}],{q_layout!r}>"
+    if backward and head_dim != hopper.HEAD_DIM:  # as _launch_backward makes its blocks
+        block_layout = hopper.gl.NVMMASharedLayout.get_default_for(
+            [1, 1, hopper.KEYS, head_dim], hopper._GL_DTYPES[dtype])
+        block = f"tensordesc<{name}[1, 1, {hopper.BWD_ROWS}, {head_dim}],{block_layout!r}>"
     if backward:
         kernel = hopper._attention_bwd_dkdv_hopper
         constexprs.update(FUSED_DQ=backward == "fused", WRITER_REGS=hopper.WRITER_REGS,
@@ -446,7 +451,7 @@ def compile_for_sm90(dtype, causal, backward):
         signature = {"q_desc": block, "k_desc": block, "v_desc": block, "do_desc": block,
                      "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_ptr": f"*{name}",
                      "dv_ptr": f"*{name}", "dq_ptr": "*fp32",
-                     "dq_desc": f"tensordesc<fp32[1, {hopper.BWD_ROWS}, {hopper.HEAD_DIM // 2}],"
+                     "dq_desc": f"tensordesc<fp32[1, {hopper.BWD_ROWS}, {head_dim // 2}],"
                                 f"{hopper._DQ_LAYOUT!r}>", "seq_q": "i32", "seq_kv": "i32",
                      "n_kv_heads": "i32", "group_size": "i32", "scale": "fp32",
                      "scale_log2": "fp32"}
@@ -464,6 +469,14 @@ def compile_for_sm90(dtype, causal, backward):
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal in (False, True):
+        if "d64" in sys.argv[1:]:  # the dK/dV kernel at head dim 64 (its dQ: Triton's)
+            compiled = compile_for_sm90(dtype, causal, True, head_dim=64)
+            ptx = compiled.asm["ptx"]
+            report[f"{dtype} {causal} d64"] = {
+                "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+                "atomic_adds": 0, "waits_leaving_one": 0}
+            continue
         for backward in ("fused",) if sys.argv[1:] else (False, True, "fused"):
             compiled = compile_for_sm90(dtype, causal, backward)
             ptx = compiled.asm["ptx"]
@@ -510,6 +523,13 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["wgmma"] >= 2 * 128 // 16 + 4 * 64 // 16, variant
         assert facts["atomic_adds"] >= 2 * report[variant]["atomic_adds"], variant
         assert facts["waits_leaving_one"] >= 1 > report[variant]["waits_leaving_one"], variant
+    # GEMSLIB_GLUON_BACKWARD_D64=1: the dK/dV kernel at head dim 64 (s^T, dp^T over D = 64;
+    # dv, dk over 64 rows)
+    d64 = _run_compiler(_GLUON_COMPILER, args=["d64"])
+    assert len(d64) == 4
+    for variant, facts in d64.items():
+        assert facts["cubin"] and facts["shared"] <= 232448, variant
+        assert facts["setmaxnreg"] >= 2 and facts["wgmma"] >= 2 * 64 // 16 + 2 * 64 // 16, variant
 
 
 _FUSED_COMPILER = r"""
