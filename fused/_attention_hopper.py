@@ -320,6 +320,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
     ROWS: gl.constexpr = q_smem.shape[3]
     DTYPE: gl.constexpr = k_smem.dtype
     FUSED_DQ: gl.constexpr = ds_smem.shape[0] == 4
+    KEY_SPLIT: gl.constexpr = dq_ready.shape[0] == 3  # see _attention_bwd_dkdv_hopper
     DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2  # 0 but in the diagnostics (_launch_backward)
     S_LAYOUT: gl.constexpr = _wgmma_layout(ROWS)
     ACC_LAYOUT: gl.constexpr = _wgmma_layout(HEAD_D)
@@ -355,7 +356,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
         b_pt = gl.where(m_keep, gl.exp2(b_st * scale_log2 - b_lse_log2[None, :]), 0.0)
         b_dst = b_pt * (b_dpt - b_delta[None, :])
         buffer = i_step % 2  # FUSED_DQ's ds buffer
-        if FUSED_DQ:
+        if FUSED_DQ and not KEY_SPLIT:
             # both warpgroups read this buffer two steps ago: wait until both are done
             mbarrier.wait(ds_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
             ds_smem.index(2 * buffer + i_half).store(b_dst.to(DTYPE))
@@ -365,7 +366,25 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
         b_pt_op = gl.convert_layout(b_pt.to(DTYPE), OPERAND_LAYOUT)
         b_dst_op = gl.convert_layout(b_dst.to(DTYPE), OPERAND_LAYOUT)
         dv_token = warpgroup_mma(b_pt_op, do_tile, b_dv, is_async=True)
-        if FUSED_DQ and DQ_OVERLAP_DK and DQ_DIAG == 0:
+        if FUSED_DQ and KEY_SPLIT:
+            # this warpgroup's partial dq over its own keys, from its own ds (no meeting); the
+            # writer sums the two warpgroups' partials. dk's matmul runs on under the hand-off
+            ds_tile = ds_smem.index(i_half)
+            ds_tile.store(b_dst.to(DTYPE))
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part is in before the warpgroup's wgmma reads
+            dq_token = warpgroup_mma(ds_tile.permute((1, 0)), k_tile,
+                                     gl.zeros([ROWS, HEAD_D], gl.float32, ACC_LAYOUT),
+                                     use_acc=False, is_async=True)
+            dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
+            b_dq, _, _ = warpgroup_mma_wait(1, deps=[dq_token, ds_tile, k_tile])
+            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+            dq_smem.index(2 * buffer + i_half).store(b_dq)
+            gl.thread_barrier()
+            mbarrier.arrive(dq_ready.index(buffer))
+            b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
+            mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
+        elif FUSED_DQ and DQ_OVERLAP_DK and DQ_DIAG == 0:
             HALF_D: gl.constexpr = HEAD_D // 2
             mbarrier.wait(ds_ready.index(buffer), (i_step // 2) & 1)
             ds_low = ds_smem.index(2 * buffer).permute((1, 0))       # [ROWS, KEYS]
@@ -484,8 +503,11 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
     a lane (more a lane would spill: the warps share the producer's 40 registers); then the
     buffer is released."""
     ROWS: gl.constexpr = dq_smem.shape[1]
-    HALF_D: gl.constexpr = dq_smem.shape[2]
-    HEAD_D: gl.constexpr = 2 * HALF_D
+    KEY_SPLIT: gl.constexpr = dq_ready.shape[0] == 3  # see _attention_bwd_dkdv_hopper
+    if KEY_SPLIT:
+        HEAD_D: gl.constexpr = dq_smem.shape[2]
+    else:
+        HEAD_D: gl.constexpr = 2 * dq_smem.shape[2]
     DQ_DIAG: gl.constexpr = dq_empty.shape[0] - 2
     WARPS: gl.constexpr = gl.num_warps()
     CHUNK: gl.constexpr = 8 * WARPS   # rows (a multiple of the swizzle's period), by COLS columns
@@ -500,30 +522,37 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
         if DQ_WRITER_FULL_BLOCKS:
             if first_row + ROWS <= seq_q:
                 _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
-                               COLS, DQ_DIAG, False)
+                               COLS, DQ_DIAG, False, KEY_SPLIT)
             else:
                 _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
-                               COLS, DQ_DIAG, True)
+                               COLS, DQ_DIAG, True, KEY_SPLIT)
         else:
             _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK, COLS,
-                           DQ_DIAG, True)
+                           DQ_DIAG, True, KEY_SPLIT)
         mbarrier.arrive(dq_empty.index(buffer))
 
 
 @gluon.jit
 def _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT: gl.constexpr,
                    CHUNK: gl.constexpr, COLS: gl.constexpr, DQ_DIAG: gl.constexpr,
-                   MASKED: gl.constexpr):
-    """One step's two dq halves of dq_smem buffer ``buffer`` added into its rows at p_dq_rows
-    (rows from first_row; MASKED: those at seq_q and past are left out, else all ROWS are
-    rows of the head) in [CHUNK, COLS] pieces, one 16-byte atomic a lane."""
+                   MASKED: gl.constexpr, KEY_SPLIT: gl.constexpr):
+    """One step's two dq halves of dq_smem buffer ``buffer`` (KEY_SPLIT: the two warpgroups'
+    partial sums over their own keys, summed here) added into its rows at p_dq_rows (rows
+    from first_row; MASKED: those at seq_q and past are left out, else all ROWS are rows of
+    the head) in [CHUNK, COLS] pieces, one 16-byte atomic a lane."""
     ROWS: gl.constexpr = dq_smem.shape[1]
     HALF_D: gl.constexpr = dq_smem.shape[2]
-    HEAD_D: gl.constexpr = 2 * HALF_D
+    if KEY_SPLIT:
+        HEAD_D: gl.constexpr = HALF_D
+        N_HALVES: gl.constexpr = 1
+    else:
+        HEAD_D: gl.constexpr = 2 * HALF_D
+        N_HALVES: gl.constexpr = 2
     o_chunk_m = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
     o_chunk_d = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
-    for i_half in gl.static_range(2):
+    for i_half in gl.static_range(N_HALVES):
         half = dq_smem.index(2 * buffer + i_half)
+        other = dq_smem.index(2 * buffer + 1)  # KEY_SPLIT: the other warpgroup's partial
         for i_chunk in gl.static_range(ROWS // CHUNK):
             rows = half.slice(i_chunk * CHUNK, CHUNK, dim=0)
             o_m = i_chunk * CHUNK + o_chunk_m
@@ -531,6 +560,9 @@ def _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT: gl.cons
             for i_cols in gl.static_range(HALF_D // COLS):
                 if DQ_DIAG < 2:
                     b_dq = rows.slice(i_cols * COLS, COLS, dim=1).load(LAYOUT)
+                    if KEY_SPLIT:
+                        b_dq += other.slice(i_chunk * CHUNK, CHUNK, dim=0).slice(
+                            i_cols * COLS, COLS, dim=1).load(LAYOUT)
                     o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
                     p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
                     if DQ_DIAG == 1:
@@ -562,6 +594,7 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     DTYPE: gl.constexpr = q_desc.dtype
+    KEY_SPLIT: gl.constexpr = FUSED_DQ and HEAD_D == 64
     i_bhkv, i_n = layout.head_and_block(gl.cdiv(seq_kv, 2 * KEYS), CAUSAL)
     i_b = i_bhkv // n_kv_heads
     i_hkv = i_bhkv % n_kv_heads
@@ -586,12 +619,17 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
         dq_smem = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape,
                                             dq_desc.layout)
     else:
+        # KEY_SPLIT (dQ fused at D = 64, where half of a 64-wide K tile would start inside its
+        # swizzle): each warpgroup's whole-width partial over its own keys, not a column half
         dq_smem = gl.allocate_shared_memory(
-            gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1, HEAD_D // 2],
+            gl.float32, [4 if FUSED_DQ else 1, ROWS if FUSED_DQ else 1,
+                         HEAD_D if KEY_SPLIT else HEAD_D // 2],
             gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # KEY_SPLIT rides on dq_ready's length (a third, unused barrier), as DQ_DIAG on dq_empty's
+    dq_ready = gl.allocate_shared_memory(gl.int64, [3 if KEY_SPLIT else 2, 1],
+                                         mbarrier.MBarrierLayout())
     # DQ_DIAG rides on dq_empty's length (partitions receive constexprs as tensors)
     dq_empty = gl.allocate_shared_memory(gl.int64, [2 + DQ_DIAG, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -671,6 +709,12 @@ BACKWARD_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_GLUON_BACKWARD_D6
     else (HEAD_DIM,)
 
 
+# dQ fused at head dim 64 too (KEY_SPLIT: each warpgroup's partial over its own keys, summed
+# by the writer); with BACKWARD_HEAD_DIMS's 64. Not yet measured: GEMSLIB_FUSED_DQ_D64=1
+FUSED_DQ_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_FUSED_DQ_D64") == "1" \
+    else (HEAD_DIM,)
+
+
 def eligible_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``backward_dkdv`` takes these inputs: ``eligible`` at BACKWARD_HEAD_DIMS."""
     return eligible(q, k, v, BACKWARD_HEAD_DIMS)
@@ -717,11 +761,12 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, causal: bool,
              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) as ``backward_dkdv`` takes them, dq from the same kernel (FUSED_DQ: no
-    second pass over s and dp): accumulated in fp32, then scaled and rounded to q's dtype."""
+    """(dq, dk, dv) as ``backward_dkdv`` takes them, at a head dim of FUSED_DQ_HEAD_DIMS, dq
+    from the same kernel (FUSED_DQ: no second pass over s and dp): accumulated in fp32, then
+    scaled and rounded to q's dtype."""
     dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = _launch_backward(q, k, v, grad_out, lse, delta, causal, scale, dq_sum,
-                              4 if DQ_BY_TMA else 0)
+                              4 if DQ_BY_TMA and q.shape[-1] == HEAD_DIM else 0)
     return dq_sum.mul_(scale).to(q.dtype), dk, dv
 
 

@@ -490,7 +490,8 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
             causal, q.dtype == torch.float32, block_d, block_dv)
     if HOPPER_BACKWARD.on and _attention_hopper is not None and \
             _attention_hopper.eligible_backward(q, k, v) and layout.tma_addressable(grad_out):
-        if HOPPER_FUSED_DQ.on and not causal and head_dim == _attention_hopper.HEAD_DIM:
+        if HOPPER_FUSED_DQ.on and not causal and \
+                head_dim in _attention_hopper.FUSED_DQ_HEAD_DIMS:
             return _attention_hopper.backward(q, k, v, grad_out, lse, delta, causal, scale)
         dk, dv = _attention_hopper.backward_dkdv(q, k, v, grad_out, lse, delta, causal, scale)
     else:

@@ -290,18 +290,23 @@ def test_hopper_backward_takes_16_bit_head_dim_128_and_matches_reference(case, d
     _assert_grads_close(ours, _reference_grads(q, k, v, causal, scale, grad_out), dtype)
 
 
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq_triton", "dq_fused"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
-def test_hopper_backward_at_head_dim_64_behind_its_switch(dtype, causal, monkeypatch):
+def test_hopper_backward_at_head_dim_64_behind_its_switch(dtype, causal, fused_dq, monkeypatch):
     """With GEMSLIB_GLUON_BACKWARD_D64's head dims (not yet measured, so off by default) a
     D = 64 backward on sm_90 computes dK/dV in the Gluon kernel (counted) and dQ in Triton's,
-    and the gradients match float64 (GQA, ragged lengths, Sq != Skv); elsewhere the Triton
-    kernels give the same answers."""
-    monkeypatch.setattr(attention_ops._attention_hopper, "BACKWARD_HEAD_DIMS", (64, 128))
+    or, with GEMSLIB_FUSED_DQ_D64's too and no causal mask, dQ in the same kernel (each
+    warpgroup's partial over its keys, summed by the writer); the gradients match float64
+    (GQA, ragged lengths, Sq != Skv); elsewhere the Triton kernels give the same answers."""
+    hopper = attention_ops._attention_hopper
+    monkeypatch.setattr(hopper, "BACKWARD_HEAD_DIMS", (64, 128))
+    if fused_dq:
+        monkeypatch.setattr(hopper, "FUSED_DQ_HEAD_DIMS", (64, 128))
     calls = []
-    hopper_backward = attention_ops._attention_hopper.backward_dkdv
-    monkeypatch.setattr(attention_ops._attention_hopper, "backward_dkdv",
-                        lambda *args: calls.append(args) or hopper_backward(*args))
+    entry = "backward" if fused_dq and not causal else "backward_dkdv"
+    hopper_backward = getattr(hopper, entry)
+    monkeypatch.setattr(hopper, entry, lambda *args: calls.append(args) or hopper_backward(*args))
     q = random_tensor((1, 4, 130, 64), dtype, scale=1.0).requires_grad_()
     k, v = (random_tensor((1, 2, 200, 64), dtype, scale=1.0).requires_grad_() for _ in range(2))
     scale = 64 ** -0.5

@@ -469,13 +469,15 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal in (False, True):
-        if "d64" in sys.argv[1:]:  # the dK/dV kernel at head dim 64 (its dQ: Triton's)
-            compiled = compile_for_sm90(dtype, causal, True, head_dim=64)
-            ptx = compiled.asm["ptx"]
-            report[f"{dtype} {causal} d64"] = {
-                "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
-                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
-                "atomic_adds": 0, "waits_leaving_one": 0}
+        if "d64" in sys.argv[1:]:  # the dK/dV kernel at head dim 64, alone and with dQ
+            for backward in (True, "fused"):
+                compiled = compile_for_sm90(dtype, causal, backward, head_dim=64)
+                ptx = compiled.asm["ptx"]
+                report[f"{dtype} {causal} {backward} d64"] = {
+                    "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+                    "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+                    "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
+                    "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
             continue
         for backward in ("fused",) if sys.argv[1:] else (False, True, "fused"):
             compiled = compile_for_sm90(dtype, causal, backward)
@@ -524,12 +526,16 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["atomic_adds"] >= 2 * report[variant]["atomic_adds"], variant
         assert facts["waits_leaving_one"] >= 1 > report[variant]["waits_leaving_one"], variant
     # GEMSLIB_GLUON_BACKWARD_D64=1: the dK/dV kernel at head dim 64 (s^T, dp^T over D = 64;
-    # dv, dk over 64 rows)
+    # dv, dk over 64 rows); with GEMSLIB_FUSED_DQ_D64=1 also each warpgroup's partial dq over
+    # its 64 keys, the writer's atomics, and a wait that leaves dk's matmul in flight
     d64 = _run_compiler(_GLUON_COMPILER, args=["d64"])
-    assert len(d64) == 4
+    assert len(d64) == 8
     for variant, facts in d64.items():
+        fused = "fused" in variant
         assert facts["cubin"] and facts["shared"] <= 232448, variant
-        assert facts["setmaxnreg"] >= 2 and facts["wgmma"] >= 2 * 64 // 16 + 2 * 64 // 16, variant
+        assert facts["setmaxnreg"] >= 2, variant
+        assert facts["wgmma"] >= 2 * 64 // 16 + 2 * 64 // 16 + fused * 64 // 16, variant
+        assert (facts["atomic_adds"] > 0) == (facts["waits_leaving_one"] > 0) == fused, variant
 
 
 _FUSED_COMPILER = r"""
