@@ -161,7 +161,7 @@ def backward_parts(grad_out, q, k, v, out, lse, causal: bool, scale: float) -> d
             causal, q.dtype == torch.float32, block_d, block_dv)
     hopper = attention_ops._attention_hopper
     gluon = (attention_ops.HOPPER_BACKWARD.on and hopper is not None
-             and hopper.eligible(q, k, v) and layout.tma_addressable(grad_out))
+             and hopper.eligible_backward(q, k, v) and layout.tma_addressable(grad_out))
 
     def run_dkdv():
         if gluon:
@@ -288,7 +288,8 @@ def run_case(batch, n_q_heads, n_kv_heads, seq, head_dim, causal) -> tuple[str, 
             f"{_us(parts_ms, 7)}{_us(ms['whole'], 7)}{_tf(useful, ms['whole'])}"
             f"{_us(ms['fused'], 7)}{_tf(useful, ms['fused'])}"
             f"{_us(ms['cudnn'], 7)}{_tf(useful, ms['cudnn'])} {ratio}")
-    if DIAGNOSE and parts["dkdv path"] == "Gluon" and not causal:
+    if DIAGNOSE and parts["dkdv path"] == "Gluon" and not causal and \
+            head_dim == attention_ops._attention_hopper.HEAD_DIM:  # the forms are D = 128's
         line += "\n" + fused_diagnostics(q, k, v, grad_out, lse, parts["delta tensor"], causal,
                                          scale, errors)
     if errors:
