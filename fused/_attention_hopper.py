@@ -378,10 +378,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
                                      use_acc=False, is_async=True)
             dk_token = warpgroup_mma(b_dst_op, q_tile, b_dk, is_async=True)
             b_dq, _, _ = warpgroup_mma_wait(1, deps=[dq_token, ds_tile, k_tile])
-            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
-            dq_smem.index(2 * buffer + i_half).store(b_dq)
-            gl.thread_barrier()
-            mbarrier.arrive(dq_ready.index(buffer))
+            _hand_dq_to_writer(dq_smem, dq_ready, dq_empty, buffer, i_half, i_step, b_dq)
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
         elif FUSED_DQ and DQ_OVERLAP_DK and DQ_DIAG == 0:
@@ -400,10 +397,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
             b_dq, _, _, _, _ = warpgroup_mma_wait(1, deps=[dq_token, ds_low, ds_high, k_low,
                                                            k_high])
             mbarrier.arrive(ds_empty.index(buffer))
-            mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
-            dq_smem.index(2 * buffer + i_half).store(b_dq)
-            gl.thread_barrier()
-            mbarrier.arrive(dq_ready.index(buffer))
+            _hand_dq_to_writer(dq_smem, dq_ready, dq_empty, buffer, i_half, i_step, b_dq)
             b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
             mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
         else:
@@ -434,11 +428,7 @@ def _bwd_consumer(i_half, q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_
                                               (first_row_block + i_step % row_blocks) * ROWS,
                                               i_half * HALF_D], dq_tile)
                 else:
-                    # the writer added this buffer's tile of two steps ago: this step's half
-                    mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
-                    dq_smem.index(2 * buffer + i_half).store(b_dq)
-                    gl.thread_barrier()
-                    mbarrier.arrive(dq_ready.index(buffer))
+                    _hand_dq_to_writer(dq_smem, dq_ready, dq_empty, buffer, i_half, i_step, b_dq)
                 b_dv, b_dk, _, _ = warpgroup_mma_wait(0, deps=[dv_token, dk_token, do_tile, q_tile])
                 mbarrier.arrive(qdo_empty.index(stage))  # q and do of this stage are no longer read
             else:
@@ -464,6 +454,16 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
                                               coord, src.handle)
+
+
+@gluon.jit
+def _hand_dq_to_writer(dq_smem, dq_ready, dq_empty, buffer, i_half, i_step, b_dq):
+    """This warpgroup's dq tile of the step into dq_smem buffer ``buffer`` once the writer has
+    added the tile it held two steps ago, then signalled to the writer."""
+    mbarrier.wait(dq_empty.index(buffer), ((i_step // 2) + 1) & 1, pred=i_step >= 2)
+    dq_smem.index(2 * buffer + i_half).store(b_dq)
+    gl.thread_barrier()  # every thread's part is in before the warpgroup arrives
+    mbarrier.arrive(dq_ready.index(buffer))
 
 
 @gluon.jit

@@ -466,27 +466,24 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def facts(compiled):
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+            "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
+            "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
+            "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
+
+
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal in (False, True):
         if "d64" in sys.argv[1:]:  # the dK/dV kernel at head dim 64, alone and with dQ
             for backward in (True, "fused"):
-                compiled = compile_for_sm90(dtype, causal, backward, head_dim=64)
-                ptx = compiled.asm["ptx"]
-                report[f"{dtype} {causal} {backward} d64"] = {
-                    "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
-                    "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
-                    "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
-                    "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
+                report[f"{dtype} {causal} {backward} d64"] = facts(
+                    compile_for_sm90(dtype, causal, backward, head_dim=64))
             continue
         for backward in ("fused",) if sys.argv[1:] else (False, True, "fused"):
-            compiled = compile_for_sm90(dtype, causal, backward)
-            ptx = compiled.asm["ptx"]
-            report[f"{dtype} {causal} {backward}"] = {
-                "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
-                "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
-                "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
-                "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
+            report[f"{dtype} {causal} {backward}"] = facts(compile_for_sm90(dtype, causal, backward))
 print(json.dumps(report))
 """
 
