@@ -255,6 +255,30 @@ def _compiled_launch(fn, kernel, grid, args, kwargs) -> tuple | None:
             getattr(getattr(kernel, "metadata", None), "tensordesc_meta", None))
 
 
+def _launch_kept(kept: dict, key: tuple, fn, grid, args, kwargs: Callable[[], dict],
+                 launch_args) -> None:
+    """``fn[grid](*args, **kwargs())`` by way of ``kept`` (key and device -> what
+    :func:`_compiled_launch` gives): the first launch of a key, or any with a launch hook
+    installed, goes through Triton (keeping the compiled kernel); the others go straight to
+    the compiled launcher with ``launch_args`` on the current stream, and a call being planned
+    records them."""
+    device = torch.cuda.current_device()
+    compiled = kept.get((key, device))
+    if compiled is None or _launch_hooked():
+        _not_plannable()
+        kernel_kwargs = kwargs()
+        kernel = fn[grid](*args, **kernel_kwargs)
+        if compiled is None and len(kept) < 1024:
+            compiled = _compiled_launch(fn, kernel, grid, args, kernel_kwargs)
+            if compiled is not None:
+                kept[key, device] = compiled
+        return
+    launch_compiled(compiled, current_stream_handle(device), launch_args)
+    planning = _planning.launches
+    if planning is not None:
+        planning.append((compiled, args, launch_args))
+
+
 def _parameter_types(kernel) -> tuple | None:
     """The Triton types of a compiled kernel's parameters, one per argument in order
     (``"constexpr"`` for those compiled in), or None where the kernel does not say."""
@@ -938,24 +962,8 @@ class TunedKernel:
         if INTERPRETER:
             self.run(config, lambda meta: grid, args)
             return
-        device = torch.cuda.current_device()
-        compiled = self._compiled.get((key, device))
-        if compiled is None or _launch_hooked():
-            _not_plannable()
-            kwargs = self.kernel_kwargs(config)
-            kernel = self.fn[grid](*args, **kwargs)
-            if compiled is None and len(self._compiled) < 1024:
-                self._keep(key, device, kernel, grid, args, kwargs)
-            return
-        launch_compiled(compiled, current_stream_handle(device), launch_args)
-        planning = _planning.launches
-        if planning is not None:
-            planning.append((compiled, args, launch_args))
-
-    def _keep(self, key, device, kernel, grid, args, kwargs) -> None:
-        compiled = _compiled_launch(self.fn, kernel, grid, args, kwargs)
-        if compiled is not None:
-            self._compiled[key, device] = compiled
+        _launch_kept(self._compiled, key, self.fn, grid, args, lambda: self.kernel_kwargs(config),
+                     launch_args)
 
     def _choose(self, grid, args, shape, restore) -> LaunchConfig:
         index, bucket = self.select(shape)
@@ -1016,20 +1024,12 @@ class KeptKernel:
             _not_plannable()
             self.fn[grid](*args, **constexprs, **options)
             return
-        device = torch.cuda.current_device()
-        compiled = self._compiled.get((key, device))
-        if compiled is None or _launch_hooked() or DIRECT_LAUNCH._switched_off:
+        if DIRECT_LAUNCH._switched_off:
             _not_plannable()
-            kernel = self.fn[grid](*args, **constexprs, **options)
-            if compiled is None and len(self._compiled) < 1024:
-                kept = _compiled_launch(self.fn, kernel, grid, args, {**constexprs, **options})
-                if kept is not None:
-                    self._compiled[key, device] = kept
+            self.fn[grid](*args, **constexprs, **options)
             return
-        launch_compiled(compiled, current_stream_handle(device), launch_args)
-        planning = _planning.launches
-        if planning is not None:
-            planning.append((compiled, args, launch_args))
+        _launch_kept(self._compiled, key, self.fn, grid, args, lambda: {**constexprs, **options},
+                     launch_args)
 
     @staticmethod
     def _key(grid, args, constexprs, options) -> tuple[tuple | None, list]:
