@@ -678,8 +678,8 @@ def _attention_bwd_dkdv_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_p
 
 # The forward's launch kept past Triton's and recorded for call plans (runtime.KeptKernel, its
 # tensor descriptors replayed as tensor maps on the call's tensors), so that a repeated SDPA
-# call under enable() replays without Python; off until measured on the GPU (NOTES).
-KEEP_FORWARD_LAUNCH = False
+# call under enable() replays without Python (GEMSLIB_KEEP_FORWARD_LAUNCH=0: Triton's launch)
+KEEP_FORWARD_LAUNCH = os.environ.get("GEMSLIB_KEEP_FORWARD_LAUNCH", "1") != "0"
 _FORWARD = runtime.KeptKernel(_attention_fwd_hopper)
 
 

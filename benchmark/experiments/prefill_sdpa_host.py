@@ -5,10 +5,10 @@
 Qwen2-7B's attention at B16 S128 (28 query heads, 4 KV heads, head dim 128, causal): the
 override took ~390 us of host time a call under enable() on 2026-12-04 against ~31 us of GPU
 time (cuDNN's eager call: ~21 us), which is what made Qwen2's prefill 0.76x eager's under
-enable(). Host us per call, back to back, for eager, the override (GQA and repeated K/V),
-the Hopper forward called directly, the same with its launch kept (``KEEP_FORWARD_LAUNCH``,
-whose SDPA calls then replay from call plans); then a cProfile of the override's calls,
-sorted by own time. Results: benchmark/NOTES.md.
+enable(). Host us per call, back to back: the override (GQA and repeated K/V) and the Hopper
+forward called directly, with Triton's launch of the forward and with its launch kept
+(``KEEP_FORWARD_LAUNCH``, the default: the override's calls then replay from call plans),
+and eager; then a cProfile of the override's calls, sorted by own time. Results: benchmark/NOTES.md.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import gemslib
+from gemslib import runtime
 from benchmark import host as benchmark_host
 
 
@@ -43,30 +44,26 @@ def main():
         return F.scaled_dot_product_attention(q, k_full, v_full, is_causal=True)
 
     scale = q.shape[-1] ** -0.5
-    rows = {"eager, GQA": gqa, "eager, K/V repeated": repeated}
-    with gemslib.enable():
-        rows_enabled = {"enable(), GQA": gqa, "enable(), K/V repeated": repeated}
-        figures = {name: host_us(fn) for name, fn in rows_enabled.items()}
-    figures.update({name: host_us(fn) for name, fn in rows.items()})
-    figures["Hopper forward, direct"] = host_us(lambda: hopper.forward(q, k, v, True, scale))
-    # the kept launch and its call plans (hopper.KEEP_FORWARD_LAUNCH), checked against the
-    # shipped path's output first
-    with gemslib.enable():
-        expected = gqa()
-    hopper.KEEP_FORWARD_LAUNCH = True
-    try:
-        figures["Hopper forward, direct, kept launch"] = host_us(
-            lambda: hopper.forward(q, k, v, True, scale))
+    figures, outputs, default = {}, {}, hopper.KEEP_FORWARD_LAUNCH
+    for kept in (False, True):  # Triton's launch of the Hopper forward, then the kept one
+        way = "kept launch" if kept else "Triton's launch"
+        hopper.KEEP_FORWARD_LAUNCH = kept
+        runtime.clear_call_plans()  # a signature's plan is made (or given up) per way
         with gemslib.enable():
-            for _ in range(4):  # planned from the second call, replayed from the third
-                got = gqa()
-            error = (got.float() - expected.float()).abs().max().item()
-            figures["enable(), GQA, kept launch"] = host_us(gqa)
-    finally:
-        hopper.KEEP_FORWARD_LAUNCH = False
-    print(f"kept launch under enable(): largest difference to the shipped path {error:.3g}")
+            for name, fn in (("GQA", gqa), ("K/V repeated", repeated)):
+                figures[f"enable(), {name}, {way}"] = host_us(fn)
+            outputs[kept] = gqa()
+        figures[f"Hopper forward, direct, {way}"] = host_us(
+            lambda: hopper.forward(q, k, v, True, scale))
+    planned = {op: counts for op, counts in runtime.call_plan_counts().items()
+               if "scaled_dot_product" in op}
+    hopper.KEEP_FORWARD_LAUNCH = default
+    figures.update({"eager, GQA": host_us(gqa), "eager, K/V repeated": host_us(repeated)})
+    error = (outputs[True].float() - outputs[False].float()).abs().max().item()
+    print(f"kept launch under enable(): largest difference to Triton's launch {error:.3g};"
+          f" signatures (planned, not planned) {planned}")
     for name, value in figures.items():
-        print(f"{name:<28} {value:8.1f} us a call")
+        print(f"{name:<40} {value:8.1f} us a call")
     profile = cProfile.Profile()
     with gemslib.enable():
         for _ in range(20):
