@@ -6,8 +6,9 @@ microseconds, for gemslib's operators and their peers.
 Each figure launches ``--calls`` calls back to back without synchronising and divides the
 wall time by their number, after a warm-up: with work this small the host is the bottleneck,
 so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). Ways
-per operator, in one process and one run: gemslib's direct call (planned calls replayed by
-the native table of ``gemslib.native`` where it is on), the same with
+per operator (and one prefill-sized attention call, host-bound too), in one process and one
+run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.native``
+where it is on), the same with
 ``runtime.NATIVE_REPLAY`` switched off (``gemslib-python``: the plans' generated Python
 replays), the same with ``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every
 launch through Triton's argument binding, the path before the lean launch), the torch call
@@ -65,6 +66,11 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     q_row = torch.randn(16, 32, 1, 128, **bf16)
     cache = torch.randn(16, 8, 4096, 128, **bf16)
+    # a prefill call: Qwen2-7B's attention at B16 S128 (B1 in the CPU's interpreter, whose
+    # dot products take seconds)
+    prefill_batch = 16 if torch.device(device).type == "cuda" else 1
+    q_prompt = torch.randn(prefill_batch, 28, 128, 128, **bf16)
+    kv_prompt = torch.randn(prefill_batch, 4, 128, 128, **bf16)
     liger = _liger()
 
     def torch_silu_and_mul():
@@ -76,6 +82,10 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
 
     def sdpa_row():
         return F.scaled_dot_product_attention(q_row, cache, cache, enable_gqa=True)
+
+    def sdpa_prompt():
+        return F.scaled_dot_product_attention(q_prompt, kv_prompt, kv_prompt, is_causal=True,
+                                              enable_gqa=True)
 
     table = {
         "silu 16x4096": {"gemslib": lambda: gemslib.silu(hidden),
@@ -98,6 +108,9 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
         "decode_attention B16 L4096": {
             "gemslib": lambda: gemslib.decode_attention(q_row[:, :, 0], cache, cache),
             "torch": sdpa_row},
+        "attention B16 H28/4 S128 causal": {
+            "gemslib": lambda: gemslib.attention(q_prompt, kv_prompt, kv_prompt, causal=True),
+            "torch": sdpa_prompt},
     }
     for ways in table.values():  # the scoped ways call what gemslib's or torch's does
         ways["gemslib-bound"] = ways["gemslib-python"] = ways["gemslib"]

@@ -255,6 +255,26 @@ def test_repeated_sdpa_calls_under_enable_each_give_their_own_attention(kept, mo
     assert any(n_planned for n_planned, _ in planned.values()) == (HOPPER and kept), planned
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_repeated_direct_calls_each_give_their_own_attention(head_dim):
+    """gemslib.attention called again and again with one signature on fresh inputs (no
+    gradient): each matches float64 on its own inputs; on a GPU the calls are planned (at
+    D = 128 on sm_90 the Hopper forward's kept launch, elsewhere the Triton kernel's)."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    runtime.clear_call_plans()
+    for _ in range(4):
+        q = random_tensor((2, 4, 80, head_dim), dtype, scale=1.0)
+        k, v = (random_tensor((2, 2, 80, head_dim), dtype, scale=1.0) for _ in range(2))
+        out = gemslib.attention(q, k, v, causal=True)
+        expected, _ = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                        True, head_dim ** -0.5)
+        rtol = tolerance(dtype)["rtol"]
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+    planned = runtime.call_plan_counts().get("attention", (0, 0))[0]
+    assert planned == (1 if ON_GPU else 0), runtime.call_plan_counts()
+
+
 @pytest.mark.parametrize("fused_dq", ["tma", "writer", None], ids=["dq_tma", "dq_writer",
                                                                   "dq_triton"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
