@@ -61,14 +61,12 @@ BWD_ROWS = 64
 BWD_STAGES = 2
 DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
 WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
-# The writer's whole row blocks (all but a head's last) without the rows' mask, which makes
-# every piece a branch around one load and one atomic; not yet measured, so chosen per process
-# (GEMSLIB_DQ_WRITER_FULL_BLOCKS=1): the kernels read it as a global when they compile
-DQ_WRITER_FULL_BLOCKS = gl.constexpr(os.environ.get("GEMSLIB_DQ_WRITER_FULL_BLOCKS", "0") == "1")
 # The dq matmuls issued between dv's and dk's and waited for with dk still running, so that the
 # hand-off to the writer overlaps a matmul (wgmma groups complete in order: waiting for dq
 # after dk waits for dk too); K's column half is indexed at run time, one path for both
-# warpgroups. Not yet measured: GEMSLIB_DQ_OVERLAP_DK=1, read as DQ_WRITER_FULL_BLOCKS is
+# warpgroups. 1-2% faster on the H200 (NOTES), on once a whole suite has run with it:
+# GEMSLIB_DQ_OVERLAP_DK=1, read once per process (the kernels take it as a global when they
+# compile)
 DQ_OVERLAP_DK = gl.constexpr(os.environ.get("GEMSLIB_DQ_OVERLAP_DK", "0") == "1")
 WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
 #                    whose registers setmaxnreg sets together (more would come out of a consumer's)
@@ -519,27 +517,19 @@ def _bwd_dq_writer(dq_smem, dq_ready, dq_empty, p_dq, seq_q, first_row_block, ro
         mbarrier.wait(dq_ready.index(buffer), (i_step // 2) & 1)
         first_row = (first_row_block + i_step % row_blocks) * ROWS
         p_dq_rows = p_dq + ((i_step // row_blocks).to(gl.int64) * seq_q + first_row) * HEAD_D
-        if DQ_WRITER_FULL_BLOCKS:
-            if first_row + ROWS <= seq_q:
-                _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
-                               COLS, DQ_DIAG, False, KEY_SPLIT)
-            else:
-                _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK,
-                               COLS, DQ_DIAG, True, KEY_SPLIT)
-        else:
-            _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK, COLS,
-                           DQ_DIAG, True, KEY_SPLIT)
+        _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT, CHUNK, COLS,
+                       DQ_DIAG, KEY_SPLIT)
         mbarrier.arrive(dq_empty.index(buffer))
 
 
 @gluon.jit
 def _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT: gl.constexpr,
                    CHUNK: gl.constexpr, COLS: gl.constexpr, DQ_DIAG: gl.constexpr,
-                   MASKED: gl.constexpr, KEY_SPLIT: gl.constexpr):
+                   KEY_SPLIT: gl.constexpr):
     """One step's two dq halves of dq_smem buffer ``buffer`` (KEY_SPLIT: the two warpgroups'
     partial sums over their own keys, summed here) added into its rows at p_dq_rows (rows
-    from first_row; MASKED: those at seq_q and past are left out, else all ROWS are rows of
-    the head) in [CHUNK, COLS] pieces, one 16-byte atomic a lane."""
+    from first_row; those at seq_q and past are left out) in [CHUNK, COLS] pieces, one
+    16-byte atomic a lane."""
     ROWS: gl.constexpr = dq_smem.shape[1]
     HALF_D: gl.constexpr = dq_smem.shape[2]
     if KEY_SPLIT:
@@ -566,14 +556,9 @@ def _write_dq_rows(dq_smem, buffer, p_dq_rows, first_row, seq_q, LAYOUT: gl.cons
                     o_d = i_half * HALF_D + i_cols * COLS + o_chunk_d
                     p_tile = p_dq_rows + (o_m[:, None] * HEAD_D + o_d[None, :])
                     if DQ_DIAG == 1:
-                        if MASKED:
-                            gl.store(p_tile, b_dq, mask=m_m)
-                        else:
-                            gl.store(p_tile, b_dq)
-                    elif MASKED:
-                        gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
+                        gl.store(p_tile, b_dq, mask=m_m)
                     else:
-                        gl.atomic_add(p_tile, b_dq, sem="relaxed")
+                        gl.atomic_add(p_tile, b_dq, mask=m_m, sem="relaxed")
 
 
 @gluon.jit
