@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, runtime
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
@@ -80,6 +81,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
@@ -95,7 +97,11 @@ def _decode_kernel(
     and puts the counter back to 0 for the next call: one launch per decode step instead of a
     partial and a merge launch. Unless lse is None, the program that writes a head's output
     also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
+    PDL: launched dependent (runtime.dependent_launch_here), so it waits for the kernel
+    before it first.
     """
+    if PDL:
+        gdc_wait()
     i_split = tl.program_id(0)
     i_bhkv = tl.program_id(1)
     i_b = (i_bhkv // n_kv_heads).to(tl.int64)
@@ -204,7 +210,8 @@ def _decode_kernel(
 
 DECODE = runtime.TunedKernel("decode_attention", "decode_attention", _decode_kernel,
                              tunables=("BLOCK_N",), launcher_knobs=("PROGRAMS_PER_SM",),
-                             shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True)
+                             shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True,
+                             dependent_launch=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -110,6 +110,20 @@ DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straig
                            "compiled kernel, past Triton's argument binding")
 NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ (gemslib.native), "
                            "not by their generated Python")
+# Programmatic dependent launch (sm_90 and later): a kernel built for it (TunedKernel's
+# ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
+# and waits in griddepcontrol.wait before touching memory. Not yet measured: GEMSLIB_PDL=1
+DEPENDENT_LAUNCH: bool = _env_flag("GEMSLIB_PDL")
+
+
+@functools.cache
+def dependent_launch_here() -> bool:
+    """Whether kernels built for it are launched dependent in this process: GEMSLIB_PDL set,
+    a real GPU, the current one of compute capability 9.0 or later."""
+    return DEPENDENT_LAUNCH and not INTERPRETER and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() >= (9, 0)
+
+
 _SCALARS = (int, float, bool, type(None))
 
 
@@ -788,11 +802,15 @@ class TunedKernel:
     Triton compiles only in debug mode) are compiled in, without debug mode's integer-overflow
     checks. A failed one stops the kernel with a device-side assert, which torch reports at
     the next synchronisation (and which leaves the CUDA context unusable, as torch's own do).
+
+    ``dependent_launch``: the kernel has a ``PDL`` constexpr and, where it is set, calls
+    ``gdc_wait()`` before its first load or store; :func:`dependent_launch_here` says whether
+    it is then set and the kernel launched with Triton's ``launch_pdl``.
     """
 
     def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str],
                  launcher_knobs: Sequence[str] = (), cluster_knob: str | None = None,
-                 device_asserts: bool = False):
+                 device_asserts: bool = False, dependent_launch: bool = False):
         self.op, self.name, self.fn = op, name, fn
         self.launcher_knobs = frozenset(launcher_knobs)
         if cluster_knob is not None and cluster_knob not in self.launcher_knobs:
@@ -802,6 +820,7 @@ class TunedKernel:
         self.tunables = frozenset(tunables) | self.launcher_knobs  # every key of a config
         self.shape_keys = tuple(shape_keys)
         self.options = {"debug": True, "sanitize_overflow": False} if device_asserts else {}
+        self.dependent_launch = dependent_launch
         self._chosen: dict[tuple, LaunchConfig] = {}
         self._checked: set[str] = set()
         self._forced: LaunchConfig | None = None
@@ -931,6 +950,10 @@ class TunedKernel:
             if self.cluster_knob is not None:
                 kwargs["num_ctas"] = config.meta_dict[self.cluster_knob]
             kwargs.update(self.options)
+            if self.dependent_launch:
+                kwargs["PDL"] = dependent_launch_here()
+                if kwargs["PDL"]:
+                    kwargs["launch_pdl"] = True
             if len(self._kernel_kwargs) < 4096:
                 self._kernel_kwargs[config] = kwargs
         return kwargs

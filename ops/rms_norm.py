@@ -23,6 +23,7 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
 from gemslib.registry import AtenOverride, GraphPattern, SelfCheck, TuneBucket, TuneSpace
@@ -41,11 +42,15 @@ def _rms_norm_fwd_kernel(
     stride_x_row, stride_residual_row, stride_out_row, stride_residual_out_row,
     eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """BLOCK_M rows per program. With a residual, ``residual_out = x + residual`` is stored and
     normalised; ``residual_out`` may be ``residual`` itself and ``out`` may be ``x`` (in place):
     every element is read before the same thread writes it. ``residual`` and ``residual_out``
-    (given together), ``weight`` and ``rstd`` (rows,) may be None."""
+    (given together), ``weight`` and ``rstd`` (rows,) may be None. PDL: launched dependent
+    (runtime.dependent_launch_here), so it waits for the kernel before it first."""
+    if PDL:
+        gdc_wait()
     o_row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_row = o_row < n_rows
     o_row_64 = o_row.to(tl.int64)[:, None]  # int64: row * stride can pass 2**31
@@ -198,7 +203,8 @@ def _rms_norm_bwd_kernel(
 
 
 RMS_NORM_FWD = runtime.TunedKernel("rms_norm", "rms_norm_fwd", _rms_norm_fwd_kernel,
-                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"))
+                                   tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"),
+                                   dependent_launch=True)
 RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_kernel,
                                    tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
 

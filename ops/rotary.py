@@ -36,6 +36,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
 from gemslib.graph import slice_bounds
@@ -125,6 +126,7 @@ def _rotary_kernel(
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One token's angles, applied to BLOCK_H heads at a time. Grid (tokens, head blocks of q
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
@@ -137,7 +139,11 @@ def _rotary_kernel(
     otherwise row positions[i_b, i_s] (or i_s) of a (max_position, rot_dim / 2) table, one
     angle per pair (cos_a = cos_b, sin_a = sin_b). INVERSE applies the transposed rotation
     (the backward): per pair [[cos_a, -sin_a], [sin_b, cos_b]] becomes
-    [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a)."""
+    [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a). PDL:
+    launched dependent (runtime.dependent_launch_here), so it waits for the kernel before it
+    first."""
+    if PDL:
+        gdc_wait()
     i_t = tl.program_id(0)
     i_b = (i_t // seq_len).to(tl.int64)
     i_s = (i_t % seq_len).to(tl.int64)
@@ -210,7 +216,8 @@ def _rotary_kernel(
 
 
 ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
-                             shape_keys=("tokens", "heads", "head_dim"), device_asserts=True)
+                             shape_keys=("tokens", "heads", "head_dim"), device_asserts=True,
+                             dependent_launch=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
 from gemslib.graph import call_node, slice_bounds
@@ -107,9 +108,13 @@ def _even_columns(args) -> bool:
 def _silu_and_mul_fwd_kernel(
     x_ptr, out_ptr, half_width,
     stride_x_row, stride_x_col, stride_out_row,
-    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block)."""
+    """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block).
+    PDL: launched dependent (runtime.dependent_launch_here), so it waits for the kernel before
+    it first."""
+    if PDL:
+        gdc_wait()
     i_row, o_n = _row_and_columns(half_width, BLOCK_N)
     m_n = o_n < half_width
     if EVEN_N:  # no partial block in any row: unpredicated loads and stores
@@ -150,7 +155,8 @@ SILU_FWD = runtime.TunedKernel("silu", "silu_fwd", _silu_fwd_kernel,
 SILU_BWD = runtime.TunedKernel("silu", "silu_bwd", _silu_bwd_kernel,
                                tunables=("BLOCK",), shape_keys=("numel",))
 SILU_AND_MUL_FWD = runtime.TunedKernel("silu", "silu_and_mul_fwd", _silu_and_mul_fwd_kernel,
-                                       tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
+                                       tunables=("BLOCK_N",), shape_keys=("rows", "cols"),
+                                       dependent_launch=True)
 SILU_AND_MUL_BWD = runtime.TunedKernel("silu", "silu_and_mul_bwd", _silu_and_mul_bwd_kernel,
                                        tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
 

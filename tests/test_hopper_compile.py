@@ -78,7 +78,7 @@ for record in json.load(sys.stdin):
         kernel = kernel.fn
     args = record["args"]
     options = {k: args.pop(k)["value"] for k in ("num_warps", "num_stages", "debug",
-                                                 "sanitize_overflow") if k in args}
+                                                 "sanitize_overflow", "launch_pdl") if k in args}
     signature, constexprs = {}, {}
     for param in kernel.params:
         arg = args.get(param.name, {"value": param.default})
@@ -101,6 +101,9 @@ for record in json.load(sys.stdin):
         assert compiled.asm["cubin"], "no cubin"
         # the launch would fail with OutOfResources past sm_90's 227 KB per block
         assert compiled.metadata.shared <= 232448, f"{compiled.metadata.shared} B of shared memory"
+        if constexprs.get("PDL"):  # launched dependent: it waits before it reads
+            assert "griddepcontrol.wait" in compiled.asm["ptx"], "no griddepcontrol.wait"
+            assert compiled.metadata.launch_pdl, "not compiled for launch_pdl"
     except Exception as err:
         failures.append(f"{record['kernel']} {constexprs} {options}:\n{err}")
 print(json.dumps(failures))
@@ -225,7 +228,14 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
             "_attention_bwd_dq_kernel", "_decode_kernel"} <= kernels
     # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
-    failures = _compile_failures(launches)
+    # the kernels built for dependent launch (GEMSLIB_PDL=1): each launch also as the GPU then
+    # compiles it, PDL set and launch_pdl on
+    dependent = [{**launch, "args": {**launch["args"], "PDL": {"value": True},
+                                     "launch_pdl": {"value": True}}}
+                 for launch in launches if launch["args"].get("PDL") == {"value": False}]
+    assert {launch["kernel"] for launch in dependent} == {
+        "_rms_norm_fwd_kernel", "_silu_and_mul_fwd_kernel", "_rotary_kernel", "_decode_kernel"}
+    failures = _compile_failures(launches + dependent)
     assert not failures, "\n\n".join(failures)
 
 

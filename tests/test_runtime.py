@@ -801,3 +801,60 @@ def test_a_tensor_map_parameter_is_passed_as_tritons_launcher_expands_it():
     assert spec[6] == ((TMA_DTYPE_DEVICE_TO_HOST[9], 2, 3, (1, 64), (256, 128), (128, 1), 0),)
     assert runtime.native_spec(plan_with(None)) is None
     assert runtime.native_spec(plan_with([{**meta, "fp4_padded": True}])) is None
+
+
+DEPENDENT_KERNELS = ("rms_norm.rms_norm_fwd", "silu.silu_and_mul_fwd", "rotary.rotary",
+                     "decode_attention.decode_attention")
+
+
+def _fresh_launches():
+    """Forget the kernels' launch options and kept launches (they follow the switch)."""
+    for kernel in runtime.KERNELS.values():
+        kernel.clear_cache()
+
+
+@pytest.mark.parametrize("here", [False, True], ids=["plain", "dependent"])
+def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here, monkeypatch):
+    """The decode step's small kernels (norm, silu * mul, rotary, decode attention) take PDL
+    and Triton's launch_pdl exactly where dependent launch is on here (GEMSLIB_PDL on sm_90);
+    the other kernels never do. On a GPU, under it a CUDA graph of GEMM -> rms_norm -> GEMM
+    -> silu_and_mul (each reading its predecessor's output at once) gives the eager result
+    exactly, and torch's within bf16 rounding, on new inputs each replay."""
+    monkeypatch.setattr(runtime, "dependent_launch_here", lambda: here)
+    _fresh_launches()
+    try:
+        for name, kernel in runtime.KERNELS.items():
+            built = name in DEPENDENT_KERNELS
+            assert kernel.dependent_launch == built, name
+            kwargs = kernel.kernel_kwargs(kernel.buckets()[-1].configs[0])
+            assert kwargs.get("PDL", False) == (built and here), name
+            assert kwargs.get("launch_pdl", False) == (built and here), name
+        if not torch.cuda.is_available() or runtime.INTERPRETER:
+            return
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(16, 4096, **bf16)
+        w_in, w_gate_up = (torch.randn(4096, 4096, **bf16) * 0.02 for _ in range(2))
+        weight = torch.randn(4096, **bf16)
+
+        def step():
+            normed = gemslib.rms_norm(x @ w_in.t(), weight)
+            return gemslib.silu_and_mul(normed @ w_gate_up.t())
+
+        expected = step()
+        graph = torch.cuda.CUDAGraph()
+        step()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, step())
+            gate, up = (F.rms_norm((x @ w_in.t()).float(), (4096,), weight.float(), 1e-6)
+                        .to(torch.bfloat16) @ w_gate_up.t()).float().chunk(2, dim=-1)
+            torch.testing.assert_close(out.float(), F.silu(gate) * up, rtol=4e-2, atol=6e-2)
+        assert not torch.equal(out, expected)  # the replays saw the new inputs
+    finally:
+        monkeypatch.undo()
+        _fresh_launches()
