@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 import gemslib
+from benchmark.experiments.decode_flush import timed_us
 
 
 @triton.jit
@@ -47,21 +48,6 @@ def _read_into_l2(w_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
 def read_into_l2(weight: torch.Tensor, sums: torch.Tensor) -> None:
     """``weight`` read once by ``sums.numel()`` programs."""
     _read_into_l2[(sums.numel(),)](weight, sums, weight.numel(), BLOCK=4096, num_warps=8)
-
-
-def timed_us(fn, flush, reps: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -108,7 +94,7 @@ def main():
                 return out, o_gemm()
 
             rows[f"attention with W_o read by {programs} programs, then o GEMM"] = prefetched
-        figures = {name: timed_us(fn, flush) for name, fn in rows.items()}
+        figures = {name: timed_us(fn, flush, reps=100) for name, fn in rows.items()}
         # o's GEMM right after W_o was read: timed from after the read
         warm = []
         for _ in range(100):
