@@ -1,0 +1,86 @@
+"""Experiment: the kernels of one static-cache decode step in its CUDA graph, and the gaps
+between them.
+
+    python -m benchmark.experiments.decode_step_kernels [--model llama3-8b] [--layers 8]
+                                                       [--batch 16] [--prompt 128] [--cache 192]
+                                                       [--backend gemslib]
+
+The step under ``backend="gemslib"`` is 1.5-2.0x its floor (benchmark/NOTES.md). The GEMMs'
+share is known from their times alone; what the boundaries between kernels cost inside the
+graph is not. Here the step is built as ``benchmark.decode`` builds it (the same model, cache
+and compiled step), replayed a few times, then profiled over 5 replays (torch.profiler, CUDA
+activity). It prints the kernels of one replay in order (name, microseconds, the idle gap
+before it), the sums per kernel name, and the totals: busy time, idle time between kernels,
+the step's wall time from the first kernel's start to the last one's end. The idle time is
+what programmatic dependent launch or fewer kernels could take back. Results:
+benchmark/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmark import decode
+from benchmark.models import MODELS, build_model, input_ids
+
+
+def _kernels(trace_events) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the CUDA kernels, in start order."""
+    kernels = [(event.name, event.time_range.start, event.time_range.elapsed_us())
+               for event in trace_events if event.device_type == torch.autograd.DeviceType.CUDA
+               and not event.name.startswith(("Memcpy", "Memset"))]
+    return sorted(kernels, key=lambda kernel: kernel[1])
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.decode_step_kernels")
+    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--cache", type=int, default=192)
+    parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
+    args = parser.parse_args(argv)
+    spec = dataclasses.replace(MODELS[args.model], layers=args.layers)
+    model = build_model(spec, "cuda", torch.bfloat16).eval()
+    ids = input_ids(spec, args.batch, args.prompt, torch.device("cuda"))
+    with torch.no_grad():
+        step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache)
+        for _ in range(5):
+            rewind()
+            step()
+        torch.cuda.synchronize()
+        rewind()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            step()
+            torch.cuda.synchronize()
+    one = _kernels(trace.events())
+    busy = sum(duration for _, _, duration in one)
+    wall = one[-1][1] + one[-1][2] - one[0][1]
+    gaps = [0.0] + [max(0.0, one[i][1] - (one[i - 1][1] + one[i - 1][2]))
+                    for i in range(1, len(one))]
+    print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
+          f"backend={args.backend}: {len(one)} kernels a step")
+    for (name, _, duration), gap in zip(one, gaps):
+        print(f"  {gap:7.2f} gap  {duration:8.2f} us  {name[:90]}")
+    by_name = collections.defaultdict(list)
+    for name, _, duration in one:
+        by_name[name[:90]].append(duration)
+    print("\nper kernel name: count, sum us, median us")
+    for name, durations in sorted(by_name.items(), key=lambda item: -sum(item[1])):
+        print(f"  {len(durations):4d} {sum(durations):9.1f} {statistics.median(durations):8.2f}  "
+              f"{name}")
+    print(f"\nbusy {busy:.1f} us, idle between kernels {sum(gaps):.1f} us "
+          f"({len(one) - 1} boundaries, median gap {statistics.median(gaps[1:] or [0]):.2f}), "
+          f"first start to last end {wall:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
