@@ -906,9 +906,13 @@ def _replace_sdpa(graph: torch.fx.Graph, node, out) -> None:
     graph.erase_node(node)
 
 
-def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask) -> str | None:
+def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
+                 extents: dict) -> str | None:
     """Replace the one-row SDPA ``node`` by decode_attention under ``key_mask``; its site, or
-    None where the scale is not a number."""
+    None where the scale is not a number. ``extents``: (mask, batch, length) -> the node of
+    each sequence's extent, one past its last visible position, made once for all the layers
+    that read the mask: decode_attention takes it as the lengths its splits divide (a static
+    cache's mask keeps a prefix of a longer cache)."""
     q_val = q.meta["val"]
     batch, seq_kv = q_val.shape[0], k.meta["val"].shape[2]
     scale = _sdpa_scale(args, q_val)
@@ -919,8 +923,16 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask) -> str | 
         keys = call_node(graph, _aten.reshape.default, key_mask,
                          [key_mask.meta["val"].shape[0], seq_kv])
         keys = call_node(graph, _aten.expand.default, keys, [batch, seq_kv])
+        seqlens = extents.get((key_mask, str(batch), str(seq_kv)))
+        if seqlens is None and isinstance(seq_kv, int):
+            positions = call_node(graph, torch.ops.prims.iota.default, seq_kv, start=1, step=1,
+                                  dtype=torch.int32, device=q_val.device, requires_grad=False)
+            seqlens = call_node(graph, _aten.amax.default,
+                                call_node(graph, _aten.where.ScalarOther, keys, positions, 0),
+                                [-1])
+            extents[key_mask, str(batch), str(seq_kv)] = seqlens
         rows = call_node(graph, _aten.select.int, q, 2, 0)
-        fused = call_node(graph, torch.ops.gemslib.decode_attention.default, rows, k, v, None,
+        fused = call_node(graph, torch.ops.gemslib.decode_attention.default, rows, k, v, seqlens,
                           scale, keys)
         out = call_node(graph, _aten.unsqueeze.default, fused, 2)
     _replace_sdpa(graph, node, out)
@@ -932,7 +944,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
     mask, or a use of the log-sum-exp leaves the site to inductor."""
-    sites, bands = [], {}  # every layer's SDPA reads the one mask: read it once
+    sites, bands, extents = [], {}, {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
             args = _arguments(node)
@@ -958,7 +970,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                 if band is None:
                     key_mask = _decode_key_mask(mask, q_val, seq_kv)
                     site = key_mask is not None and _fuse_decode(graph, node, args, q, k, v,
-                                                                 key_mask)
+                                                                 key_mask, extents)
                     if site:
                         sites.append(site)
                     continue

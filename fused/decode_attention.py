@@ -60,19 +60,6 @@ def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_
 
 
 @triton.jit
-def _kept_extent(p_mask, stride_m_s, seq_len, SCAN: tl.constexpr):
-    """One past the last position j < seq_len whose mask p_mask[j * stride_m_s] is set (0
-    where none is): how far the splits must reach. A static cache's mask keeps a prefix of
-    the cache, and the splits share that prefix instead of the whole cache."""
-    extent = 0
-    for i_m in range(0, seq_len, SCAN):
-        o_m = i_m + tl.arange(0, SCAN)
-        m_kept = tl.load(p_mask + o_m * stride_m_s, mask=o_m < seq_len, other=0) != 0
-        extent = tl.maximum(extent, tl.max(tl.where(m_kept, o_m + 1, 0), axis=0))
-    return extent
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, key_mask_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     arrivals_ptr, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
@@ -87,8 +74,8 @@ def _decode_kernel(
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
     whose K/V are read once for all of them. Unless key_mask is None, only the keys j with
     ``key_mask[b, j]`` count, and a block of keys the mask hides entirely is not read. With
-    lengths or a mask the splits divide the positions up to the last one visible evenly
-    (``split_len`` is then worked out here); without either, ``split_len`` apart.
+    lengths the splits divide each sequence's own positions evenly (``split_len`` is then
+    worked out here); without them, the cache's, ``split_len`` apart.
 
     With one split the split scratch (o_part, lse_part, arrivals) is None and the program
     writes the output. With several it writes each head's normalised partial output and
@@ -113,14 +100,11 @@ def _decode_kernel(
         tl.device_assert((seq_len >= 0) & (seq_len <= cache_len),
                          "gemslib.decode_attention: seqlens must be in [0, L] (the cache length)")
         seq_len = tl.minimum(tl.maximum(seq_len, 0), cache_len).to(tl.int32)
-    else:
-        seq_len = cache_len
-    if key_mask_ptr is not None:
-        seq_len = _kept_extent(key_mask_ptr + i_b * stride_m_b, stride_m_s, seq_len, 1024)
-    if seqlens_ptr is not None or key_mask_ptr is not None:
         # the splits share the keys this sequence has (whole blocks each), not the cache's
         # length: with a short sequence in a long cache every program still streams keys
         split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    else:
+        seq_len = cache_len
     key_start = i_split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
     o_g = tl.arange(0, BLOCK_G)

@@ -100,15 +100,16 @@ def _traces(pattern) -> tuple[Callable, ...]:
     return pattern_matcher.fwd_only, with_reshapes
 
 
-def call_node(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
-    """A new ``target(*args)`` node at the graph's insertion point, with the ``meta["val"]``
-    (a fake tensor) that later passes and inductor read, computed from its inputs' values."""
-    node = graph.call_function(target, args)
-    values = torch.fx.map_arg(args, lambda a: a.meta["val"])
-    fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
-                     if hasattr(v, "fake_mode"))
+def call_node(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A new ``target(*args, **kwargs)`` node at the graph's insertion point, with the
+    ``meta["val"]`` (a fake tensor) that later passes and inductor read, computed from its
+    inputs' values (with none, as the compilation's fake mode makes it)."""
+    node = graph.call_function(target, args, kwargs)
+    values, kwarg_values = torch.fx.map_arg((args, kwargs), lambda a: a.meta["val"])
+    fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(values)
+                      if hasattr(v, "fake_mode")), None) or torch._guards.detect_fake_mode()
     with fake_mode:
-        node.meta["val"] = target(*values)
+        node.meta["val"] = target(*values, **kwarg_values)
     return node
 
 

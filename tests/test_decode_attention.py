@@ -254,11 +254,11 @@ def test_a_key_mask_keeps_only_its_positions(dtype, splits, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [3, 8])
-def test_a_static_cache_mask_is_split_over_its_visible_prefix(splits, monkeypatch):
-    """A static cache's mask keeps a prefix of the cache, of another length per sequence
-    (none, one key, a block and one side of it, most, all): the splits divide each prefix
-    between them instead of the cache's length, and every sequence still gets its own
-    attention, with lengths too (shorter or longer than the prefix)."""
+def test_lengths_are_split_over_the_programs_of_each_sequence(splits, monkeypatch):
+    """With lengths the splits divide each sequence's own positions (none, one key, a block
+    and one side of it, most, all of a 400-long cache), not the cache's; every sequence gets
+    its own attention, alone and under a static cache's mask of a prefix (the lengths then
+    as the graph pass gives them, one past the last visible position, or longer)."""
     monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: splits)
     cache_len = 400
     visible = [0, 1, 63, 64, 65, 333, cache_len]
@@ -266,13 +266,14 @@ def test_a_static_cache_mask_is_split_over_its_visible_prefix(splits, monkeypatc
     q = random_tensor((batch, 2, 16), torch.float32, scale=1.0)
     k = random_tensor((batch, 1, cache_len, 16), torch.float32, scale=1.0)
     v = random_tensor((batch, 1, cache_len, 16), torch.float32, scale=1.0)
-    mask = torch.arange(cache_len, device=q.device)[None, :] < torch.tensor(
-        visible, device=q.device)[:, None]
+    extents = torch.tensor(visible, device=q.device)
+    mask = torch.arange(cache_len, device=q.device)[None, :] < extents[:, None]
     rtol = tolerance(torch.float32)["rtol"]
-    for seqlens in (None, torch.tensor([5, 400, 30, 64, 300, 100, 399], device=q.device)):
-        out = gemslib.decode_attention(q, k, v, seqlens, key_mask=mask)
+    for seqlens, key_mask in ((extents, None), (extents, mask),
+                              (torch.clamp(extents + 50, max=cache_len), mask)):
+        out = gemslib.decode_attention(q, k, v, seqlens, key_mask=key_mask)
         expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
-                                                         seqlens, key_mask=mask)
+                                                         seqlens, key_mask=key_mask)
         torch.testing.assert_close(out.double(), expected, rtol=rtol,
                                    atol=rtol * v.abs().max().item())
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # no key visible: 0
