@@ -253,23 +253,25 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
         out_strides = (n_q_heads * head_dim_v, head_dim_v)
     # the kernel's parameters after the tensors, positional (TunedKernel.replay launches the
     # compiled kernel with them so): sizes and scale; strides; flag and blocks
-    arguments = (
+    values = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
         scale * LOG2E.value,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(key_mask_strides or (0, 0)), *out_strides,
-        q.dtype == torch.float32, max(16, group_pow2), group_pow2,
-        max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
-        min(block_s, max(2, 8192 // (block_dv * group_pow2))))
+        *(key_mask_strides or (0, 0)), *out_strides)
+    constexprs = (q.dtype == torch.float32, max(16, group_pow2), group_pow2,
+                  max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
+                  min(block_s, max(2, 8192 // (block_dv * group_pow2))))
+    arguments = values + constexprs
     grid = (n_splits, batch * n_kv_heads)
     scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
                if n_splits > 1 else None)
     # the kernel is compiled for which tensors are None (seqlens, key_mask, lse, the split
     # scratch), so the key holds them: the scratch with the grid's split count, the others as
-    # flags
+    # flags. The sizes and strides only as Triton specialises them (no heuristic reads them):
+    # a decode loop's growing cache keeps one compiled launch while its splits stay
     return _DecodePlan(config, grid, (batch, n_q_heads, head_dim_v), scratch, arguments,
-                       (config, grid, arguments, has_seqlens, key_mask_strides is not None,
-                        with_lse))
+                       (config, grid, runtime.specialization_key(values), constexprs,
+                        has_seqlens, key_mask_strides is not None, with_lse))
 
 
 def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,

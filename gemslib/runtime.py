@@ -194,6 +194,15 @@ def _launch_key(config, grid: tuple, args) -> tuple[tuple | None, list]:
     return tuple(key), pointers
 
 
+def specialization_key(values) -> tuple:
+    """What a compiled kernel depends on of these non-constexpr scalar arguments, as Triton
+    specialises them: an int by being 1 (then compiled in), by divisibility by 16 and by
+    fitting int32; a float or bool by its type. For a kept launch whose kernel reads none of
+    them in a heuristic (which would see the values)."""
+    return tuple((int, value == 1, value % 16 == 0, -2**31 <= value < 2**31)
+                 if type(value) is int else type(value) for value in values)
+
+
 def tensor_key(tensors) -> tuple[tuple, list]:
     """(what Triton specialises each tensor on: its dtype and 16-byte alignment, the tensors'
     data pointers), ``None`` entries staying None, for a caller that keys the rest itself."""

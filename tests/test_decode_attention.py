@@ -57,6 +57,25 @@ def test_decode_splits_the_cache_over_programs():
     assert decode_ops._decode_splits(1, 10_000_000, 16, 0, 1000) == 256
 
 
+def test_a_growing_cache_keeps_one_compiled_launch_per_specialisation(monkeypatch):
+    """Decode calls over a cache one position longer each time (a dynamic cache's steps) each
+    give their own attention; on a GPU they share the kept compiled launches of their
+    specialisation (a length divisible by 16 or not), so after the first of each the launch no
+    longer goes through Triton."""
+    monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: 4)
+    decode_ops.DECODE.clear_cache()
+    q = random_tensor((2, 4, 32), torch.float32, scale=1.0)
+    full = random_tensor((2, 2, 240, 32), torch.float32, scale=1.0)
+    rtol = tolerance(torch.float32)["rtol"]
+    for length in range(200, 240):
+        k = full[:, :, :length].contiguous()
+        out = gemslib.decode_attention(q, k, k)
+        expected = decode_ops.decode_attention_reference(q.double(), k.double(), k.double())
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * k.abs().max().item())
+    assert len(decode_ops.DECODE._compiled) <= 2, len(decode_ops.DECODE._compiled)
+
+
 def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monkeypatch):
     """Several splits per KV head: the last split to arrive merges them and resets its
     counter, so repeated calls (reusing the counters) give the same answer, in one launch."""
