@@ -84,8 +84,8 @@ def _decode_kernel(
     and puts the counter back to 0 for the next call: one launch per decode step instead of a
     partial and a merge launch. Unless lse is None, the program that writes a head's output
     also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
-    PDL: launched dependent (runtime.dependent_launch_here), so it waits for the kernel
-    before it first.
+    PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
+    before it on the stream.
     """
     if PDL:
         gdc_wait()

@@ -48,7 +48,7 @@ def _rms_norm_fwd_kernel(
     normalised; ``residual_out`` may be ``residual`` itself and ``out`` may be ``x`` (in place):
     every element is read before the same thread writes it. ``residual`` and ``residual_out``
     (given together), ``weight`` and ``rstd`` (rows,) may be None. PDL: launched dependent
-    (runtime.dependent_launch_here), so it waits for the kernel before it first."""
+    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
     if PDL:
         gdc_wait()
     o_row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -140,8 +140,8 @@ def _rotary_kernel(
     angle per pair (cos_a = cos_b, sin_a = sin_b). INVERSE applies the transposed rotation
     (the backward): per pair [[cos_a, -sin_a], [sin_b, cos_b]] becomes
     [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a). PDL:
-    launched dependent (runtime.dependent_launch_here), so it waits for the kernel before it
-    first."""
+    launched dependent (runtime.dependent_launch_here), it first waits for the kernel before
+    it on the stream."""
     if PDL:
         gdc_wait()
     i_t = tl.program_id(0)

@@ -111,8 +111,8 @@ def _silu_and_mul_fwd_kernel(
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """out[row, c] = silu(x[row, c]) * x[row, half_width + c]; one program per (row, col block).
-    PDL: launched dependent (runtime.dependent_launch_here), so it waits for the kernel before
-    it first."""
+    PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
+    before it on the stream."""
     if PDL:
         gdc_wait()
     i_row, o_n = _row_and_columns(half_width, BLOCK_N)
