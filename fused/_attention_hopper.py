@@ -64,10 +64,9 @@ WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumer
 # The dq matmuls issued between dv's and dk's and waited for with dk still running, so that the
 # hand-off to the writer overlaps a matmul (wgmma groups complete in order: waiting for dq
 # after dk waits for dk too); K's column half is indexed at run time, one path for both
-# warpgroups. 1-2% faster on the H200 (NOTES), on once a whole suite has run with it:
-# GEMSLIB_DQ_OVERLAP_DK=1, read once per process (the kernels take it as a global when they
-# compile)
-DQ_OVERLAP_DK = gl.constexpr(os.environ.get("GEMSLIB_DQ_OVERLAP_DK", "0") == "1")
+# warpgroups. 1-2% faster on the H200 (NOTES). GEMSLIB_DQ_OVERLAP_DK=0 waits for dq after dk,
+# read once per process (the kernels take it as a global when they compile)
+DQ_OVERLAP_DK = gl.constexpr(os.environ.get("GEMSLIB_DQ_OVERLAP_DK", "1") == "1")
 WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
 #                    whose registers setmaxnreg sets together (more would come out of a consumer's)
 

@@ -439,11 +439,13 @@ def test_off_alignment_rows_load_and_store_full_vectors():
 
 _GLUON_COMPILER = r"""
 import json, os, sys
-# switches of the fused backward not yet measured (set before gemslib is imported): with any,
-# only the fused backward compiles
-SWITCHES = {"overlap_dk": "GEMSLIB_DQ_OVERLAP_DK", "d64": "GEMSLIB_GLUON_BACKWARD_D64"}
+# the fused backward's switches (set before gemslib is imported): with any, only the fused
+# backward compiles
+SWITCHES = {"no_overlap_dk": ("GEMSLIB_DQ_OVERLAP_DK", "0"),
+            "d64": ("GEMSLIB_GLUON_BACKWARD_D64", "1")}
 for switch in sys.argv[1:]:
-    os.environ[SWITCHES[switch]] = "1"
+    name, value = SWITCHES[switch]
+    os.environ[name] = value
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -513,7 +515,7 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     register budgets rebalanced (setmaxnreg: producer down, consumers up) and every product
     issued as wgmma (forward: q.K and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over
     64 rows; with dQ also ds.k over 2 x 64 keys, added into dq by atomics); also with the
-    fused backward's switches not yet measured."""
+    fused backward's switches (the dq wait after dk's; head dim 64)."""
     report = _run_compiler(_GLUON_COMPILER)
     assert len(report) == 12
     for variant, facts in report.items():
@@ -528,16 +530,16 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["wgmma"] >= minimum, variant
         # the two warpgroups' 64 x 64 dq halves: 32 elements a thread each
         assert (facts["atomic_adds"] >= 2 * 32) == (kind == "fused"), variant
-    # the dq matmuls waited for with dk's still running (GEMSLIB_DQ_OVERLAP_DK, off by
-    # default: one path for both warpgroups, a wait that leaves one group in flight); the
-    # kernel still fits in shared memory and issues every product as wgmma
-    switched = _run_compiler(_GLUON_COMPILER, args=["overlap_dk"])
+    # the dq matmuls waited for with dk's still running (the default: one path for both
+    # warpgroups, a wait that leaves one group in flight); GEMSLIB_DQ_OVERLAP_DK=0 waits for dq
+    # after dk, with the same atomics, and still fits in shared memory
+    switched = _run_compiler(_GLUON_COMPILER, args=["no_overlap_dk"])
     assert len(switched) == 4
     for variant, facts in switched.items():
         assert facts["cubin"] and facts["shared"] <= 232448, variant
         assert facts["wgmma"] >= 2 * 128 // 16 + 4 * 64 // 16, variant
         assert facts["atomic_adds"] == report[variant]["atomic_adds"], variant
-        assert facts["waits_leaving_one"] >= 1 > report[variant]["waits_leaving_one"], variant
+        assert report[variant]["waits_leaving_one"] >= 1 > facts["waits_leaving_one"], variant
     # GEMSLIB_GLUON_BACKWARD_D64=1: the dK/dV kernel at head dim 64 (s^T, dp^T over D = 64;
     # dv, dk over 64 rows); with GEMSLIB_FUSED_DQ_D64=1 also each warpgroup's partial dq over
     # its 64 keys, the writer's atomics, and a wait that leaves dk's matmul in flight
