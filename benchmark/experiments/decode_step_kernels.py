@@ -30,11 +30,12 @@ from benchmark import decode
 from benchmark.models import MODELS, build_model, input_ids
 
 
-def _kernels(trace_events) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of the CUDA kernels, in start order."""
+def _kernels(trace_events, copies: bool = False) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of the CUDA kernels (with ``copies``: of the memcpy and
+    memset nodes instead), in start order."""
     kernels = [(event.name, event.time_range.start, event.time_range.elapsed_us())
                for event in trace_events if event.device_type == torch.autograd.DeviceType.CUDA
-               and not event.name.startswith(("Memcpy", "Memset"))]
+               and event.name.startswith(("Memcpy", "Memset")) == copies]
     return sorted(kernels, key=lambda kernel: kernel[1])
 
 
@@ -77,6 +78,19 @@ def main(argv: list[str] | None = None):
     for name, durations in sorted(by_name.items(), key=lambda item: -sum(item[1])):
         print(f"  {len(durations):4d} {sum(durations):9.1f} {statistics.median(durations):8.2f}  "
               f"{name}")
+    copies = _kernels(trace.events(), copies=True)
+    print(f"\n{len(copies)} memcpy/memset nodes, {sum(c[2] for c in copies):.1f} us: "
+          + ", ".join(sorted({name[:40] for name, _, _ in copies})))
+    gap_after = collections.defaultdict(list)
+    for i in range(1, len(one)):
+        gap_after[one[i][0][:60]].append(gaps[i])
+    print("\nidle before each kernel name: count, sum us, median us, max us")
+    for name, before in sorted(gap_after.items(), key=lambda item: -sum(item[1])):
+        print(f"  {len(before):4d} {sum(before):8.1f} {statistics.median(before):7.2f} "
+              f"{max(before):7.2f}  {name}")
+    print("\nthe 12 largest gaps: us, the kernel before -> the kernel after")
+    for i in sorted(range(1, len(one)), key=lambda i: -gaps[i])[:12]:
+        print(f"  {gaps[i]:7.2f}  {one[i - 1][0][:50]} -> {one[i][0][:50]}")
     print(f"\nbusy {busy:.1f} us, idle between kernels {sum(gaps):.1f} us "
           f"({len(one) - 1} boundaries, median gap {statistics.median(gaps[1:] or [0]):.2f}), "
           f"first start to last end {wall:.1f} us")
