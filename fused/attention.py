@@ -20,7 +20,6 @@ On Hopper (sm_90), 16-bit inputs with head dim 128 take the warp-specialised Glu
 from __future__ import annotations
 
 import operator
-import os
 from functools import partial
 from typing import Optional
 
@@ -650,13 +649,6 @@ _SDPA_MASK_ARG = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
 }
 _VIEWS = (_aten.unsqueeze.default, _aten.expand.default)
-# the decode attention asks the next GEMM's weight (the o projection's) into L2 while it works
-# (decode_attention's l2_prefetch); not yet measured: GEMSLIB_L2_PREFETCH=1
-L2_PREFETCH_WEIGHTS = os.environ.get("GEMSLIB_L2_PREFETCH") == "1"
-# the ops between an attention's output and the o projection's GEMM that only move or view it
-_LAYOUT_OPS = frozenset((_aten.unsqueeze.default, _aten.squeeze.dim, _aten.transpose.int,
-                         _aten.permute.default, _aten.view.default, _aten.reshape.default,
-                         _aten._unsafe_view.default, _aten.clone.default))
 
 
 def _arguments(node: torch.fx.Node) -> dict:
@@ -914,27 +906,6 @@ def _replace_sdpa(graph: torch.fx.Graph, node, out) -> None:
     graph.erase_node(node)
 
 
-def _next_gemm_weight(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The weight W (a graph input) of the GEMM that reads ``node``'s value through layout ops,
-    each the only user of the one before: ``mm`` / ``addmm`` of it by ``permute(W, [1, 0])``
-    or ``t(W)``; None where there is no such GEMM."""
-    for _ in range(8):
-        if len(node.users) != 1:
-            return None
-        user = next(iter(node.users))
-        if user.target in (_aten.mm.default, _aten.addmm.default):
-            x, w = user.args[-2:]
-            if x is not node or w.target not in (_aten.permute.default, _aten.t.default):
-                return None
-            if w.target is _aten.permute.default and list(w.args[1]) != [1, 0]:
-                return None
-            return w.args[0] if w.args[0].op in ("placeholder", "get_attr") else None
-        if user.target not in _LAYOUT_OPS:
-            return None
-        node = user
-    return None
-
-
 def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
                  extents: dict) -> str | None:
     """Replace the one-row SDPA ``node`` by decode_attention under ``key_mask``; its site, or
@@ -965,11 +936,7 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
                           scale, keys)
         out = call_node(graph, _aten.unsqueeze.default, fused, 2)
     _replace_sdpa(graph, node, out)
-    weight = _next_gemm_weight(out) if L2_PREFETCH_WEIGHTS else None
-    if weight is not None:
-        fused.args = (*fused.args, weight)
-    return f"{node.name} (decode under a key mask, 1 x {seq_kv}" + (
-        f", {weight.name} into L2)" if weight is not None else ")")
+    return f"{node.name} (decode under a key mask, 1 x {seq_kv})"
 
 
 def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:

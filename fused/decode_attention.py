@@ -59,41 +59,16 @@ def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_
     return b_acc, b_new_max, b_row_sum
 
 
-# sm_90's bulk L2 prefetch of 4 KB at an address (a hint: nothing waits for it); address 0:
-# none. PREFETCH_BYTES is written into the instruction.
-PREFETCH_BYTES = 4096
-_BULK_PREFETCH = tl.constexpr("{ .reg .pred p; setp.ne.b64 p, $1, 0; "
-                              "@p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }")
-
-
-@triton.jit
-def _prefetch_share(p_base, n_chunks, CHUNK: tl.constexpr):
-    """This program's share of the n_chunks chunks (CHUNK elements, PREFETCH_BYTES each) from
-    p_base asked into L2, one bulk prefetch a lane: the next kernel's operand (a GEMM's
-    weight) arrives while this kernel works."""
-    i_program = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    per_program = tl.cdiv(n_chunks, tl.num_programs(0) * tl.num_programs(1))
-    first = i_program * per_program
-    end = tl.minimum(first + per_program, n_chunks)
-    for start in range(first, end, 128):
-        o_chunk = start + tl.arange(0, 128)
-        p_chunk = p_base + o_chunk.to(tl.int64) * CHUNK
-        addresses = tl.where(o_chunk < end, p_chunk.to(tl.int64, bitcast=True), 0)
-        tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l", [addresses], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, key_mask_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
-    arrivals_ptr, prefetch_ptr, cache_len, n_q_heads, n_kv_heads, group_size, head_dim,
-    head_dim_v, split_len, n_splits, scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
-    stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_m_b, stride_m_s, stride_o_b,
-    stride_o_h, prefetch_chunks,
+    arrivals_ptr, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
+    n_splits, scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
+    stride_v_b, stride_v_h, stride_v_s, stride_m_b, stride_m_s, stride_o_b, stride_o_h,
     IEEE: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, PREFETCH_CHUNK: tl.constexpr,
-    BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
@@ -110,13 +85,10 @@ def _decode_kernel(
     partial and a merge launch. Unless lse is None, the program that writes a head's output
     also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
     PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
-    before it on the stream. Unless prefetch_ptr is None, the programs first ask its
-    prefetch_chunks chunks of PREFETCH_CHUNK elements into L2 (the next GEMM's weight).
+    before it on the stream.
     """
     if PDL:
         gdc_wait()
-    if prefetch_ptr is not None:
-        _prefetch_share(prefetch_ptr, prefetch_chunks, PREFETCH_CHUNK)
     i_split = tl.program_id(0)
     i_bhkv = tl.program_id(1)
     i_b = (i_bhkv // n_kv_heads).to(tl.int64)
@@ -264,8 +236,7 @@ class _DecodePlan(NamedTuple):
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
                  with_lse: bool = False, key_mask_strides: tuple[int, int] | None = None,
-                 out_strides: tuple[int, int] | None = None,
-                 prefetch: tuple[int, int] = (0, 1)) -> _DecodePlan:
+                 out_strides: tuple[int, int] | None = None) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
@@ -286,10 +257,10 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
         scale * LOG2E.value,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
-        *(key_mask_strides or (0, 0)), *out_strides, prefetch[0])
+        *(key_mask_strides or (0, 0)), *out_strides)
     constexprs = (q.dtype == torch.float32, max(16, group_pow2), group_pow2,
                   max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
-                  min(block_s, max(2, 8192 // (block_dv * group_pow2))), prefetch[1])
+                  min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     arguments = values + constexprs
     grid = (n_splits, batch * n_kv_heads)
     scratch = ((batch * n_kv_heads, batch * n_q_heads * n_splits, head_dim_v)
@@ -320,12 +291,10 @@ def _check_seqlens_in_cache(seqlens: torch.Tensor | None, cache_len: int,
 def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
                 lse: torch.Tensor | None = None,
                 key_mask: torch.Tensor | None = None,
-                out: torch.Tensor | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """The output (B, Hq, Dv), written into ``out`` when given (with the strides the plan was
-    made for); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens, key_mask,
-    lse and prefetch (``_prefetched``'s) are None exactly where the plan was made without
-    them."""
+    made for); ``lse`` (B * Hq fp32, contiguous) gets the log-sum-exps. seqlens, key_mask and
+    lse are None exactly where the plan was made without them."""
     _check_seqlens_in_cache(seqlens, k_cache.shape[2])
     if out is None:
         out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
@@ -333,8 +302,7 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
         arrivals, lse_part, o_part = _decode_scratch(q.device, *plan.scratch)
     else:
         arrivals = lse_part = o_part = None  # one split: no merge
-    tensors = (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals,
-               prefetch)
+    tensors = (q, k_cache, v_cache, seqlens, key_mask, out, lse, o_part, lse_part, arrivals)
     # positional: TunedKernel.replay launches the compiled kernel with them so
     tensors_key, pointers = runtime.tensor_key(tensors)
     DECODE.replay((plan.replay_key, tensors_key), plan.config, plan.grid,
@@ -350,8 +318,7 @@ _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
 
-def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None,
-                   l2_prefetch=None) -> tuple | None:
+def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> tuple | None:
     """What a decode plan depends on, from decode_attention's raw arguments (None for
     arguments that are not tensors)."""
     try:
@@ -361,9 +328,6 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None,
                 None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
                 None if key_mask is None else (key_mask.shape, key_mask.stride(),
                                                key_mask.dtype, key_mask.device),
-                None if l2_prefetch is None else (l2_prefetch.shape, l2_prefetch.stride(),
-                                                  l2_prefetch.dtype, l2_prefetch.device,
-                                                  l2_prefetch.data_ptr() % 16),
                 scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
     except (AttributeError, IndexError, TypeError):
         return None
@@ -371,8 +335,7 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None,
 
 def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
                  with_lse: bool = False, key_mask: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None,
-                 prefetch: torch.Tensor | None = None) -> _DecodePlan | None:
+                 out: torch.Tensor | None = None) -> _DecodePlan | None:
     """The plan of the launch for arguments with a unit last stride; None when there is
     nothing to compute (no rows, no features or no keys)."""
     batch, n_q_heads, head_dim = q.shape
@@ -384,49 +347,29 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)),
                         with_lse=with_lse,
                         key_mask_strides=None if key_mask is None else key_mask.stride(),
-                        out_strides=None if out is None else out.stride()[:2],
-                        prefetch=(0, 1) if prefetch is None else (
-                            prefetch.numel() * prefetch.element_size() // PREFETCH_BYTES,
-                            PREFETCH_BYTES // prefetch.element_size()))
+                        out_strides=None if out is None else out.stride()[:2])
 
 
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
                    lse: torch.Tensor | None = None,
                    key_mask: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None,
-                   l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None), of those the ones key_mask (B, L) bool keeps, if given. One
     launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32 contiguous, if given, gets each
     head's log-sum-exp. ``out`` (B, Hq, Dv), any batch and head strides with a unit last
     stride, sharing no memory with the inputs, if given, is written and returned (an SDPA
-    override's output in torch's layout, without a copy). ``l2_prefetch``: see
-    decode_attention."""
+    override's output in torch's layout, without a copy)."""
     q, k_cache, v_cache = unit_last(q), unit_last(k_cache), unit_last(v_cache)
-    prefetch = _prefetched(l2_prefetch, q.device)
     plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None,
-                        key_mask=key_mask, out=out, prefetch=prefetch)
+                        key_mask=key_mask, out=out)
     if plan is None:
         if lse is not None:
             lse.fill_(-float("inf"))
         if out is not None:
             return out.zero_()
         return q.new_zeros((q.shape[0], q.shape[1], v_cache.shape[3]))
-    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse, key_mask, out, prefetch)
-
-
-def _prefetched(l2_prefetch: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """The tensor whose bytes the kernel asks into L2, or None where it asks for none: no
-    tensor, the interpreter or a GPU before sm_90 (no bulk prefetch), or fewer than
-    PREFETCH_BYTES of contiguous, 16-byte aligned memory on the kernel's device."""
-    if l2_prefetch is None or runtime.INTERPRETER or device.type != "cuda" or \
-            torch.cuda.get_device_capability(device) < (9, 0):
-        return None
-    if l2_prefetch.device != device or not l2_prefetch.is_contiguous() or \
-            l2_prefetch.data_ptr() % 16 or \
-            l2_prefetch.numel() * l2_prefetch.element_size() < PREFETCH_BYTES:
-        return None
-    return l2_prefetch
+    return _run_decode(plan, q, k_cache, v_cache, seqlens, lse, key_mask, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,7 +399,7 @@ def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None, ke
 # --------------------------------------------------------------------------------------------
 
 
-def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None, l2_prefetch=None) -> None:
+def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> None:
     """Validate decode_attention's arguments (once per layout: see ``_checked_plan``)."""
     name = "gemslib.decode_attention"
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -477,16 +420,9 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None, l2_prefetc
                if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__)
         raise ValueError(f"{name}: key_mask must be a bool tensor of shape {shape} (batch, cache "
                          f"length) on {q.device}, got {got}")
-    if l2_prefetch is not None and (not isinstance(l2_prefetch, torch.Tensor)
-                                    or l2_prefetch.device != q.device):
-        got = (f"a tensor on {l2_prefetch.device}" if isinstance(l2_prefetch, torch.Tensor)
-               else type(l2_prefetch).__name__)
-        raise ValueError(f"{name}: l2_prefetch must be a tensor on {q.device} (or None), got "
-                         f"{got}")
 
 
-def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None,
-                  l2_prefetch=None):
+def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None):
     """decode_attention's arguments checked, and the plan of their kernel launch, both once per
     ``layout`` (their ``_decode_layout``; None: nothing is kept). Returns the plan, None where
     the call does not launch the kernel on its arguments as given (it copies them, hands them
@@ -495,7 +431,7 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
     plan = _decode_layouts.get(layout, _UNCHECKED) if layout is not None else _UNCHECKED
     if plan is not _UNCHECKED:
         return plan
-    _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch)
+    _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask)
     if layout is not None and len(_decode_layouts) < 4096:
         plan = None
         if all(unit_last(t) is t for t in (q, k_cache, v_cache)) and \
@@ -503,7 +439,7 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
             scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
             plan = _launch_plan(q, k_cache, v_cache, seqlens is not None,
                                 default_scale(q.shape[-1]) if scale is None else scale,
-                                key_mask=key_mask, prefetch=_prefetched(l2_prefetch, q.device))
+                                key_mask=key_mask)
         _decode_layouts[layout] = plan
     return _UNCHECKED
 
@@ -513,32 +449,27 @@ _DECODE_CALLS = runtime.CallPlans("decode_attention")
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seqlens: torch.Tensor | None = None, scale: float | None = None,
-                     key_mask: torch.Tensor | None = None,
-                     l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
     k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). ``key_mask``
     (B, L) bool, if given, keeps only the positions j with key_mask[b, j] (what SDPA's boolean
     mask does for one query row); blocks of positions it hides entirely are not read. The KV
     length is split over programs (flash-decoding) and the parts merged by log-sum-exp; the
     query heads of one KV head share a program, so K/V are read once. A sequence with no key
-    gives 0. ``l2_prefetch``, a tensor on q's device, if given, is a hint: on sm_90 the kernel
-    asks its bytes into L2 while it works (the next GEMM's weight, say); nothing else changes
-    (ignored where it is not contiguous and 16-byte aligned, or below sm_90)."""
-    args = (q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch)
+    gives 0."""
+    args = (q, k_cache, v_cache, seqlens, scale, key_mask)
     key, planned = _DECODE_CALLS.replayed(*args)
     if planned is not None:
         return planned
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
-    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask,
-                                                   l2_prefetch)
-    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask, l2_prefetch)
+    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask)
+    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask)
     if plan is _UNCHECKED:
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
     elif plan is not None and not (torch.is_grad_enabled() and (
             q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)):
-        return _DECODE_CALLS.plan(key, args, lambda: _run_decode(
-            plan, q, k_cache, v_cache, seqlens, key_mask=key_mask,
-            prefetch=_prefetched(l2_prefetch, q.device)))
+        return _DECODE_CALLS.plan(key, args, lambda: _run_decode(plan, q, k_cache, v_cache, seqlens,
+                                                                 key_mask=key_mask))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
                                     v_cache.requires_grad):
@@ -546,31 +477,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         return decode_attention_reference(q, k_cache, v_cache, seqlens, scale, key_mask)
     if compiling:
-        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch)
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch)
+        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale, key_mask)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
 
 
-def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, key_mask=None, l2_prefetch=None):
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, key_mask=None):
     if not _kernels_take(q, k_cache, v_cache):
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
                                           seqlens, scale, key_mask).to(q.dtype)
     # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale, key_mask=key_mask,
-                          l2_prefetch=l2_prefetch)
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale, key_mask=key_mask)
 
 
 def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqlens: Optional[torch.Tensor], scale: float,
-                           key_mask: Optional[torch.Tensor],
-                           l2_prefetch: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch)
+                           key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
 
 
 _decode_attention_op = runtime.CustomOp(
     "decode_attention", _decode_attention_impl,
-    fake=lambda q, k_cache, v_cache, seqlens, scale, key_mask, l2_prefetch=None: q.new_empty(
+    fake=lambda q, k_cache, v_cache, seqlens, scale, key_mask: q.new_empty(
         (q.shape[0], q.shape[1], v_cache.shape[-1])))
 
 

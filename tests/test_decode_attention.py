@@ -233,8 +233,6 @@ def test_custom_op_passes_opcheck():
                           (q, k, k, torch.tensor([11], device=q.device), 0.25, None))
     mask = torch.rand(1, 11, device=q.device) < 0.5
     torch.library.opcheck(torch.ops.gemslib.decode_attention, (q, k, k, None, 0.25, mask))
-    weight = torch.randn(64, 64, device=q.device)  # asked into L2 on sm_90: a hint only
-    torch.library.opcheck(torch.ops.gemslib.decode_attention, (q, k, k, None, 0.25, mask, weight))
 
 
 def _key_masks(batch, cache_len, device):
@@ -298,24 +296,6 @@ def test_lengths_are_split_over_the_programs_of_each_sequence(splits, monkeypatc
         torch.testing.assert_close(out.double(), expected, rtol=rtol,
                                    atol=rtol * v.abs().max().item())
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # no key visible: 0
-
-
-def test_a_weight_asked_into_l2_changes_nothing_but_where_it_is():
-    """l2_prefetch is a hint (on sm_90 the kernel asks the tensor's bytes into L2, 4 KB at a
-    time): the output is bitwise the one without it, for a tensor of several chunks, one of
-    less than a chunk, and a strided view (ignored); anything but a tensor on q's device is
-    refused, naming the argument."""
-    q = random_tensor((2, 4, 64), torch.float16, scale=1.0)
-    k = random_tensor((2, 2, 300, 64), torch.float16, scale=1.0)
-    expected = gemslib.decode_attention(q, k, k)
-    weight = torch.randn(4096, 64, device=q.device, dtype=torch.float16)
-    for hint in (weight, weight[:3], weight.t()):
-        assert torch.equal(gemslib.decode_attention(q, k, k, l2_prefetch=hint), expected)
-    with pytest.raises(ValueError, match="l2_prefetch must be a tensor on"):
-        gemslib.decode_attention(q, k, k, l2_prefetch=3)
-    if q.device.type != "cpu":
-        with pytest.raises(ValueError, match="l2_prefetch must be a tensor on"):
-            gemslib.decode_attention(q, k, k, l2_prefetch=weight.cpu())
 
 
 def test_a_key_mask_of_another_shape_or_dtype_is_refused():

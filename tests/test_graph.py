@@ -128,41 +128,6 @@ def test_generate_with_transformers_compile_config():
         fusions["attention"] == 2, fusions
 
 
-def test_the_decode_attention_can_ask_the_o_projection_weight_into_l2(monkeypatch):
-    """With GEMSLIB_L2_PREFETCH's pass on, each layer's decode attention under a static cache
-    is handed its o projection's weight (found through the layout ops to the GEMM that reads
-    the attention), which the kernel asks into L2 on sm_90; the logits stay eager's."""
-    from gemslib.fused import attention as attention_ops
-    from gemslib.fused import decode_attention as decode_ops
-
-    monkeypatch.setattr(attention_ops, "L2_PREFETCH_WEIGHTS", True)
-    handed, prefetched = [], decode_ops._prefetched
-
-    def recording(l2_prefetch, device):
-        if l2_prefetch is not None:
-            handed.append(tuple(l2_prefetch.shape))
-        return prefetched(l2_prefetch, device)
-
-    monkeypatch.setattr(decode_ops, "_prefetched", recording)
-    torch._dynamo.reset()
-    model = _tiny_llama(torch.float32)
-    ids = torch.randint(1, 96, (2, 7), device=DEVICE)
-    kwargs = dict(max_new_tokens=3, do_sample=False, cache_implementation="static",
-                  pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    with torch.no_grad():
-        expected = model.generate(ids, **kwargs)
-        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
-        config._compile_all_devices = True
-        model.generation_config.compile_config = config
-        got = model.generate(ids, **kwargs)
-    torch._dynamo.reset()
-    assert torch.equal(got.sequences, expected.sequences)
-    for logits, reference in zip(got.logits, expected.logits):
-        assert ((logits - reference).abs().max() / reference.abs().max()).item() <= 1e-4
-    o_weight = tuple(model.model.layers[0].self_attn.o_proj.weight.shape)
-    assert handed and set(handed) == {o_weight}, handed
-
-
 def test_a_decode_step_whose_attention_splits_a_long_cache_replays_in_cuda_graphs():
     """One Qwen2 sequence (q, k, v with biases) in a 320-long static cache, its decode step
     compiled with reduce-overhead: on a GPU the decode kernel splits the cache over programs

@@ -16,9 +16,7 @@ during the attention could hand the GEMM a warm L2. Timed here with CUDA events 
   for before the GEMM, at several program counts (it shares the SMs with the attention);
 * a kernel of sm_90 bulk L2 prefetches (``cp.async.bulk.prefetch.L2``, 4 KB each, nothing
   waits for them) on the same stream just before the attention: the form a graph pass could
-  put in the kernel before the GEMM without a second stream;
-* and that form: decode_attention's own ``l2_prefetch=W_o`` (what ``GEMSLIB_L2_PREFETCH=1``'s
-  graph pass hands it).
+  put in the kernel before the GEMM without a second stream.
 
 If the last rows come close to attention + warm GEMM, the prefetch is worth a graph pass
 (o and, in the same way, q|k|v during the previous layer's norm). Results: benchmark/NOTES.md.
@@ -35,7 +33,6 @@ import triton.language as tl
 
 import gemslib
 from benchmark.experiments.decode_flush import timed_us
-from gemslib.fused.decode_attention import PREFETCH_BYTES, _prefetch_share
 
 
 @triton.jit
@@ -56,18 +53,30 @@ def read_into_l2(weight: torch.Tensor, sums: torch.Tensor) -> None:
     _read_into_l2[(sums.numel(),)](weight, sums, weight.numel(), BLOCK=4096, num_warps=8)
 
 
+# sm_90's bulk L2 prefetch of PREFETCH_BYTES at an address (the size is written into the
+# instruction; a hint: nothing waits for it, so the kernel that issues it ends at once and L2
+# fills while the next kernels run); address 0: none
+PREFETCH_BYTES = 4096
+_BULK_PREFETCH = tl.constexpr("{ .reg .pred p; setp.ne.b64 p, $1, 0; "
+                              "@p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.u32 $0, 0; }")
+
+
 @triton.jit
-def _bulk_prefetch_into_l2(w_ptr, n_chunks, CHUNK: tl.constexpr):
-    """decode_attention's bulk L2 prefetches of w (CHUNK elements, PREFETCH_BYTES a lane), the
-    programs sharing the chunks, alone in a kernel."""
-    _prefetch_share(w_ptr, n_chunks, CHUNK)
+def _bulk_prefetch_into_l2(w_ptr, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One bulk prefetch a thread: chunk i (CHUNK elements, 4 KB) of w for i in this program's
+    BLOCK."""
+    o_chunk = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p_chunk = w_ptr + o_chunk.to(tl.int64) * CHUNK
+    addresses = tl.where(o_chunk < n_chunks, p_chunk.to(tl.int64, bitcast=True), 0)
+    tl.inline_asm_elementwise(_BULK_PREFETCH, "=r,l", [addresses], dtype=tl.int32, is_pure=False,
+                              pack=1)
 
 
 def bulk_prefetch_into_l2(weight: torch.Tensor) -> None:
     """All of ``weight`` (contiguous, a multiple of 4 KB) asked into L2, 128 chunks a program."""
     n_chunks = weight.numel() * weight.element_size() // PREFETCH_BYTES
     _bulk_prefetch_into_l2[(triton.cdiv(n_chunks, 128),)](
-        weight, n_chunks, CHUNK=PREFETCH_BYTES // weight.element_size(), num_warps=4)
+        weight, n_chunks, CHUNK=PREFETCH_BYTES // weight.element_size(), BLOCK=128, num_warps=4)
 
 
 def main():
@@ -116,8 +125,6 @@ def main():
             rows[f"attention with W_o read by {programs} programs, then o GEMM"] = prefetched
         rows["W_o bulk-prefetched (same stream), attention, o GEMM"] = lambda: (
             bulk_prefetch_into_l2(w_o), attention(), o_gemm())
-        rows["attention asking W_o into L2 itself (l2_prefetch), o GEMM"] = lambda: (
-            gemslib.decode_attention(q, k, v, l2_prefetch=w_o), o_gemm())
         figures = {name: timed_us(fn, flush, reps=100) for name, fn in rows.items()}
         # o's GEMM right after W_o was read: timed from after the read
         warm = []
