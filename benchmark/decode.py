@@ -21,7 +21,10 @@ at 2048 valid positions of a 4096-long cache. The ways (``--ways``):
 Per case and way: **step ms**, one decode forward of one token per sequence at P valid
 positions (timed alone with CUDA events, the compiled ways through ``torch.compile(model,
 backend=..., mode="reduce-overhead", fullgraph=True)`` on a static cache, i.e. in their CUDA
-graph), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
+graph; the host's part of the call, dynamo's guards and the cudagraph tree's bookkeeping, is
+in it, the GPU idle meanwhile), **GPU ms**, the same step's GPU work alone (the stream held
+busy past the call's host part, so the events see its kernels back to back; the ways not in a
+CUDA graph have none), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
 own loop), the step's logits against the float32 model's (relative error, top-1), and the
 floor: the bytes one step must read (every weight once, K and V at the valid positions) at the
 run's copy bandwidth. Each way runs in its own process, as in :mod:`benchmark.models`.
@@ -187,8 +190,10 @@ def run_decode_way(job: dict) -> dict:
                                        cache_len, device, job["reps"])
                 else:
                     times = prefill._time_calls(step, device, job["reps"], before=rewind)
-                    rewind()
                     figures["step_ms"] = statistics.median(times)
+                    gpu_times = prefill._time_gpu_work(step, device, job["reps"], before=rewind)
+                    figures["gpu_ms"] = statistics.median(gpu_times) if gpu_times else None
+                    rewind()
                     figures["tokens_per_s"], figures["generate_s"] = _generate(
                         way, model, ids, new, cache_len)
             if key in references:
@@ -340,7 +345,9 @@ def _row(result: dict, key: str, floor_ms: float | None) -> dict:
     figures = result.get("shapes", {}).get(key, {})
     status = figures.get("error") or ("ok" if result.get("status") == "error"
                                       else result.get("status", "?"))
+    gpu_ms = figures.get("gpu_ms")
     return {"way": result["way"], "status": status, "step_ms": figures.get("step_ms"),
+            "gpu_ms": gpu_ms, "gpu_vs_floor": gpu_ms / floor_ms if gpu_ms and floor_ms else None,
             "tokens_per_s": figures.get("tokens_per_s"),
             "first_call_s": figures.get("first_call_s"), "rel_error": figures.get("rel_error"),
             "top1": figures.get("top1"), "fusion_report": figures.get("fusion_report"),
@@ -360,12 +367,15 @@ def format_markdown(report: dict) -> str:
                       f"Floor {floor['ms']:.3g} ms: {floor['bytes'] / 1e9:.3g} GB read per "
                       f"step (weights {floor['weights'] / 1e9:.3g}, K/V "
                       f"{floor['cache'] / 1e9:.3g}).", "",
-                      "| way | step ms | step/floor | tok/s | compile s | rel. error | top-1 "
-                      "| status |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                      "| way | step ms | step/floor | GPU ms | GPU/floor | tok/s | compile s "
+                      "| rel. error | top-1 | status |",
+                      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
             for row in case["rows"]:
                 lines.append("| " + " | ".join([
                     row["way"], prefill._fmt(row["step_ms"], ".3f"),
-                    prefill._fmt(row["vs_floor"], ".2f"), prefill._fmt(row["tokens_per_s"], ".0f"),
+                    prefill._fmt(row["vs_floor"], ".2f"), prefill._fmt(row.get("gpu_ms"), ".3f"),
+                    prefill._fmt(row.get("gpu_vs_floor"), ".2f"),
+                    prefill._fmt(row["tokens_per_s"], ".0f"),
                     prefill._fmt(row["first_call_s"], ".1f"), prefill._fmt(row["rel_error"], ".2e"),
                     prefill._fmt(row["top1"], ".2f"), str(row["status"]).replace("|", "\\|")])
                     + " |")

@@ -154,6 +154,41 @@ def _time_calls(fn, device, reps: int, before=None) -> list[float]:
     return times
 
 
+def _time_gpu_work(fn, device, reps: int, before=None) -> list[float] | None:
+    """Milliseconds of the GPU's work of each of ``reps`` calls, the host's part left out: the
+    stream is held busy (``torch.cuda._sleep``) for longer than a call's host part, so that the
+    events around the call see its kernels only, back to back. A call whose host part outlasted
+    the sleep is timed again with a sleep twice as long. None on the CPU, where host and device
+    are one. ``before()``, if given, runs ahead of each call, untimed."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1 << 20)
+    end.record()
+    end.synchronize()
+    cycles_per_ms = (1 << 20) / start.elapsed_time(end)
+    sleep_ms, times = 2.0, []
+    while len(times) < reps:
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        queued = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host_ms = (time.perf_counter() - queued) * 1e3
+        end.synchronize()
+        if host_ms < 0.8 * sleep_ms:
+            times.append(start.elapsed_time(end))
+        else:
+            sleep_ms *= 2
+    return times
+
+
 def _device():
     import torch
 

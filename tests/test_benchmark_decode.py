@@ -35,6 +35,10 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     for way, row in rows.items():
         assert row["status"] == "ok", (way, row)
         assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["vs_floor"] > 0
+        if torch.cuda.is_available():  # the GPU's work alone, under the call's time
+            assert 0 < row["gpu_ms"] and row["gpu_vs_floor"] > 0
+        else:
+            assert row["gpu_ms"] is None and row["gpu_vs_floor"] is None
         # the step's bf16 logits against the float32 model's
         assert math.isfinite(row["rel_error"]) and row["rel_error"] < 3e-2, row
         assert 0 <= row["top1"] <= 1
@@ -115,3 +119,30 @@ def test_a_step_reads_every_weight_once_and_the_valid_cache():
     assert need["weights"] == 2 * (8 * per_layer + 4096 * 128256 + 4096 + 16 * 4096)
     assert need["cache"] == 2 * 8 * 16 * 1024 * 2048 * 2
     assert need["total"] == need["weights"] + need["cache"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host and device are one on the CPU")
+def test_the_gpu_time_of_a_call_leaves_its_host_part_out():
+    """A call that spends 3 ms on the host before it queues ~0.1 ms of GPU work: its events
+    around the call see the host's 3 ms; the GPU time sees the kernel alone."""
+    import time
+
+    from benchmark import models
+
+    x = torch.randn(1 << 22, device="cuda")
+
+    def call():
+        time.sleep(0.003)
+        x.mul_(1.0)
+
+    device = torch.device("cuda")
+    plain = models._time_calls(call, device, 5)
+    gpu = models._time_gpu_work(call, device, 5)
+    assert len(gpu) == 5 and min(plain) >= 3.0
+    assert max(gpu) < 1.0, gpu
+
+
+def test_the_gpu_time_is_none_on_the_cpu():
+    from benchmark import models
+
+    assert models._time_gpu_work(lambda: None, torch.device("cpu"), 3) is None
