@@ -39,8 +39,9 @@ SCHEMA_VERSION = 1
 _LAUNCH_KEYS = ("num_warps", "num_stages")
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _env_flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, "1" if default else "").strip().lower() in ("1", "true", "yes",
+                                                                             "on")
 
 
 # Triton decides at decoration time whether @triton.jit builds interpreted functions, so the
@@ -112,14 +113,15 @@ NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ (gem
                            "not by their generated Python")
 # Programmatic dependent launch (sm_90 and later): a kernel built for it (TunedKernel's
 # ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
-# and waits in griddepcontrol.wait before touching memory. Not yet measured: GEMSLIB_PDL=1
-DEPENDENT_LAUNCH: bool = _env_flag("GEMSLIB_PDL")
+# and waits in griddepcontrol.wait before touching memory (0.6 us a boundary on the H200,
+# NOTES). GEMSLIB_PDL=0 launches them plain
+DEPENDENT_LAUNCH: bool = _env_flag("GEMSLIB_PDL", default=True)
 
 
 @functools.cache
 def dependent_launch_here() -> bool:
-    """Whether kernels built for it are launched dependent in this process: GEMSLIB_PDL set,
-    a real GPU, the current one of compute capability 9.0 or later."""
+    """Whether kernels built for it are launched dependent in this process: GEMSLIB_PDL not
+    0, a real GPU, the current one of compute capability 9.0 or later."""
     return DEPENDENT_LAUNCH and not INTERPRETER and torch.cuda.is_available() and \
         torch.cuda.get_device_capability() >= (9, 0)
 

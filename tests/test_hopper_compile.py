@@ -228,8 +228,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
             "_attention_bwd_dq_kernel", "_decode_kernel"} <= kernels
     # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
-    # the kernels built for dependent launch (GEMSLIB_PDL=1): each launch also as the GPU then
-    # compiles it, PDL set and launch_pdl on
+    # the kernels built for dependent launch (sm_90, the default): each launch also as the GPU
+    # then compiles it, PDL set and launch_pdl on
     dependent = [{**launch, "args": {**launch["args"], "PDL": {"value": True},
                                      "launch_pdl": {"value": True}}}
                  for launch in launches if launch["args"].get("PDL") == {"value": False}]

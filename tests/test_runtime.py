@@ -816,7 +816,7 @@ def _fresh_launches():
 @pytest.mark.parametrize("here", [False, True], ids=["plain", "dependent"])
 def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here, monkeypatch):
     """The decode step's small kernels (norm, silu * mul, rotary, decode attention) take PDL
-    and Triton's launch_pdl exactly where dependent launch is on here (GEMSLIB_PDL on sm_90);
+    and Triton's launch_pdl exactly where dependent launch is on here (sm_90, GEMSLIB_PDL not 0);
     the other kernels never do. On a GPU, under it a CUDA graph of GEMM -> rms_norm -> GEMM
     -> silu_and_mul (each reading its predecessor's output at once) gives the eager result
     exactly, and torch's within bf16 rounding, on new inputs each replay."""
