@@ -2,7 +2,11 @@
 
     python -m benchmark --ops decode_attention
 
-Reports the bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements).
+Reports the bandwidth of reading the K/V caches (2 * B * Hkv * L * D elements). The static
+cache's form is a case of its own: a boolean mask of the visible prefix of a longer cache
+(transformers' static cache), which the graph pass hands to decode_attention with each
+sequence's extent as its lengths; its bandwidth counts the visible positions' K/V only, and
+SDPA attends over the whole cache under the mask.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ DTYPE = torch.bfloat16
 # (batch, cache length)
 QUICK_DECODE = [(1, 8192), (16, 32768)]
 EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
+# (batch, cache length, visible prefix)
+STATIC_CACHE_DECODE = [(16, 4096, 2048)]
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
 
 
@@ -39,5 +45,33 @@ def cases(quick: bool = False, backward: bool = False):
                        lambda: decode_ops.decode_attention_reference(
                            q.float(), k_cache.float(), v_cache.float())))
         del q, k_cache, v_cache
+    for batch, cache_len, visible in STATIC_CACHE_DECODE:
+        yield _static_cache_case(batch, cache_len, visible)
+
+
+def _static_cache_case(batch: int, cache_len: int, visible: int) -> Case:
+    """decode_attention as the graph pass runs a static cache's step (lengths and the mask),
+    beside it with only one of them, and SDPA under the mask (what inductor runs)."""
+    q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
+    k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+                                    device="cuda", dtype=DTYPE) for _ in range(2))
+    key_mask = (torch.arange(cache_len, device="cuda") < visible).expand(batch, cache_len)
+    seqlens = torch.full((batch,), visible, device="cuda", dtype=torch.int32)
+    impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache, seqlens,
+                                                         key_mask=key_mask),
+             "gemslib mask only": lambda: gemslib.decode_attention(q, k_cache, v_cache,
+                                                                   key_mask=key_mask),
+             "gemslib lengths only": lambda: gemslib.decode_attention(q, k_cache, v_cache,
+                                                                      seqlens),
+             "SDPA default": lambda: F.scaled_dot_product_attention(
+                 q[:, :, None], k_cache, v_cache, attn_mask=key_mask[:, None, None],
+                 enable_gqa=True)}
+    bytes_moved = 2 * batch * DECODE_KV_HEADS * visible * DECODE_DIM * k_cache.element_size()
+    return Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
+                f"L{cache_len} D{DECODE_DIM}, {visible} visible", "bf16", bytes_moved, impls,
+                outputs_agree=outputs_close(
+                    impls["gemslib"], lambda: decode_ops.decode_attention_reference(
+                        q.float(), k_cache.float(), v_cache.float(), seqlens,
+                        key_mask=key_mask)))
 
 

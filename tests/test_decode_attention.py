@@ -272,6 +272,29 @@ def test_a_key_mask_keeps_only_its_positions(dtype, splits, monkeypatch):
                                rtol=rtol, atol=rtol * v.abs().max().item())
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_what_a_hidden_position_holds_never_reaches_the_output(splits, monkeypatch):
+    """NaN and inf in every position the mask hides (the holes inside the lengths, which are
+    read, and the positions past them, which are not): the output is the visible keys'
+    attention, finite, with and without lengths."""
+    monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: splits)
+    q = random_tensor((3, 4, 32), torch.float32, scale=1.0)
+    k = random_tensor((3, 2, 256, 32), torch.float32, scale=1.0)
+    v = random_tensor((3, 2, 256, 32), torch.float32, scale=1.0)
+    mask = _key_masks(3, 256, q.device)
+    hidden = ~mask[:, None, :, None].expand_as(k)
+    poisoned_k = k.masked_fill(hidden, float("nan"))
+    poisoned_v = v.masked_fill(hidden, float("inf"))
+    rtol = tolerance(torch.float32)["rtol"]
+    for seqlens in (None, torch.tensor([190, 256, 10], device=q.device)):
+        out = gemslib.decode_attention(q, poisoned_k, poisoned_v, seqlens, key_mask=mask)
+        expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                         seqlens, key_mask=mask)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+
+
 @pytest.mark.parametrize("splits", [3, 8])
 def test_lengths_are_split_over_the_programs_of_each_sequence(splits, monkeypatch):
     """With lengths the splits divide each sequence's own positions (none, one key, a block
