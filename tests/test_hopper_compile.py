@@ -32,8 +32,8 @@ _SHORT_DTYPE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 
 
 def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return {"pointer": _SHORT_DTYPE[value.dtype]}
+    if isinstance(value, torch.Tensor):  # 16-byte aligned: the GPU's launch specialises on it
+        return {"pointer": _SHORT_DTYPE[value.dtype], "aligned": value.data_ptr() % 16 == 0}
     if isinstance(value, TensorDescriptor):  # Triton's signature string for a host descriptor
         block = ", ".join(str(size) for size in value.block_shape)
         return {"descriptor": f"tensordesc<{_SHORT_DTYPE[value.base.dtype]}[{block}]>"}
@@ -79,23 +79,34 @@ for record in json.load(sys.stdin):
     args = record["args"]
     options = {k: args.pop(k)["value"] for k in ("num_warps", "num_stages", "debug",
                                                  "sanitize_overflow", "launch_pdl") if k in args}
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    # specialised as a launch on the GPU specialises: an int 1 becomes a constant, ints that
+    # are multiples of 16 and 16-byte aligned pointers are marked divisible by 16 (what lets
+    # loads vectorise and the pipeliner stage them in shared memory)
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
         arg = args.get(param.name, {"value": param.default})
-        if param.is_constexpr or arg.get("value", 0) is None:
+        value = arg.get("value")
+        if param.is_constexpr or ("value" in arg and value is None):
             signature[param.name] = "constexpr"
-            constexprs[param.name] = arg["value"]
+            constexprs[param.name] = value
         elif "pointer" in arg:
             signature[param.name] = "*" + arg["pointer"]
+            if arg["aligned"] and not param.do_not_specialize_on_alignment:
+                attrs[(index,)] = [["tt.divisibility", 16]]
         elif "descriptor" in arg:
             signature[param.name] = arg["descriptor"]
-        elif isinstance(arg["value"], bool):
+        elif isinstance(value, bool):
             signature[param.name] = "i1"
-        elif isinstance(arg["value"], float):
+        elif isinstance(value, float):
             signature[param.name] = "fp32"
+        elif value == 1 and not param.do_not_specialize:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = 1
         else:
-            signature[param.name] = "i32" if -2**31 <= arg["value"] < 2**31 else "i64"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
         assert compiled.asm["cubin"], "no cubin"
@@ -270,6 +281,17 @@ def _rotary_sample(tensors, heads, head_dim):
            tensors(1, 2, heads - kv_heads, head_dim), tensors(1, 2, kv_heads, head_dim))
 
 
+def _decode_sample(tensors, head_dim, seq_kv):
+    """The decode kernel's three ways through its keys: lengths alone, lengths under a key
+    mask (a static cache's step: one loop that may read the mask), a mask alone (blocks it
+    hides skipped)."""
+    q, k, v = (tensors(2, 4, head_dim), tensors(2, 1, seq_kv, head_dim),
+               tensors(2, 1, seq_kv, head_dim))
+    lengths, mask = torch.tensor([seq_kv, 1]), torch.rand(2, seq_kv) < 0.5
+    for seqlens, key_mask in ((lengths, None), (lengths, mask), (None, mask)):
+        gemslib.decode_attention(q, k, v, seqlens, key_mask=key_mask)
+
+
 # One small call per tuned kernel that launches it for a dtype at given shape keys: the keys a
 # bucket bounds take their bound (its largest shapes, the most resources), the others
 # ``_UNBOUNDED``'s value. Only the launch is recorded (nothing runs), so sizes cost nothing.
@@ -295,9 +317,7 @@ _SAMPLES = {
     "attention.attention_bwd_dq": lambda t, s: _grads(
         lambda q, k, v: gemslib.attention(q, k, v, causal=True),
         t(1, 2, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"]), t(1, 1, 40, s["head_dim"])),
-    "decode_attention.decode_attention": lambda t, s: gemslib.decode_attention(
-        t(2, 4, s["head_dim"]), t(2, 1, s["seq_kv"], s["head_dim"]),
-        t(2, 1, s["seq_kv"], s["head_dim"]), torch.tensor([s["seq_kv"], 1])),
+    "decode_attention.decode_attention": lambda t, s: _decode_sample(t, s["head_dim"], s["seq_kv"]),
     "rms_norm_linear_silu.rms_norm_linear_silu": lambda t, s: gemslib.rms_norm_linear_silu(
         t(s["rows"], s["k"]), t(s["k"]), t(s["n"], s["k"]), t(s["n"])),
     "rms_norm_swiglu.rms_norm_swiglu": lambda t, s: gemslib.rms_norm_swiglu(
