@@ -35,33 +35,24 @@ from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 
 @triton.jit
-def _fold_keys(b_q, p_k, p_v, o_n, m_n, m_keep, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
-               stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE: tl.constexpr,
-               MASKED: tl.constexpr):
-    """One block of keys (positions o_n, of them those of m_n read) folded into the online
-    softmax of the query rows b_q: (accumulator, row max, row sum), base-2 scores. Without
-    MASKED, every key read counts and at least one is. With MASKED only those of m_keep (a
-    subset of m_n) count, maybe none: a hidden key's score is -inf and its value 0, whatever
-    the cache holds there, and a block with no key kept leaves the state as it was."""
+def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s, stride_v_s,
+               scale_log2, b_acc, b_row_max, b_row_sum, IEEE: tl.constexpr):
+    """One block of keys (positions o_n, those of m_n visible, at least one) folded into the
+    online softmax of the query rows b_q: (accumulator, row max, row sum), base-2 scores. A
+    hidden key is not read."""
     b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
                   mask=m_n[None, :] & (o_d[:, None] < head_dim), other=0.0)
     if IEEE:
         b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
     else:
         b_s = tl.dot(b_q, b_k) * scale_log2
-    b_s = tl.where(m_keep[None, :], b_s, -float("inf"))
+    b_s = tl.where(m_n[None, :], b_s, -float("inf"))
     b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
-    if MASKED:  # no key of the row yet: exp2(-inf - -inf) would be NaN
-        b_shift = tl.where(b_new_max == -float("inf"), 0.0, b_new_max)
-    else:
-        b_shift = b_new_max
-    b_rescale = tl.exp2(b_row_max - b_shift)
-    b_p = tl.exp2(b_s - b_shift[:, None])
+    b_rescale = tl.exp2(b_row_max - b_new_max)
+    b_p = tl.exp2(b_s - b_new_max[:, None])
     b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
     b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
                   mask=m_n[:, None] & (o_dv[None, :] < head_dim_v), other=0.0)
-    if MASKED:  # 0 * a NaN or inf left in a hidden position would still be NaN
-        b_v = tl.where(m_keep[:, None], b_v, 0.0)
     if IEEE:
         b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
     else:
@@ -69,45 +60,52 @@ def _fold_keys(b_q, p_k, p_v, o_n, m_n, m_keep, o_d, o_dv, head_dim, head_dim_v,
     return b_acc, b_new_max, b_row_sum
 
 
+# positions of a key mask one step of the scan for kept keys reads (16 bytes a thread of 4
+# warps): a split of up to this many keys is scanned in one load
+_SCAN_BLOCK = tl.constexpr(2048)
+
+
 @triton.jit
-def _hidden_keys(p_m, key_start, key_end, stride_m_s, BLOCK_N: tl.constexpr):
-    """How many of the positions [key_start, key_end) the key mask (row pointer p_m) hides."""
-    n_hidden = 0
-    for i_n in range(key_start, key_end, BLOCK_N):
-        o_n = i_n + tl.arange(0, BLOCK_N)
+def _kept_span(p_m, key_start, key_end, stride_m_s):
+    """(first, end, contiguous) of the positions in [key_start, key_end) the key mask (row
+    pointer p_m) keeps: the first kept one, one past the last, and whether it keeps every
+    position between (or none: then first >= end)."""
+    n_kept = 0
+    first = key_end
+    last = -1
+    for i_n in range(key_start, key_end, _SCAN_BLOCK):
+        o_n = i_n + tl.arange(0, _SCAN_BLOCK)
         m_n = o_n < key_end
-        n_hidden += tl.sum((m_n & (tl.load(p_m + o_n * stride_m_s, mask=m_n, other=1) == 0))
-                           .to(tl.int32), axis=0)
-    return n_hidden
+        m_kept = m_n & (tl.load(p_m + o_n * stride_m_s, mask=m_n, other=0) != 0)
+        n_kept += tl.sum(m_kept.to(tl.int32), axis=0)
+        first = tl.minimum(first, tl.min(tl.where(m_kept, o_n, key_end), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(m_kept, o_n, -1), axis=0))
+    # none kept (an empty split's key_end may be below its key_start): the empty run there
+    end = tl.where(n_kept == 0, first, last + 1)
+    return first, end, (n_kept == 0) | (n_kept == end - first)
 
 
 @triton.jit
 def _fold_split(b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
                 stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
-                IEEE: tl.constexpr, BLOCK_N: tl.constexpr, KEYS: tl.constexpr, holes):
-    """The keys [key_start, key_end) folded in, BLOCK_N at a time. KEYS "all": every one
-    counts (p_m unused); "skip hidden blocks": those the key mask (row pointer p_m) keeps, a
-    block it hides entirely not read (the branch costs the loop its pipelining); "mask": those
-    it keeps, every block read (the K/V loads wait for neither the mask nor a branch), the
-    mask read only where ``holes`` says it hides any of these keys."""
+                IEEE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The keys [key_start, key_end) folded in, BLOCK_N at a time: all of them, or with
+    MASKED those the key mask (row pointer p_m) keeps, a block it hides entirely not read.
+    The masked loop's K/V loads wait for the mask and a branch, which costs it its
+    pipelining (and the shared memory of one)."""
     for i_n in range(key_start, key_end, BLOCK_N):
         o_n = i_n + tl.arange(0, BLOCK_N)
         m_n = o_n < key_end
-        if KEYS == "all":
-            b_acc, b_row_max, b_row_sum = _fold_keys(
-                b_q, p_k, p_v, o_n, m_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
-                stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE, False)
-        elif KEYS == "mask":
-            m_keep = m_n & (tl.load(p_m + o_n * stride_m_s, mask=m_n & holes, other=1) != 0)
-            b_acc, b_row_max, b_row_sum = _fold_keys(
-                b_q, p_k, p_v, o_n, m_n, m_keep, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
-                stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE, True)
-        else:
-            m_keep = m_n & (tl.load(p_m + o_n * stride_m_s, mask=m_n, other=0) != 0)
-            if tl.max(m_keep.to(tl.int32), axis=0) > 0:
+        if MASKED:
+            m_n = m_n & (tl.load(p_m + o_n * stride_m_s, mask=m_n, other=0) != 0)
+            if tl.max(m_n.to(tl.int32), axis=0) > 0:
                 b_acc, b_row_max, b_row_sum = _fold_keys(
-                    b_q, p_k, p_v, o_n, m_keep, m_keep, o_d, o_dv, head_dim, head_dim_v,
-                    stride_k_s, stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE, False)
+                    b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
+                    stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
+        else:
+            b_acc, b_row_max, b_row_sum = _fold_keys(
+                b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
+                stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
     return b_acc, b_row_max, b_row_sum
 
 
@@ -125,9 +123,9 @@ def _decode_kernel(
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
     whose K/V are read once for all of them. Unless key_mask is None, only the keys j with
-    ``key_mask[b, j]`` count; without lengths a block of keys the mask hides entirely is then
-    not read, with them every key of the lengths is (the mask hides holes there: each split
-    first counts its hidden keys, and one without any reads no mask after). With
+    ``key_mask[b, j]`` count: each split first finds the positions the mask keeps among its
+    own; a run of them (a static cache's prefix, left padding before it) streams as without
+    a mask, any other pattern is read with the mask, a block it hides entirely skipped. With
     lengths the splits divide each sequence's own positions evenly (``split_len`` is then
     worked out here); without them, the cache's, ``split_len`` apart.
 
@@ -174,27 +172,25 @@ def _decode_kernel(
     b_row_max = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
     b_row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     p_m = key_mask_ptr + i_b * stride_m_b if key_mask_ptr is not None else None
-    if key_mask_ptr is None:
-        b_acc, b_row_max, b_row_sum = _fold_split(
-            b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
-            stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE,
-            BLOCK_N, "all", True)
-    elif seqlens_ptr is None:
-        # the extent unknown (all L): blocks the mask hides entirely (the unused cache) are
-        # not read
-        b_acc, b_row_max, b_row_sum = _fold_split(
-            b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
-            stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE,
-            BLOCK_N, "skip hidden blocks", True)
+    if key_mask_ptr is not None:
+        # the keys the mask keeps, mostly one run (a static cache's prefix, left padding before
+        # it): the run streams as without a mask, only a scattered pattern reads the mask
+        kept_start, kept_end, contiguous = _kept_span(p_m, key_start, key_end, stride_m_s)
+        if contiguous:
+            b_acc, b_row_max, b_row_sum = _fold_split(
+                b_q, p_k, p_v, p_m, kept_start, kept_end, o_d, o_dv, head_dim, head_dim_v,
+                stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
+                IEEE, BLOCK_N, False)
+        else:
+            b_acc, b_row_max, b_row_sum = _fold_split(
+                b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
+                stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
+                IEEE, BLOCK_N, True)
     else:
-        # within the extent the mask hides only holes (left padding), mostly none: a split
-        # without one does not read the mask in its loop (one branch-free loop for both, a
-        # second pipelined copy would not fit in shared memory)
-        holes = _hidden_keys(p_m, key_start, key_end, stride_m_s, BLOCK_N) > 0
         b_acc, b_row_max, b_row_sum = _fold_split(
             b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
             stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE,
-            BLOCK_N, "mask", holes)
+            BLOCK_N, False)
     m_empty = b_row_sum == 0.0
     b_o = tl.where(m_empty[:, None], 0.0, b_acc / tl.where(m_empty, 1.0, b_row_sum)[:, None])
     m_o = m_h[:, None] & (o_dv[None, :] < head_dim_v)

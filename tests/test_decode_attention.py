@@ -295,6 +295,25 @@ def test_what_a_hidden_position_holds_never_reaches_the_output(splits, monkeypat
                                    atol=rtol * v.abs().max().item())
 
 
+def test_a_hole_far_into_a_long_split_is_found(monkeypatch):
+    """One split of 5000 keys whose mask hides only position 4500 (past the first scan of a
+    split for hidden keys): that key does not count."""
+    monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: 1)
+    cache_len = 5000
+    q = random_tensor((1, 2, 16), torch.float32, scale=1.0)
+    k = random_tensor((1, 1, cache_len, 16), torch.float32, scale=1.0)
+    v = random_tensor((1, 1, cache_len, 16), torch.float32, scale=1.0)
+    k[0, 0, 4500] = 4 * q[0, 0]  # a key the query would attend to above all others
+    mask = torch.ones(1, cache_len, dtype=torch.bool, device=q.device)
+    mask[0, 4500] = False
+    seqlens = torch.tensor([cache_len], device=q.device)
+    out = gemslib.decode_attention(q, k, v, seqlens, key_mask=mask)
+    expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                     seqlens, key_mask=mask)
+    rtol = tolerance(torch.float32)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=rtol)
+
+
 @pytest.mark.parametrize("splits", [3, 8])
 def test_lengths_are_split_over_the_programs_of_each_sequence(splits, monkeypatch):
     """With lengths the splits divide each sequence's own positions (none, one key, a block
