@@ -296,8 +296,8 @@ def test_what_a_hidden_position_holds_never_reaches_the_output(splits, monkeypat
 
 
 def test_a_hole_far_into_a_long_split_is_found(monkeypatch):
-    """One split of 5000 keys whose mask hides only position 4500 (past the first scan of a
-    split for hidden keys): that key does not count."""
+    """One split of 5000 keys whose mask hides only position 4500 (past the first step of a
+    split's scan for the kept run): that key does not count."""
     monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: 1)
     cache_len = 5000
     q = random_tensor((1, 2, 16), torch.float32, scale=1.0)

@@ -283,8 +283,8 @@ def _rotary_sample(tensors, heads, head_dim):
 
 def _decode_sample(tensors, head_dim, seq_kv):
     """The decode kernel's three ways through its keys: lengths alone, lengths under a key
-    mask (a static cache's step: one loop that may read the mask), a mask alone (blocks it
-    hides skipped)."""
+    mask (a static cache's step), a mask alone; under a mask the scan for the kept run, then
+    the plain loop or the masked one."""
     q, k, v = (tensors(2, 4, head_dim), tensors(2, 1, seq_kv, head_dim),
                tensors(2, 1, seq_kv, head_dim))
     lengths, mask = torch.tensor([seq_kv, 1]), torch.rand(2, seq_kv) < 0.5
