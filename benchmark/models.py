@@ -158,23 +158,34 @@ def _time_gpu_work(fn, device, reps: int, before=None) -> list[float] | None:
     """Milliseconds of the GPU's work of each of ``reps`` calls, the host's part left out: the
     stream is held busy (``torch.cuda._sleep``) for longer than a call's host part, so that the
     events around the call see its kernels only, back to back. A call whose host part outlasted
-    the sleep is timed again with a sleep twice as long. None on the CPU, where host and device
-    are one. ``before()``, if given, runs ahead of each call, untimed."""
+    the sleep (as the events around the sleep measured it) is timed again with a sleep twice as
+    long, up to ``MAX_SLEEP_MS``: a call that waits for the GPU (a ``.item()``, a
+    synchronize) outlasts every sleep, and gets None, as on the CPU, where host and device are
+    one. ``before()``, if given, runs ahead of each call, untimed."""
     import torch
 
     if device.type != "cuda":
         return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(1 << 20)
-    end.record()
-    end.synchronize()
-    cycles_per_ms = (1 << 20) / start.elapsed_time(end)
+
+    def timing_event():
+        return torch.cuda.Event(enable_timing=True)
+
+    # the least of three: another process's kernels time-sliced in only lengthen a sleep
+    calibrations = []
+    for _ in range(3):
+        start, end = timing_event(), timing_event()
+        start.record()
+        torch.cuda._sleep(1 << 20)
+        end.record()
+        end.synchronize()
+        calibrations.append(start.elapsed_time(end))
+    cycles_per_ms = (1 << 20) / min(calibrations)
     sleep_ms, times = 2.0, []
     while len(times) < reps:
         if before is not None:
             before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        slept, start, end = timing_event(), timing_event(), timing_event()
+        slept.record()
         torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
         queued = time.perf_counter()
         start.record()
@@ -182,11 +193,16 @@ def _time_gpu_work(fn, device, reps: int, before=None) -> list[float] | None:
         end.record()
         host_ms = (time.perf_counter() - queued) * 1e3
         end.synchronize()
-        if host_ms < 0.8 * sleep_ms:
+        if host_ms < 0.8 * slept.elapsed_time(start):
             times.append(start.elapsed_time(end))
+        elif sleep_ms >= MAX_SLEEP_MS:
+            return None
         else:
             sleep_ms *= 2
     return times
+
+
+MAX_SLEEP_MS = 1024.0  # _time_gpu_work's longest sleep: ~2 s in all before it gives up
 
 
 def _device():
@@ -511,7 +527,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True,
     started = time.perf_counter()
     status = None
     try:
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as log, _sigterm_raises():
             process = subprocess.Popen((command or worker_command)(job, job_path), cwd=REPO_ROOT,
                                        env=_worker_env(cache_root), stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
@@ -521,7 +537,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True,
             except subprocess.TimeoutExpired:
                 _kill_group(process)
                 returncode, status = None, f"timeout after {timeout:.0f} s"
-            except BaseException:  # Ctrl-C: take the worker down with us
+            except BaseException:  # Ctrl-C or a SIGTERM: take the worker down with us
                 _kill_group(process)
                 raise
     finally:
@@ -551,6 +567,27 @@ def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True,
     result["wall_s"] = elapsed
     result["log"] = str(log_path)
     return result
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (``timeout``, a scheduler) raises SystemExit while a worker runs, as Ctrl-C
+    raises KeyboardInterrupt, so that the worker's group is killed before this process ends;
+    left to the default action, the worker would outlive it and hold the GPU."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

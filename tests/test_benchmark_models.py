@@ -8,8 +8,10 @@ way that crashes, hangs or is not installed is a row that says so.
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,44 @@ def test_the_budget_stops_starting_processes(tmp_path, monkeypatch):
     assert rows[("B1 S8", "inductor")]["status"].startswith("timeout after")
     assert rows[("B1 S8", "gemslib")]["status"] == "skipped: --budget spent"
     assert code == 1
+
+
+_PARENT_OF_A_HANGING_WORKER = """
+import sys
+import time
+from pathlib import Path
+from benchmark import models
+
+work = Path(sys.argv[1])
+hang = ("import os, sys, time; from pathlib import Path; "
+        "Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(60)")
+models.run_job({"way": "hang"}, work, timeout=60, cold_cache=False,
+               command=lambda job, path: [sys.executable, "-c", hang, str(work / "pid")])
+"""
+
+
+def test_a_sigterm_to_the_runner_takes_its_worker_down_with_it(tmp_path):
+    """``timeout 300 python -m benchmark ...`` ends the runner with SIGTERM: its worker (its
+    own session) must not live on, holding the GPU under the next run."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_OF_A_HANGING_WORKER, str(tmp_path)],
+                              cwd=Path(models.__file__).resolve().parent.parent)
+    pid_file = tmp_path / "pid"
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(100):  # SIGKILL is asynchronous; the orphan is reaped by init
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(worker, signal.SIGKILL)
+        raise AssertionError(f"worker {worker} outlived its runner")
 
 
 def test_without_a_gpu_only_tiny_runs(monkeypatch, capsys):
