@@ -24,7 +24,7 @@ backend=..., mode="reduce-overhead", fullgraph=True)`` on a static cache, i.e. i
 graph; the host's part of the call, dynamo's guards and the cudagraph tree's bookkeeping, is
 in it, the GPU idle meanwhile), **GPU ms**, the same step's GPU work alone (the stream held
 busy past the call's host part, so the events see its kernels back to back; the ways not in a
-CUDA graph have none), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
+CUDA graph have none: transformers' mask check reads a bool off the GPU every eager step), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
 own loop), the step's logits against the float32 model's (relative error, top-1), and the
 floor: the bytes one step must read (every weight once, K and V at the valid positions) at the
 run's copy bandwidth. Each way runs in its own process, as in :mod:`benchmark.models`.

@@ -35,7 +35,11 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     for way, row in rows.items():
         assert row["status"] == "ok", (way, row)
         assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["vs_floor"] > 0
-        if torch.cuda.is_available():  # the GPU's work alone, under the call's time
+        if torch.cuda.is_available() and way == "eager":
+            # transformers' mask check reads a bool off the GPU every eager step: the step
+            # waits for the GPU, and its GPU part cannot be told from its host part
+            assert row["gpu_ms"] is None and row["gpu_vs_floor"] is None
+        elif torch.cuda.is_available():  # the GPU's work alone, under the call's time
             assert 0 < row["gpu_ms"] and row["gpu_vs_floor"] > 0
         else:
             assert row["gpu_ms"] is None and row["gpu_vs_floor"] is None
