@@ -609,8 +609,15 @@ TUNING = (
                     for per_sm in (1, 2, 3))
               + tuple({"BLOCK_N": 32, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": 2}
                       for per_sm in (1, 2)),
-              (TuneBucket({"elem_bytes": 2}, "B16 L8192 + B1 L32768 D128 bf16",
+              # 16-bit: short caches (a static cache of a short prompt: few blocks a
+              # sequence), then long ones; past head_dim 128 the long caches' tiles do not fit
+              (TuneBucket({"seq_kv": 1024, "head_dim": 128, "elem_bytes": 2},
+                          "B16 L192 + B16 L1024 D128 bf16",
+                          _decode_problem(((16, 192), (16, 1024)), 128, torch.bfloat16)),
+               TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B16 L8192 + B1 L32768 D128 bf16",
                           _decode_problem(((16, 8192), (1, 32768)), 128, torch.bfloat16)),
+               TuneBucket({"elem_bytes": 2}, "B4 L4096 D256 bf16",
+                          _decode_problem(((4, 4096),), 256, torch.bfloat16)),
                TuneBucket({"head_dim": 128}, "B4 L4096 D128 fp32",
                           _decode_problem(((4, 4096),), 128, torch.float32)),
                TuneBucket(None, "B2 L2048 D256 fp32",
