@@ -24,8 +24,9 @@ backend=..., mode="reduce-overhead", fullgraph=True)`` on a static cache, i.e. i
 graph; the host's part of the call, dynamo's guards and the cudagraph tree's bookkeeping, is
 in it, the GPU idle meanwhile), **GPU ms**, the same step's GPU work alone (the stream held
 busy past the call's host part, so the events see its kernels back to back; the ways not in a
-CUDA graph have none: transformers' mask check reads a bool off the GPU every eager step), **tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers'
-own loop), the step's logits against the float32 model's (relative error, top-1), and the
+CUDA graph have none: transformers' mask check reads a bool off the GPU every eager step),
+**tok/s** of ``model.generate(max_new_tokens=N)`` (prefill included, transformers' own loop),
+the step's logits against the float32 model's (relative error, top-1), and the
 floor: the bytes one step must read (every weight once, K and V at the valid positions) at the
 run's copy bandwidth. Each way runs in its own process, as in :mod:`benchmark.models`.
 """
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
     copy_gbps = floor.get("copy_gbps") or math.nan
     report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
+    markdown = _write_report(report, out)
     failed = []
     for name in args.model_names:
         spec = prefill.model_spec(name, args.tiny, args.layers)
@@ -446,24 +448,36 @@ def main(argv: list[str] | None = None) -> int:
             if way in GEMSLIB_WAYS and results[way].get("status") != "ok":
                 failed.append(f"{name} {way}: {results[way].get('status')}")
             print(f"{name} {way}: {results[way].get('status')}", flush=True)
-        entry = {"title": spec.title, "layers": spec.layers, "cases": {}}
-        for batch, prompt, new, cache_len in cases:
-            key = case_key(batch, prompt, new, cache_len)
-            need = step_bytes(spec, batch, prompt)
-            floor_ms = need["total"] / copy_gbps / 1e6
-            entry["cases"][key] = {
-                "floor": {"bytes": need["total"], "weights": need["weights"],
-                          "cache": need["cache"], "ms": floor_ms},
-                "rows": [_row(result, key, floor_ms) for result in results.values()]}
-        report["models"][name] = entry
-    markdown = format_markdown(report)
-    (out / "decode.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "decode.md").write_text(markdown)
+            # after every way, so that a run cut short keeps what it measured
+            report["models"][name] = _model_entry(spec, cases, results, copy_gbps)
+            markdown = _write_report(report, out)
     print()
     print(markdown)
     for failure in failed:
         print(f"gemslib FAILED: {failure}")
     return 1 if failed else 0
+
+
+def _model_entry(spec, cases, results: dict, copy_gbps: float) -> dict:
+    """One model's part of the report: per case its floor and a row per way run so far."""
+    entry = {"title": spec.title, "layers": spec.layers, "cases": {}}
+    for batch, prompt, new, cache_len in cases:
+        key = case_key(batch, prompt, new, cache_len)
+        need = step_bytes(spec, batch, prompt)
+        floor_ms = need["total"] / copy_gbps / 1e6
+        entry["cases"][key] = {
+            "floor": {"bytes": need["total"], "weights": need["weights"],
+                      "cache": need["cache"], "ms": floor_ms},
+            "rows": [_row(result, key, floor_ms) for result in results.values()]}
+    return entry
+
+
+def _write_report(report: dict, out: Path) -> str:
+    """decode.json and decode.md in ``out``; returns the markdown."""
+    markdown = format_markdown(report)
+    (out / "decode.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "decode.md").write_text(markdown)
+    return markdown
 
 
 if __name__ == "__main__":

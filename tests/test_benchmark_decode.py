@@ -56,6 +56,29 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     assert markdown.count("\n| static-gemslib | ") == 1
 
 
+def test_a_run_cut_short_keeps_the_ways_it_finished(tmp_path, monkeypatch):
+    """The report is written after every way: a run stopped during its second way (Ctrl-C, a
+    SIGTERM) leaves the first way's rows in decode.json and decode.md."""
+    key = decode.case_key(2, 12, 3, 32)
+
+    def fake_run_job(job, work_dir, timeout, **kwargs):
+        if job["way"] == "static-gemslib":
+            raise KeyboardInterrupt
+        if job["way"] == "floor":
+            return {"way": "floor", "status": "ok", "copy_gbps": 1000.0}
+        return {"way": job["way"], "status": "ok",
+                "shapes": {key: {"step_ms": 2.5, "tokens_per_s": 400.0}}}
+
+    monkeypatch.setattr(decode.prefill, "run_job", fake_run_job)
+    with pytest.raises(KeyboardInterrupt):
+        decode.main(["--tiny", "--model-names", "llama3-8b", "--ways", "eager",
+                     "static-gemslib", "--cases", "2x12+3of32", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "decode.json").read_text())
+    rows = report["models"]["llama3-8b"]["cases"][key]["rows"]
+    assert [(row["way"], row["step_ms"]) for row in rows] == [("eager", 2.5)]
+    assert "| eager | 2.500 |" in (tmp_path / "decode.md").read_text()
+
+
 def test_the_enable_way_times_eager_beside_itself_in_alternating_blocks(monkeypatch):
     """Blocks of steps under enable() (the caller's activation closed first, a new one per
     block) alternate with blocks of eager steps, and generate() likewise, its first call of
