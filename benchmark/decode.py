@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
     copy_gbps = floor.get("copy_gbps") or math.nan
     report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
-    markdown = _write_report(report, out)
+    markdown = _write_report(out, report)
     failed = []
     for name in args.model_names:
         spec = prefill.model_spec(name, args.tiny, args.layers)
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {way}: {results[way].get('status')}", flush=True)
             # after every way, so that a run cut short keeps what it measured
             report["models"][name] = _model_entry(spec, cases, results, copy_gbps)
-            markdown = _write_report(report, out)
+            markdown = _write_report(out, report)
     print()
     print(markdown)
     for failure in failed:
@@ -472,7 +472,7 @@ def _model_entry(spec, cases, results: dict, copy_gbps: float) -> dict:
     return entry
 
 
-def _write_report(report: dict, out: Path) -> str:
+def _write_report(out: Path, report: dict) -> str:
     """decode.json and decode.md in ``out``; returns the markdown."""
     markdown = format_markdown(report)
     (out / "decode.json").write_text(json.dumps(report, indent=1, default=str))
