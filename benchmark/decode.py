@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import math
 import re
 import shlex
@@ -424,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
     copy_gbps = floor.get("copy_gbps") or math.nan
     report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
-    markdown = _write_report(out, report)
+    markdown = prefill.write_report(out, report, "decode", format_markdown)
     failed = []
     for name in args.model_names:
         spec = prefill.model_spec(name, args.tiny, args.layers)
@@ -450,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {way}: {results[way].get('status')}", flush=True)
             # after every way, so that a run cut short keeps what it measured
             report["models"][name] = _model_entry(spec, cases, results, copy_gbps)
-            markdown = _write_report(out, report)
+            markdown = prefill.write_report(out, report, "decode", format_markdown)
     print()
     print(markdown)
     for failure in failed:
@@ -470,14 +469,6 @@ def _model_entry(spec, cases, results: dict, copy_gbps: float) -> dict:
                       "cache": need["cache"], "ms": floor_ms},
             "rows": [_row(result, key, floor_ms) for result in results.values()]}
     return entry
-
-
-def _write_report(out: Path, report: dict) -> str:
-    """decode.json and decode.md in ``out``; returns the markdown."""
-    markdown = format_markdown(report)
-    (out / "decode.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "decode.md").write_text(markdown)
-    return markdown
 
 
 if __name__ == "__main__":

@@ -860,10 +860,10 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": compile_s["gemslib"] / compile_s["inductor"]}
             entry["shapes"][key] = shape_entry
         report["models"][name] = entry
-        _write_report(out, report)  # after each model: a cut run keeps what it finished
+        write_report(out, report)  # after each model: a cut run keeps what it finished
 
     report["wall_s"] = time.perf_counter() - started
-    markdown = _write_report(out, report)
+    markdown = write_report(out, report)
     print()
     print(markdown)
     print(f"wrote models.json and models.md to {out} ({report['wall_s']:.0f} s)")
@@ -872,10 +872,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed_gemslib else 0
 
 
-def _write_report(out: Path, report: dict) -> str:
-    markdown = format_markdown(report)
-    (out / "models.json").write_text(json.dumps(report, indent=2))
-    (out / "models.md").write_text(markdown)
+def write_report(out: Path, report: dict, stem: str = "models", formatter=None) -> str:
+    """``<stem>.json`` (the report) and ``<stem>.md`` (``formatter(report)``, by default this
+    module's table) in ``out``; returns the markdown."""
+    markdown = (formatter or format_markdown)(report)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / f"{stem}.md").write_text(markdown)
     return markdown
 
 
