@@ -187,6 +187,98 @@ def test_a_call_that_waits_for_the_gpu_gets_no_gpu_time():
     assert models._time_gpu_work(call, torch.device("cuda"), 3) is None
 
 
+class _SimulatedGpu:
+    """One stream and the host, in simulated milliseconds, for ``_time_gpu_work``'s logic on
+    the CPU: queued work runs in order; an event completes when the stream reaches it; the
+    sleep spins cycles at ``cycles_per_ms``, which a test may change between calls."""
+
+    def __init__(self, cycles_per_ms: float):
+        self.host = self.stream = 0.0
+        self.cycles_per_ms = cycles_per_ms
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = gpu.queue(0.0)
+
+            def synchronize(self):
+                gpu.host = max(gpu.host, self.at)
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        self.Event = Event
+
+    def queue(self, ms: float) -> float:
+        """Queue ``ms`` of GPU work now; when it ends."""
+        self.stream = max(self.stream, self.host) + ms
+        return self.stream
+
+    def sleep(self, cycles: int) -> None:
+        self.queue(cycles / self.cycles_per_ms)
+
+    def host_work(self, ms: float) -> None:
+        self.host += ms
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.stream)
+
+    def install(self, monkeypatch):
+        from benchmark import models
+
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.sleep)
+        monkeypatch.setattr(models, "time", type("Clock", (), {
+            "perf_counter": staticmethod(lambda: self.host / 1e3)}))
+        return models
+
+
+def test_the_gpu_time_sees_the_kernels_whatever_the_clock_did_since_the_calibration(
+        monkeypatch):
+    """The sleep was calibrated at a slow clock and runs at one twice as fast, so a nominal 2
+    ms sleep lasts 1: a call with 1.5 ms of host work must still be timed at its 0.1 ms of
+    kernels (its sleep lengthened), never at the host's 1.5 ms."""
+    gpu = _SimulatedGpu(cycles_per_ms=1000.0)
+    models = gpu.install(monkeypatch)
+    calibrated = []
+    real_sleep = gpu.sleep
+
+    def sleep(cycles):
+        real_sleep(cycles)
+        calibrated.append(cycles)
+        if len(calibrated) == 3:  # the clock speeds up after the calibration's three sleeps
+            gpu.cycles_per_ms = 2000.0
+    monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+
+    def call():
+        gpu.host_work(1.5)
+        gpu.queue(0.1)
+
+    times = models._time_gpu_work(call, torch.device("cuda"), 4)
+    assert times == pytest.approx([0.1] * 4)
+
+
+def test_a_call_that_waits_for_the_stream_is_given_up_on_after_a_bounded_sleep(monkeypatch):
+    gpu = _SimulatedGpu(cycles_per_ms=1000.0)
+    models = gpu.install(monkeypatch)
+    sleeps = []
+    real_sleep = gpu.sleep
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles),
+                                                               real_sleep(cycles)))
+
+    def call():
+        gpu.queue(0.1)
+        gpu.synchronize()  # a .item(): the host waits for the stream, sleep included
+        gpu.host_work(0.2)
+
+    assert models._time_gpu_work(call, torch.device("cuda"), 3) is None
+    # past the calibration's three sleeps, each try's sleep, doubled up to the bound
+    assert sleeps[3:] == [ms * 1000 for ms in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+
+
 def test_the_gpu_time_is_none_on_the_cpu():
     from benchmark import models
 
