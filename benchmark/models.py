@@ -586,8 +586,8 @@ def _sigterm_raises():
     previous = signal.signal(signal.SIGTERM, raise_exit)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler not set from Python, which cannot be put back; the default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
