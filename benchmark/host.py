@@ -5,9 +5,11 @@ microseconds, for gemslib's operators and their peers.
 
 Each figure launches ``--calls`` calls back to back without synchronising and divides the
 wall time by their number, after a warm-up: with work this small the host is the bottleneck,
-so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). Ways
-per operator (and one prefill-sized attention call, host-bound too), in one process and one
-run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.native``
+so this is the host's time per call (Python, checks, the dispatcher, the kernel launch). The
+cases: every operator at a decode size (the fused MLP ops at a width whose weights stream in
+a few microseconds), every backward override as autograd calls it, and a prefill-sized
+attention call, forward and forward + backward (host-bound too). Ways per case, in one process
+and one run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.native``
 where it is on), the same with
 ``runtime.NATIVE_REPLAY`` switched off (``gemslib-python``: the plans' generated Python
 replays), the same with ``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every
@@ -55,7 +57,9 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     import torch.nn.functional as F
 
     import gemslib
+    from gemslib.ops import rotary as rotary_ops
 
+    aten = torch.ops.aten
     bf16 = dict(device=device, dtype=torch.bfloat16)
     hidden, weight = torch.randn(16, 4096, **bf16), torch.randn(4096, **bf16)
     residual = torch.randn(16, 4096, **bf16)
@@ -71,6 +75,20 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     prefill_batch = 16 if torch.device(device).type == "cuda" else 1
     q_prompt = torch.randn(prefill_batch, 28, 128, 128, **bf16)
     kv_prompt = torch.randn(prefill_batch, 4, 128, 128, **bf16)
+    # the fused MLP ops at a width whose weights stream in a few microseconds (Qwen2-0.5B's
+    # hidden 896, intermediate 4864: 17 MB), so that the host's part shows
+    small_x, small_norm = torch.randn(16, 896, **bf16), torch.rand(896, **bf16) + 0.5
+    gate_up_weight = torch.randn(2 * 4864, 896, **bf16) / 30
+    # transformers' per-token table for one token of each sequence: (B, 1, D) halves repeated
+    table_angles = torch.cat([angles[:16, None]] * 2, dim=-1)
+    cos_table, sin_table = table_angles.cos().to(torch.bfloat16), table_angles.sin().to(torch.bfloat16)
+    # backward inputs: an incoming gradient, and what the forward saved
+    grad_hidden = torch.randn(16, 4096, **bf16)
+    probs, log_probs = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
+    grad_logits = torch.randn(16, 128256, **bf16)
+    rstd = torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    q_train, kv_train = (t.detach().requires_grad_() for t in (q_prompt, kv_prompt))
+    grad_prompt = torch.randn_like(q_prompt)
     liger = _liger()
 
     def torch_silu_and_mul():
@@ -86,6 +104,31 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     def sdpa_prompt():
         return F.scaled_dot_product_attention(q_prompt, kv_prompt, kv_prompt, is_causal=True,
                                               enable_gqa=True)
+
+    def torch_rotary():  # transformers' apply_rotary_pos_emb on (B, H, 1, D) views
+        return rotary_ops._transformers_rotary(q.transpose(1, 2), k.transpose(1, 2),
+                                               cos_table[:, None], sin_table[:, None])
+
+    def gemslib_rotary_table():
+        return gemslib.apply_rotary(q, k, cos_table, sin_table)
+
+    def torch_rms_norm_swiglu():
+        gate, up = F.linear(F.rms_norm(small_x, (896,), small_norm, 1e-6),
+                            gate_up_weight).chunk(2, -1)
+        return F.silu(gate) * up
+
+    def torch_rms_norm_linear_silu():
+        return F.silu(F.linear(F.rms_norm(small_x, (896,), small_norm, 1e-6),
+                               gate_up_weight[:4864]))
+
+    def sdpa_train():  # forward and backward of the prefill call, as training runs it
+        out = F.scaled_dot_product_attention(q_train, kv_train, kv_train, is_causal=True,
+                                             enable_gqa=True)
+        return torch.autograd.grad(out, (q_train, kv_train), grad_prompt)
+
+    def gemslib_attention_train():
+        out = gemslib.attention(q_train, kv_train, kv_train, causal=True)
+        return torch.autograd.grad(out, (q_train, kv_train), grad_prompt)
 
     table = {
         "silu 16x4096": {"gemslib": lambda: gemslib.silu(hidden),
@@ -103,14 +146,39 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
         "softmax 16x128256": {"gemslib": lambda: gemslib.softmax(logits),
                               "torch": lambda: torch.softmax(logits, -1),
                               "liger": liger and (lambda: liger.liger_softmax(logits))},
+        "log_softmax 16x128256": {"gemslib": lambda: gemslib.log_softmax(logits),
+                                  "torch": lambda: torch.log_softmax(logits, -1)},
         "rotary B16 1 token": {"gemslib": lambda: gemslib.apply_rotary(q, k, cos, sin),
-                               "torch": None},
+                               "torch": torch_rotary},
+        "rotary B16 1 token, per-token table": {"gemslib": gemslib_rotary_table,
+                                                "torch": torch_rotary},
+        "rms_norm_swiglu 16x896 I4864": {
+            "gemslib": lambda: gemslib.rms_norm_swiglu(small_x, small_norm, gate_up_weight),
+            "torch": torch_rms_norm_swiglu},
+        "rms_norm_linear_silu 16x896 N4864": {
+            "gemslib": lambda: gemslib.rms_norm_linear_silu(small_x, small_norm,
+                                                            gate_up_weight[:4864]),
+            "torch": torch_rms_norm_linear_silu},
+        # the backward overrides, called as autograd calls them (no direct gemslib call)
+        "silu_backward 16x4096": {
+            "gemslib": None, "torch": lambda: aten.silu_backward(grad_hidden, hidden)},
+        "_fused_rms_norm_backward 16x4096": {
+            "gemslib": None, "torch": lambda: aten._fused_rms_norm_backward(
+                grad_hidden, hidden, [4096], rstd, weight, [True, True])},
+        "_softmax_backward_data 16x128256": {
+            "gemslib": None, "torch": lambda: aten._softmax_backward_data(
+                grad_logits, probs, -1, torch.bfloat16)},
+        "_log_softmax_backward_data 16x128256": {
+            "gemslib": None, "torch": lambda: aten._log_softmax_backward_data(
+                grad_logits, log_probs, -1, torch.bfloat16)},
         "decode_attention B16 L4096": {
             "gemslib": lambda: gemslib.decode_attention(q_row[:, :, 0], cache, cache),
             "torch": sdpa_row},
         "attention B16 H28/4 S128 causal": {
             "gemslib": lambda: gemslib.attention(q_prompt, kv_prompt, kv_prompt, causal=True),
             "torch": sdpa_prompt},
+        "attention forward + backward B16 H28/4 S128 causal": {
+            "gemslib": gemslib_attention_train, "torch": sdpa_train},
     }
     for ways in table.values():  # the scoped ways call what gemslib's or torch's does
         ways["gemslib-bound"] = ways["gemslib-python"] = ways["gemslib"]
