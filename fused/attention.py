@@ -36,7 +36,7 @@ from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_tak
                                               attention_reference, default_scale)
 from gemslib.fused.decode_attention import _launch_decode
 from gemslib.layout import LN2, LOG2E
-from gemslib.graph import call_node
+from gemslib.graph import call_node, same_size
 from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper prefill kernel is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -679,16 +679,12 @@ def _index(node):
     length = node.args[0]
     if isinstance(length, torch.fx.Node):  # a symbolic size, a graph input
         length = length.meta["val"]
-    sized = [axis for axis in range(-len(shape), 0) if not _same(shape[axis], 1)]
-    if not sized and _same(length, 1):  # one index (one query row): any axis
+    sized = [axis for axis in range(-len(shape), 0) if not same_size(shape[axis], 1)]
+    if not sized and same_size(length, 1):  # one index (one query row): any axis
         return None, node.kwargs["start"] + offset
-    if len(sized) != 1 or not _same(shape[sized[0]], length):
+    if len(sized) != 1 or not same_size(shape[sized[0]], length):
         return None
     return sized[0], node.kwargs["start"] + offset
-
-
-def _same(a, b) -> bool:
-    return statically_known_true(a == b)
 
 
 _SHIFTS = {_aten.add.Tensor: 1, _aten.add.Scalar: 1, _aten.sub.Tensor: -1, _aten.sub.Scalar: -1}
@@ -779,8 +775,8 @@ def _is_unpadding(node) -> bool:
     rank = source.meta["val"].dim()
     if isinstance(end, torch.fx.Node):  # a symbolic length
         end = end.meta["val"]
-    return len(pad) == 2 and _same(pad[0], 0) and dim in (-1, rank - 1) and start == 0 \
-        and step == 1 and end is not None and _same(end, source.meta["val"].shape[-1])
+    return len(pad) == 2 and same_size(pad[0], 0) and dim in (-1, rank - 1) and start == 0 \
+        and step == 1 and end is not None and same_size(end, source.meta["val"].shape[-1])
 
 
 class _NotConstant(Exception):
@@ -864,8 +860,8 @@ def _unrepeated(kv: torch.fx.Node, n_q_heads):
         source = node.args[0].args[0]
         source_shape, repeated = source.meta["val"].shape, node.meta["val"].shape
         if len(source_shape) == 4 and len(repeated) == 5 and all(
-                _same(a, b) for a, b in zip(source_shape[:2], repeated[:2])) and all(
-                _same(a, b) for a, b in zip(source_shape[2:], repeated[3:])) and _same(
+                same_size(a, b) for a, b in zip(source_shape[:2], repeated[:2])) and all(
+                same_size(a, b) for a, b in zip(source_shape[2:], repeated[3:])) and same_size(
                 repeated[1] * repeated[2], n_q_heads):
             return source
     return kv
@@ -879,13 +875,14 @@ def _decode_key_mask(mask, q_val, seq_kv):
     keys it keeps. A row the mask hides entirely gives 0 there, as SDPA's math backend gives
     for a boolean mask (torch's 16-bit cuDNN path, which hides with a finite -65504 instead,
     would average such a row's values)."""
-    mask = _kept_keys(mask) if _same(q_val.shape[2], 1) else None
+    mask = _kept_keys(mask) if same_size(q_val.shape[2], 1) else None
     if mask is None or mask.meta["val"].dim() != 4:
         return None
     value = mask.meta["val"]
     batch = value.shape[0]
-    if not ((_same(batch, 1) or _same(batch, q_val.shape[0])) and _same(value.shape[1], 1)
-            and _same(value.shape[2], 1) and _same(value.shape[3], seq_kv)):
+    if not ((same_size(batch, 1) or same_size(batch, q_val.shape[0]))
+            and same_size(value.shape[1], 1) and same_size(value.shape[2], 1)
+            and same_size(value.shape[3], seq_kv)):
         return None
     return mask
 

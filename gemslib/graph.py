@@ -121,6 +121,13 @@ def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [user for user in node.users if live(user)]
 
 
+def same_size(a, b) -> bool:
+    """Whether sizes ``a`` and ``b`` (ints or symbolic) are equal for every value the graph can
+    take (a symbolic pair that may differ is not)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    return statically_known_true(a == b)
+
+
 def slice_bounds(node: torch.fx.Node) -> tuple[int, int, int, int] | None:
     """(dim, start, end, step) of an ``aten.slice.Tensor`` node, normalised as torch does
     (dim non-negative, None and negative bounds resolved, bounds clamped to the sliced dim's

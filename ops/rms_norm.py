@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
+from gemslib.graph import same_size
 from gemslib.registry import AtenOverride, GraphPattern, SelfCheck, TuneBucket, TuneSpace
 
 
@@ -748,11 +749,9 @@ def _is_rms_norm(match, eps_is_input: bool = False) -> bool:
 
 def _is_transformers_add_rms_norm(match, eps_is_input: bool = False) -> bool:
     """The norm of x + residual, with x and residual of one shape and dtype (no broadcast)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     x, residual = match.kwargs["x"].meta["val"], match.kwargs["residual"].meta["val"]
     if x.dtype != residual.dtype or x.dim() != residual.dim() or not all(
-            statically_known_true(a == b) for a, b in zip(x.shape, residual.shape)):
+            same_size(a, b) for a, b in zip(x.shape, residual.shape)):
         return False
     return _is_rms_norm_of(match, x, eps_is_input)
 

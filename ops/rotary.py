@@ -32,6 +32,7 @@ kernel, launcher, reference, public function and custom ops, graph patterns
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 import triton
@@ -39,8 +40,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
-from gemslib.graph import slice_bounds
-from gemslib.registry import GraphPattern, SelfCheck, TuneBucket, TuneSpace
+from gemslib.graph import call_node, live_users, same_size, slice_bounds
+from gemslib.registry import GraphPattern, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,20 +112,36 @@ def _rotate_heads(
                  BLOCK_H, BLOCK_R, BLOCK_REST)
 
 
+@triton.jit
+def _copy_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, n_heads_out,
+                head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy BLOCK_H heads of one token (all head_dim features); heads past n_heads_out are
+    read but not written."""
+    o_h = head_start + tl.arange(0, BLOCK_H)[:, None]
+    o_d = tl.arange(0, BLOCK_D)[None, :]
+    m_d = o_d < head_dim
+    b_x = tl.load(x_ptr + o_h * stride_x_h + o_d, mask=(o_h < n_heads) & m_d)
+    tl.store(out_ptr + o_h * stride_out_h + o_d, b_x, mask=(o_h < n_heads_out) & m_d)
+
+
 @triton.heuristics({"BLOCK_HK": lambda args: min(args["BLOCK_H"],
                                                  runtime.next_power_of_2(args["n_k_heads"]))})
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
+    v_ptr, v_out_ptr, out_rows_ptr,
     seq_len, n_q_heads, n_k_heads, n_pairs, head_dim,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
     stride_q_out_b, stride_q_out_s, stride_q_out_h,
     stride_k_out_b, stride_k_out_s, stride_k_out_h,
+    stride_v_b, stride_v_s, stride_v_h,
+    stride_v_out_b, stride_v_out_s, stride_v_out_h,
     stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
-    stride_positions_b, stride_positions_s, n_positions,
+    stride_positions_b, stride_positions_s, n_positions, n_out_rows,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -133,6 +150,12 @@ def _rotary_kernel(
     loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
     k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
     whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head.
+
+    A KV cache's write (``rotary_into_cache``): with out_rows_ptr, token i_s of k_out (and of
+    v_out) is row out_rows[i_s] of its sequence dim, a row outside [0, n_out_rows) a
+    device-side assert and no write; with v_ptr, each program that rotates a block of k heads
+    copies the same block of v heads (all head_dim features, BLOCK_D a power of 2 above it)
+    to v_out unrotated.
 
     The angles: with FULL_TABLE, row (i_b, i_s) of a (B | 1, S, rot_dim) table (stride_cos_b
     0 for a batch of 1), read at both features of each pair (cos_a, cos_b, sin_a, sin_b);
@@ -182,10 +205,23 @@ def _rotary_kernel(
         b_cos_a, b_cos_b, b_sin_a, b_sin_b = b_cos, b_cos, b_sin, b_sin
     if INVERSE:
         b_sin_a, b_sin_b = -b_sin_b, -b_sin_a
+    i_s_out = i_s
+    n_k_heads_out = n_k_heads  # the k (and v) heads written: none for a row off the cache
+    if out_rows_ptr is not None:
+        b_row = tl.load(out_rows_ptr + i_s).to(tl.int64)
+        m_row = (b_row >= 0) & (b_row < n_out_rows)
+        tl.device_assert(m_row, "gemslib.rotary_into_cache: cache_position must be in "
+                                "[0, the cache's length)")
+        i_s_out = tl.where(m_row, b_row, 0)
+        n_k_heads_out = tl.where(m_row, n_k_heads, 0)
     p_q = q_ptr + i_b * stride_q_b + i_s * stride_q_s
     p_q_out = q_out_ptr + i_b * stride_q_out_b + i_s * stride_q_out_s
     p_k = k_ptr + i_b * stride_k_b + i_s * stride_k_s
-    p_k_out = k_out_ptr + i_b * stride_k_out_b + i_s * stride_k_out_s
+    p_k_out = k_out_ptr + i_b * stride_k_out_b + i_s_out * stride_k_out_s
+    p_v, p_v_out = v_ptr, v_out_ptr
+    if v_ptr is not None:
+        p_v = v_ptr + i_b * stride_v_b + i_s * stride_v_s
+        p_v_out = v_out_ptr + i_b * stride_v_out_b + i_s_out * stride_v_out_s
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if LOOP_HEADS:
         # a block past the last heads of q or k is fully masked: no memory traffic
@@ -199,9 +235,12 @@ def _rotary_kernel(
                          n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
             _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                         i_h * BLOCK_HK, n_k_heads, b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
-                         n_pairs, head_dim,
+                         i_h * BLOCK_HK, n_k_heads_out, b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b,
+                         b_sin_b, n_pairs, head_dim,
                          INTERLEAVED, COPY_REST, BLOCK_HK, BLOCK_R, BLOCK_REST)
+            if v_ptr is not None:
+                _copy_heads(p_v, p_v_out, stride_v_h, stride_v_out_h, i_h * BLOCK_HK, n_k_heads,
+                            n_k_heads_out, head_dim, BLOCK_HK, BLOCK_D)
     else:
         i_h = tl.program_id(1)
         if i_h < n_q_blocks:
@@ -209,10 +248,15 @@ def _rotary_kernel(
                           i_h * BLOCK_H, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs,
                           head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
-            _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h,
-                          (i_h - n_q_blocks) * BLOCK_H, n_k_heads, b_cos_a, b_sin_a, b_cos_b,
-                          b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R,
-                          BLOCK_REST)
+            i_hk = (i_h - n_q_blocks) * BLOCK_H
+            b_ka, b_kb = _load_heads(p_k, stride_k_h, i_hk, n_k_heads, n_pairs, INTERLEAVED,
+                                     BLOCK_H, BLOCK_R)
+            _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h, i_hk, n_k_heads_out,
+                         b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
+                         INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+            if v_ptr is not None:
+                _copy_heads(p_v, p_v_out, stride_v_h, stride_v_out_h, i_hk, n_k_heads,
+                            n_k_heads_out, head_dim, BLOCK_H, BLOCK_D)
 
 
 ROTARY = runtime.TunedKernel("rotary", "rotary", _rotary_kernel, tunables=("BLOCK_H", "LOOP_HEADS"),
@@ -229,7 +273,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
-def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse: bool) -> None:
+def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse: bool,
+            v=None, v_out=None, out_rows=None) -> None:
+    """The rotation of q into q_out and of k into k_out; with ``out_rows`` (S,) k's token s goes
+    to row out_rows[s] of k_out's sequence dim (k_out (B, L, Hk, D), a cache), and with ``v``
+    v (like k) is copied unrotated into v_out (like k_out) at the same rows."""
     q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     batch, seq_len, n_q_heads, head_dim = q4.shape
     n_k_heads = k4.shape[2]
@@ -247,6 +295,7 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     block_r = runtime.next_power_of_2(half)
     block_rest = runtime.next_power_of_2(head_dim - 2 * half)
     strides = [*q4.stride()[:3], *k4.stride()[:3], *q_out4.stride()[:3], *k_out4.stride()[:3]]
+    v_strides = [*v.stride()[:3], *v_out.stride()[:3]] if v is not None else [0] * 6
     if full_table:  # a batch of 1 serves every sequence
         table_strides = [t.stride(0) if t.shape[0] > 1 else 0 for t in (cos, sin)]
         table_strides = [table_strides[0], cos.stride(1), table_strides[1], sin.stride(1)]
@@ -261,11 +310,12 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     ROTARY.launch(
         grid,
-        q4, k4, q_out4, k_out4, cos, sin, positions,
+        q4, k4, q_out4, k_out4, cos, sin, positions, v, v_out, out_rows,
         seq_len, n_q_heads, n_k_heads, half, head_dim,
-        *strides,
-        *table_strides, *position_strides, cos.shape[0],
+        *strides, *v_strides,
+        *table_strides, *position_strides, cos.shape[0], k_out4.shape[1],
         interleaved, inverse, full_table, copy_rest, block_r, block_rest,
+        runtime.next_power_of_2(head_dim),
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
         restore=[t for t in (q, k) if t is q_out or t is k_out])
 
@@ -324,8 +374,7 @@ def rotary_reference(q, k, cos, sin, positions=None, interleaved=False, inverse=
 # --------------------------------------------------------------------------------------------
 
 
-def _check(q, k, cos, sin, positions) -> None:
-    name = "gemslib.apply_rotary"
+def _check(q, k, cos, sin, positions, name="gemslib.apply_rotary") -> None:
     for arg, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         checks.float_tensor(name, arg, t, expected="floating-point")
     if q.dim() not in (3, 4) or k.dim() != q.dim():
@@ -525,6 +574,93 @@ _rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_a
                                      fake=lambda q, k, cos, sin, positions, interleaved: None)
 
 
+def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache) -> None:
+    """rotary_into_cache's arguments: q (B, S, Hq, D), k and v (B, S, Hk, D), a per-token
+    table, caches (B, Hk, L, D) of k's dtype, cache_position (S,) integers, and no write that
+    lands on what is read (or on the other cache)."""
+    name = "gemslib.rotary_into_cache"
+    for arg, t in (("q", q), ("cos", cos)):
+        checks.float_tensor(name, arg, t, expected="floating-point")
+    if q.dim() != 4 or cos.dim() != 3:
+        raise ValueError(f"{name}: q and k must be (B, S, H, D) and cos, sin a per-token "
+                         f"(B or 1, S, rot_dim) table, got q {tuple(q.shape)} and cos "
+                         f"{tuple(cos.shape)}")
+    _check(q, k, cos, sin, None, name)
+    checks.float_tensor(name, "v", v, expected="floating-point")
+    if v.shape != k.shape:
+        raise ValueError(f"{name}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    checks.like(name, "v", v, k, "k")
+    batch, seq_len, n_k_heads, head_dim = k.shape
+    for arg, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.float_tensor(name, arg, cache, expected="floating-point")
+        checks.like(name, arg, cache, k, "k")
+        if cache.dim() != 4 or (cache.shape[0], cache.shape[1], cache.shape[3]) != \
+                (batch, n_k_heads, head_dim):
+            raise ValueError(f"{name}: {arg} must be (B, Hk, L, D) = ({batch}, {n_k_heads}, L, "
+                             f"{head_dim}), got {tuple(cache.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} must have one shape")
+    if not isinstance(cache_position, torch.Tensor) or cache_position.is_floating_point() or \
+            cache_position.dtype == torch.bool or cache_position.shape != (seq_len,):
+        raise TypeError(f"{name}: cache_position must be ({seq_len},) integers (a row of the "
+                        f"caches per token), got {getattr(cache_position, 'dtype', cache_position)} "
+                        f"of shape {tuple(getattr(cache_position, 'shape', ()))}")
+    if cache_position.device != q.device:
+        raise ValueError(f"{name}: cache_position must be on {q.device}, got "
+                         f"{cache_position.device}")
+    for written, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if layout.may_overlap_itself(cache):
+            raise ValueError(f"{name}: {written} has overlapping elements (a stride-0 dim)")
+        for arg, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin),
+                       ("cache_position", cache_position)):
+            if layout.may_share_elements(cache, t):
+                raise ValueError(f"{name}: {written} shares memory with {arg}, which is read "
+                                 "while the cache is written")
+    if layout.may_share_elements(k_cache, v_cache):
+        raise ValueError(f"{name}: k_cache and v_cache share memory")
+    if cache_position.device.type == "cpu" and seq_len:  # on a GPU the kernel asserts
+        low, high = int(cache_position.min()), int(cache_position.max())
+        if low < 0 or high >= k_cache.shape[2]:
+            raise IndexError(f"{name}: cache_position must be in [0, {k_cache.shape[2]}) (the "
+                             f"caches' length), got {low if low < 0 else high}")
+
+
+def rotary_into_cache_reference(q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache):
+    """The rotation of q and k by a per-token table (q returned), rotated k and v written into
+    the (B, Hk, L, D) caches at rows cache_position, as a static cache's update does."""
+    q_rot, k_rot = rotary_reference(q, k, cos, sin, None, interleaved)
+    k_cache[:, :, cache_position] = k_rot.transpose(1, 2).to(k_cache.dtype)
+    v_cache[:, :, cache_position] = v.transpose(1, 2).to(v_cache.dtype)
+    return q_rot
+
+
+def _rotary_into_cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, interleaved: bool, cache_position: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """q (B, S, Hq, D) rotated by a per-token (B or 1, S, rot_dim) table into a new tensor;
+    k (B, S, Hk, D) rotated and v copied into the caches (B, Hk, L, D), token s at row
+    cache_position[s]: a decode step's rotary and its static cache's update in one launch."""
+    _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache)
+    q_out = torch.empty_like(q)
+    if not _kernel_runs(q, k, cos, sin) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_rot = rotary_into_cache_reference(q.to(work), k.to(work), v, cos.to(work),
+                                            sin.to(work), interleaved, cache_position,
+                                            k_cache, v_cache)
+        return q_out.copy_(q_rot)
+    _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_cache.transpose(1, 2), cos, sin,
+            None, interleaved, False, v=layout.unit_last(v), v_out=v_cache.transpose(1, 2),
+            out_rows=cache_position)
+    return q_out
+
+
+_rotary_into_cache_op = runtime.CustomOp(
+    "rotary_into_cache", _rotary_into_cache_impl, mutates_args=("k_cache", "v_cache"),
+    fake=lambda q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache:
+    torch.empty_like(q))
+
+
 # --------------------------------------------------------------------------------------------
 # Graph patterns (torch.compile(backend="gemslib")): rotary the way models write it
 # --------------------------------------------------------------------------------------------
@@ -588,8 +724,6 @@ def _is_rotate_pairs_of(flat, x_node, head_dim: int) -> bool:
     """``flat`` is ``stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)`` of ``x_node`` as
     the post-grad graph holds it: the two slices unsqueezed at the end, a cat over that new
     dim, and a reshape back to x's shape (D = head_dim)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     aten = torch.ops.aten
     if flat.target not in (aten.reshape.default, aten.view.default):
         return False
@@ -613,7 +747,7 @@ def _is_rotate_pairs_of(flat, x_node, head_dim: int) -> bool:
         return False
     flat_shape, x_shape = flat.meta["val"].shape, x_node.meta["val"].shape
     return (len(flat_shape) == 4
-            and all(statically_known_true(a == b) for a, b in zip(flat_shape, x_shape))
+            and all(same_size(a, b) for a, b in zip(flat_shape, x_shape))
             and slice_bounds(odd) == (3, 1, head_dim, 2)
             and slice_bounds(even) == (3, 0, head_dim, 2))
 
@@ -658,11 +792,6 @@ def _is_rotary(match, rotations) -> bool:
     node targets and structure, not the dims and bounds (its re-trace compares them, but this
     check does not rely on it): they are read from the graph here (torch 2.11 hands the check
     the re-traced match, whose kwargs are the tensor inputs only)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    def equal(a, b) -> bool:
-        return statically_known_true(a == b)
-
     nodes = {name: match.kwargs[name] for name in ("q", "k", "cos", "sin")}
     q, k, cos, sin = (nodes[name].meta["val"] for name in ("q", "k", "cos", "sin"))
     if q.dtype not in runtime.KERNEL_DTYPES or any(t.dtype != q.dtype for t in (k, cos, sin)):
@@ -672,13 +801,13 @@ def _is_rotary(match, rotations) -> bool:
     batch, _, seq_len, head_dim = q.shape
     if not isinstance(head_dim, int) or head_dim % 2 or head_dim == 0:
         return False
-    if not (equal(k.shape[0], batch) and equal(k.shape[2], seq_len)
-            and equal(k.shape[3], head_dim)):
+    if not (same_size(k.shape[0], batch) and same_size(k.shape[2], seq_len)
+            and same_size(k.shape[3], head_dim)):
         return False
     for table in (cos, sin):
-        if not ((equal(table.shape[0], 1) or equal(table.shape[0], batch))
-                and equal(table.shape[1], 1) and equal(table.shape[2], seq_len)
-                and equal(table.shape[3], head_dim)):
+        if not ((same_size(table.shape[0], 1) or same_size(table.shape[0], batch))
+                and same_size(table.shape[1], 1) and same_size(table.shape[2], seq_len)
+                and same_size(table.shape[3], head_dim)):
             return False
     sources = rotations(match, head_dim)
     if sources is None or len(sources) != 2 or set(sources) != {nodes["q"], nodes["k"]}:
@@ -718,6 +847,122 @@ GRAPH_PATTERNS = (
     GraphPattern("rotary", _interleaved_rotary, _replacement(True), _pattern_inputs,
                  check=functools.partial(_is_rotary, rotations=_pair_rotations), stage=-1),
 )
+
+
+
+def _cache_write(node):
+    """(cache, positions, values) when ``node`` is ``index_put(cache, [None, None, positions],
+    values)`` into a graph input that the graph copies the result back into (a static cache's
+    update: it then happens in place), ``values`` (B, H, S, D) of the cache's (B, H, L, D)
+    shape but S = len(positions) rows and of its dtype, positions (S,) integers; else None."""
+    aten = torch.ops.aten
+    if node.target is not aten.index_put.default or len(node.args) < 3:
+        return None
+    cache, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate is not False or not isinstance(cache, torch.fx.Node) or \
+            cache.op != "placeholder" or len(indices) != 3 or indices[0] is not None or \
+            indices[1] is not None or not isinstance(indices[2], torch.fx.Node):
+        return None
+    if not any(user.target is aten.copy_.default and user.args[0] is cache
+               and user.args[1] is node for user in node.users):
+        return None
+    positions = indices[2]
+    cache_val, values_val, positions_val = (n.meta["val"] for n in (cache, values, positions))
+    if positions_val.dim() != 1 or positions_val.is_floating_point() or \
+            positions_val.dtype == torch.bool or cache_val.dim() != 4 or \
+            values_val.dtype != cache_val.dtype:
+        return None
+    expected = (*cache_val.shape[:2], positions_val.shape[0], cache_val.shape[3])
+    if values_val.dim() != 4 or any(not same_size(a, b)
+                                    for a, b in zip(values_val.shape, expected)):
+        return None
+    return cache, positions, values
+
+
+def _only_live_user(node):
+    users = live_users(node)
+    return users[0] if len(users) == 1 else None
+
+
+def _fuse_cache_writes(graph: torch.fx.Graph, real_value) -> list[str]:
+    """A rotary (gemslib's, by a per-token table) one of whose outputs goes, transposed back to
+    (B, Hk, S, D), only into a static cache's k update, paired with the v update of the same
+    positions that the same attention reads -> ``rotary_into_cache``: the rotated k and v are
+    written into the caches by the rotary's launch, in place (``auto_functionalized``, which
+    inductor reinplaces since the graph copies the update back into the cache), and the two
+    index_put kernels and the rotated k's own tensor are gone."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    aten, sites = torch.ops.aten, []
+    for rotary in graph.find_nodes(op="call_function", target=torch.ops.gemslib.rotary.default):
+        first, second, cos, sin, positions, interleaved, inverse = rotary.args
+        if positions is not None or inverse or cos.meta["val"].dim() != 3:
+            continue
+        outputs = {user.args[1]: user for user in rotary.users
+                   if user.target is operator.getitem and live_users(user)}
+        for which in (0, 1):
+            site = _cache_write_site(outputs.get(which))
+            if site is None or outputs.get(1 - which) is None:
+                continue
+            k_write, v_write = site
+            k_cache, cache_position, _ = _cache_write(k_write)
+            v_cache, _, v_values = _cache_write(v_write)
+            inputs = (first, second)
+            dtype = inputs[which].meta["val"].dtype
+            if any(node.meta["val"].dtype != dtype
+                   for node in (inputs[1 - which], cos, sin, k_cache, v_cache)):
+                continue
+            with graph.inserting_before(k_write):
+                v_tokens = call_node(graph, aten.permute.default, v_values, [0, 2, 1, 3])
+                fused = call_node(graph, torch.ops.higher_order.auto_functionalized,
+                                  torch.ops.gemslib.rotary_into_cache.default,
+                                  q=inputs[1 - which], k=inputs[which], v=v_tokens, cos=cos,
+                                  sin=sin, interleaved=interleaved,
+                                  cache_position=cache_position, k_cache=k_cache,
+                                  v_cache=v_cache)
+                rotated = call_node(graph, operator.getitem, fused, 0)
+                new_k_cache = call_node(graph, operator.getitem, fused, 1)
+                new_v_cache = call_node(graph, operator.getitem, fused, 2)
+            outputs[1 - which].replace_all_uses_with(rotated)
+            k_write.replace_all_uses_with(new_k_cache)
+            v_write.replace_all_uses_with(new_v_cache)
+            sites.append(f"{rotary.name} -> {k_cache.name}, {v_cache.name}")
+            break
+    if sites:
+        stable_topological_sort(graph)  # the rotated q's users may come before the writes
+    return sites
+
+
+def _cache_write_site(rotated):
+    """(k's cache write, v's) when ``rotated`` (one output of a rotary, (B, S, Hk, D)) is read
+    only by its transpose back to (B, Hk, S, D), read only by a static cache's update, whose
+    reader (the attention) also reads the update of another cache at the same positions."""
+    aten = torch.ops.aten
+    if rotated is None:
+        return None
+    transposed = _only_live_user(rotated)
+    if transposed is None or transposed.target is not aten.permute.default or \
+            list(transposed.args[1]) != [0, 2, 1, 3]:
+        return None
+    k_write = _only_live_user(transposed)
+    written = _cache_write(k_write) if k_write is not None else None
+    if written is None or written[2] is not transposed:
+        return None
+    k_cache, cache_position, _ = written
+    partners = set()
+    for reader in live_users(k_write):
+        if reader.target is aten.copy_.default:
+            continue
+        for node in reader.all_input_nodes:
+            other = _cache_write(node) if node is not k_write else None
+            if other is not None and other[1] is cache_position and other[0] is not k_cache \
+                    and other[0].meta["val"].shape == k_cache.meta["val"].shape:
+                partners.add(node)
+    return (k_write, partners.pop()) if len(partners) == 1 else None
+
+
+GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),)
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,7 +102,12 @@ def test_generate_with_transformers_compile_config():
     greedy tokens and every step's logits are eager's, with a left-padded sequence in the
     batch, and the layers' fusions are made. The decode step attends over the whole cache
     under a boolean mask of the visible positions (a graph input): decode_attention reads the
-    keys it keeps."""
+    keys it keeps. Each layer's rotary writes the rotated k and the new v into the static
+    cache itself (rotary_into_cache), in place: the op runs on the graph's cache inputs and
+    inductor left no copy of a cache."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+    from torch._inductor.utils import run_and_get_code
+
     torch._dynamo.reset()
     model = _tiny_llama(torch.float32)
     ids = torch.randint(1, 96, (2, 7), device=DEVICE)
@@ -117,7 +122,8 @@ def test_generate_with_transformers_compile_config():
         config._compile_all_devices = True  # transformers compiles on GPUs only by default
         model.generation_config.compile_config = config
         gemslib.reset_fusion_report()
-        got = model.generate(ids, **kwargs)
+        ReinplaceCounters.clear()
+        got, codes = run_and_get_code(model.generate, ids, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     for step, (logits, reference) in enumerate(zip(got.logits, expected.logits)):
         error = ((logits - reference).abs().max() / reference.abs().max()).item()
@@ -125,7 +131,11 @@ def test_generate_with_transformers_compile_config():
     fusions = gemslib.fusion_report()
     assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
         fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4 and \
-        fusions["attention"] == 2, fusions
+        fusions["attention"] == 2 and fusions["rotary_into_cache"] == 2, fusions
+    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)",
+                           "\n".join(codes))
+    assert len(on_inputs) == 2 and len({name for pair in on_inputs for name in pair}) == 4
+    assert ReinplaceCounters.get_total_missed_bytes() == 0
 
 
 def test_a_decode_step_whose_attention_splits_a_long_cache_replays_in_cuda_graphs():

@@ -171,6 +171,16 @@ def _looped_softmax(x):
         _backward(gemslib.softmax, x)
 
 
+def _rotary_into_cache(loop_heads):
+    """rotary_into_cache at a decode step's shape (B2, one token, 4 q and 2 kv heads, D 128)."""
+    config = runtime.LaunchConfig((("BLOCK_H", 2), ("LOOP_HEADS", loop_heads)), 4, 1)
+    with rotary_ops.ROTARY.forced(config):
+        torch.ops.gemslib.rotary_into_cache(
+            _bf16(2, 1, 4, 128), _bf16(2, 1, 2, 128), _bf16(2, 1, 2, 128), _bf16(2, 1, 128),
+            _bf16(2, 1, 128), False, torch.tensor([5]), _bf16(2, 2, 16, 128),
+            _bf16(2, 2, 16, 128))
+
+
 # Forward and backward of every operator, on the one-block and looped paths of row kernels,
 # contiguous and strided, in bf16 (and fp32 where the kernel converts).
 CALLS = [
@@ -226,6 +236,9 @@ CALLS = [
     lambda: gemslib.apply_rotary(_bf16(2, 5, 4, 16), _bf16(2, 5, 2, 16), _bf16(9, 6), _bf16(9, 6),
                                  positions=torch.randint(0, 9, (2, 5)), interleaved=True,
                                  inplace=True),
+    # a decode step's rotary writing k and v into a static cache, both program layouts
+    lambda: _rotary_into_cache(loop_heads=0),
+    lambda: _rotary_into_cache(loop_heads=1),
 ]
 
 

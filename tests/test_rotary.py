@@ -1,5 +1,7 @@
 """apply_rotary: layouts, GQA, partial rotary, positions, in place, gradients, custom op."""
 
+import functools
+import re
 
 import pytest
 import torch
@@ -397,6 +399,146 @@ def test_full_table_custom_op_passes_opcheck():
 
 
 # --------------------------------------------------------------------------------------------
+# rotary_into_cache: a decode step's rotary and its static cache's update in one launch
+# --------------------------------------------------------------------------------------------
+
+# (B, S, Hq, Hk, D, rot_dim, cache length, table batch)
+CACHE_CASES = [
+    (2, 1, 4, 2, 16, 16, 9, "B"),        # a decode step, GQA
+    (3, 5, 6, 3, 10, 10, 12, 1),         # several tokens (a prefill into the cache), D = 10
+    (2, 3, 4, 1, 12, 8, 7, "B"),         # MQA, partial rotary: k's last 4 features copied
+    (1, 1, 1, 1, 2, 2, 1, 1),            # one row of one head
+    (2, 0, 4, 2, 8, 8, 5, 1),            # no tokens: the caches stay as they were
+]
+if ON_GPU:
+    CACHE_CASES += [(16, 1, 32, 8, 128, 128, 4096, "B"), (4, 64, 28, 4, 128, 128, 512, 1)]
+
+
+def _cache_inputs(batch, seq, q_heads, k_heads, head_dim, rot_dim, length, table_batch, dtype):
+    """q, k, v as (B, S, H, D) views of head-major tensors (as a model's projections give
+    them), a per-token table with unequal halves, caches full of old values, and distinct
+    rows of the cache for the tokens."""
+    def head_major(heads):
+        return random_tensor((batch, heads, seq, head_dim), dtype, scale=1.0).transpose(1, 2)
+
+    rows = batch if table_batch == "B" else 1
+    angles = torch.rand(rows, seq, rot_dim, device=DEVICE) * 6.3
+    caches = [random_tensor((batch, k_heads, length, head_dim), dtype) for _ in range(2)]
+    positions = torch.randperm(length, device=DEVICE)[:seq]
+    return (head_major(q_heads), head_major(k_heads), head_major(k_heads),
+            angles.cos().to(dtype), angles.sin().to(dtype), positions, *caches)
+
+
+def _cache_reference(q, k, v, cos, sin, interleaved, positions, k_cache, v_cache):
+    """q rotated, and the caches after the update, in float64."""
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    q_ref = rotary_ops.rotary_into_cache_reference(
+        q.double(), k.double(), v.double(), cos.double(), sin.double(), interleaved, positions,
+        k_ref, v_ref)
+    return q_ref, k_ref, v_ref
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CACHE_CASES)
+def test_rotary_into_cache_matches_reference(case, dtype, interleaved):
+    """q rotated into a new tensor; k rotated (its features past rot_dim as they were) and v
+    written into the caches at the tokens' rows; every other row of the caches untouched."""
+    q, k, v, cos, sin, positions, k_cache, v_cache = _cache_inputs(*case, dtype)
+    q_ref, k_ref, v_ref = _cache_reference(q, k, v, cos, sin, interleaved, positions, k_cache,
+                                           v_cache)
+    q_rot = torch.ops.gemslib.rotary_into_cache(q, k, v, cos, sin, interleaved, positions,
+                                                k_cache, v_cache)
+    assert_close_to_reference(q_rot, q_ref, dtype, msg="q")
+    assert_close_to_reference(k_cache, k_ref, dtype, msg="k_cache")
+    torch.testing.assert_close(v_cache, v_ref.to(dtype), rtol=0, atol=0, msg="v_cache")
+
+
+@pytest.mark.parametrize("block_h", [2, 8])
+@pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
+def test_rotary_into_cache_in_both_program_layouts(loop_heads, block_h):
+    """BLOCK_H 2 with 5 query heads and 3 key heads leaves partial blocks of k and v heads,
+    and k and v run out of blocks before q in the looped layout."""
+    q, k, v, cos, sin, positions, k_cache, v_cache = _cache_inputs(2, 3, 5, 3, 12, 12, 6, "B",
+                                                                   torch.float32)
+    q_ref, k_ref, v_ref = _cache_reference(q, k, v, cos, sin, False, positions, k_cache, v_cache)
+    config = runtime.LaunchConfig((("BLOCK_H", block_h), ("LOOP_HEADS", loop_heads)), 2, 1)
+    with rotary_ops.ROTARY.forced(config):
+        q_rot = torch.ops.gemslib.rotary_into_cache(q, k, v, cos, sin, False, positions,
+                                                    k_cache, v_cache)
+    assert_close_to_reference(q_rot, q_ref, torch.float32)
+    assert_close_to_reference(k_cache, k_ref, torch.float32)
+    torch.testing.assert_close(v_cache, v_ref.float(), rtol=0, atol=0)
+
+
+def test_rotary_into_cache_passes_opcheck():
+    """The schema's mutations (k_cache, v_cache) and the fake are what the op does."""
+    for interleaved in (False, True):
+        args = _cache_inputs(2, 2, 4, 2, 16, 16, 5, "B", torch.float32)
+        q, k, v, cos, sin, positions, k_cache, v_cache = args
+        torch.library.opcheck(torch.ops.gemslib.rotary_into_cache,
+                              (q, k, v, cos, sin, interleaved, positions, k_cache, v_cache))
+
+
+def test_rotary_into_cache_bad_input_names_the_argument():
+    q, k, v, cos, sin, positions, k_cache, v_cache = _cache_inputs(2, 2, 4, 2, 16, 16, 5, "B",
+                                                                   torch.float32)
+    op = torch.ops.gemslib.rotary_into_cache
+
+    def call(**changed):
+        args = dict(q=q, k=k, v=v, cos=cos, sin=sin, interleaved=False,
+                    cache_position=positions, k_cache=k_cache, v_cache=v_cache)
+        args.update(changed)
+        return op(*args.values())
+
+    with pytest.raises(ValueError, match="rotary_into_cache: k_cache must be"):
+        call(k_cache=k_cache[:, :1])
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        call(v=v[:, :, :1])
+    with pytest.raises(ValueError, match="v_cache must be torch.float32"):
+        call(v_cache=v_cache.half())
+    with pytest.raises(ValueError, match="per-token"):
+        call(cos=cos[0], sin=sin[0])
+    with pytest.raises(TypeError, match=r"cache_position must be \(2,\) integers"):
+        call(cache_position=positions.float())
+    with pytest.raises(TypeError, match=r"cache_position must be \(2,\) integers"):
+        call(cache_position=positions[:1])
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        call(v_cache=k_cache)
+    buffer = torch.randn(2, 4, 5, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_cache shares memory with k"):
+        call(k=buffer[:, 2:4].transpose(1, 2)[:, :2], k_cache=buffer[:, :2])
+
+
+_BAD_CACHE_ROW_ON_GPU = r"""
+import torch, gemslib
+k_cache, v_cache = torch.zeros(2, 2, 8, 16, device="cuda"), torch.zeros(2, 2, 8, 16, device="cuda")
+q, k, v = torch.randn(2, 1, 4, 16, device="cuda"), torch.randn(2, 1, 2, 16, device="cuda"), torch.randn(2, 1, 2, 16, device="cuda")
+angles = torch.rand(2, 1, 16, device="cuda")
+torch.ops.gemslib.rotary_into_cache(q, k, v, angles.cos(), angles.sin(), False,
+                                    torch.tensor([ROW], device="cuda"), k_cache, v_cache)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("row", [8, -1])
+def test_a_cache_row_outside_the_cache_is_an_error(row):
+    """A cache_position outside [0, L) never writes outside the caches: on the CPU an
+    IndexError; on a GPU the kernel's device-side assert (in a subprocess)."""
+    if ON_GPU:
+        assert_device_side_assert(_BAD_CACHE_ROW_ON_GPU.replace("ROW", str(row)),
+                                  "cache_position must be in [0, the cache's length)")
+        return
+    q, k, v, cos, sin, _, k_cache, v_cache = _cache_inputs(2, 1, 4, 2, 16, 16, 8, "B",
+                                                           torch.float32)
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(IndexError, match=r"cache_position must be in \[0, 8\)"):
+        torch.ops.gemslib.rotary_into_cache(q, k, v, cos, sin, False,
+                                            torch.tensor([row], device=DEVICE), k_cache, v_cache)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+# --------------------------------------------------------------------------------------------
 # Graph pattern: torch.compile(backend="gemslib") turns transformers' rotary into the op
 # --------------------------------------------------------------------------------------------
 
@@ -556,3 +698,70 @@ def test_the_check_alone_refuses_every_other_computation():
         assert not _check_on_trace(q_, k_, cos_, sin), tuple(cos_.shape)
     assert not _check_on_trace(q, k.float(), cos, sin)        # q and k of two dtypes
     assert not _check_on_trace(q, k, cos, sin, k_is_q=True)   # one tensor matched twice
+
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite: a decode step's rotary and its static cache's update -> rotary_into_cache
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask, form="static cache"):
+    """A decode step as transformers' static cache writes it: q, k (B, H, S, D) rotated by a
+    per-token table (B, S, D), k and v written into (B, H, L, D) caches at rows ``positions``
+    (in place: graph inputs copied back), and attention over the caches under a mask.
+    ``form``: the step itself, or a look-alike the rewrite must leave alone."""
+    q_rot, k_rot = _rope(q, k, cos, sin)
+    k_cache[:, :, positions] = k_rot
+    v_cache[:, :, positions if form != "v at other rows" else positions.flip(0)] = v
+    if form == "k written with accumulation":
+        k_cache.index_put_((torch.arange(k.shape[0], device=k.device)[:, None, None],
+                            torch.arange(k.shape[1], device=k.device)[None, :, None],
+                            positions[None, None, :]), k_rot, accumulate=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q_rot, k_cache, v_cache,
+                                                           attn_mask=mask)
+    if form == "rotated k read again":
+        return out, k_rot.sum()
+    return out
+
+
+_CACHE_STEP_FORMS = {"static cache": 1, "v at other rows": 0, "rotated k read again": 0,
+                     "k written with accumulation": 0}
+
+
+@pytest.mark.parametrize("form", sorted(_CACHE_STEP_FORMS))
+def test_a_static_cache_update_goes_into_the_rotary_launch(form):
+    """Only a rotated k read by nothing but its cache's update, paired with v's update at the
+    same rows that the same attention reads, becomes rotary_into_cache; every form gives
+    eager's outputs and caches, and the fused form updates the caches in place (inductor
+    reinplaced it: no copy of a cache, and the op runs on the graph's cache inputs)."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    ReinplaceCounters.clear()
+    dtype = torch.float32
+    q, k, v = (random_tensor((2, 2, 3, 16), dtype, scale=1.0) for _ in range(3))
+    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    caches = [random_tensor((2, 2, 9, 16), dtype) for _ in range(2)]
+    positions = torch.tensor([4, 2, 7], device=DEVICE)
+    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
+    mask[..., 0] = True
+    expected_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        expected = _cache_step(q, k, v, cos, sin, *expected_caches, positions, mask, form)
+        compiled = torch.compile(functools.partial(_cache_step, form=form), backend="gemslib",
+                                 fullgraph=True)
+        got, (code,) = run_and_get_code(compiled, q, k, v, cos, sin, *caches, positions, mask)
+    fused = _CACHE_STEP_FORMS[form]
+    assert gemslib.fusion_report().get("rotary_into_cache", 0) == fused, gemslib.fusion_report()
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    for got_tensor, want in zip(torch.utils._pytree.tree_leaves(got),
+                                torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
+    for cache, want in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
+    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
+    assert len(on_inputs) == fused, code
+    assert ReinplaceCounters.get_total_missed_bytes() == 0
