@@ -24,9 +24,14 @@ rotation of the incoming gradients (per pair [[cos_a, -sin_a], [sin_b, cos_b]]^T
 sin_b swap and change sign; with a half table, the inverse rotation sin -> -sin).
 
 q is (B, S, Hq, D) or (T, Hq, D), k the same with Hk heads (GQA); any strides with a unit last
-stride, so a transposed (B, H, S, D) view works without a copy. The file reads top-down:
-kernel, launcher, reference, public function and custom ops, graph patterns
-(torch.compile(backend="gemslib")), self-checks, tuning.
+stride, so a transposed (B, H, S, D) view works without a copy.
+
+``torch.ops.gemslib.rotary_into_cache`` is the same launch for a decode step over a static
+KV cache: q rotated into a new tensor, k rotated and v copied straight into the caches
+(B, Hk, L, D) at the tokens' rows, which the graph rewrite below substitutes for the rotary
+and the cache's update. The file reads top-down: kernel, launcher, reference, public function
+and custom ops, graph patterns and rewrite (torch.compile(backend="gemslib")), self-checks,
+tuning.
 """
 
 from __future__ import annotations
@@ -847,7 +852,6 @@ GRAPH_PATTERNS = (
     GraphPattern("rotary", _interleaved_rotary, _replacement(True), _pattern_inputs,
                  check=functools.partial(_is_rotary, rotations=_pair_rotations), stage=-1),
 )
-
 
 
 def _cache_write(node):
