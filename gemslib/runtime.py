@@ -39,14 +39,14 @@ SCHEMA_VERSION = 1
 _LAUNCH_KEYS = ("num_warps", "num_stages")
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
+def env_flag(name: str, default: bool = False) -> bool:
     return os.environ.get(name, "1" if default else "").strip().lower() in ("1", "true", "yes",
                                                                              "on")
 
 
 # Triton decides at decoration time whether @triton.jit builds interpreted functions, so the
 # mode is frozen when gemslib is imported, exactly like the kernels themselves.
-INTERPRETER: bool = _env_flag("TRITON_INTERPRET")
+INTERPRETER: bool = env_flag("TRITON_INTERPRET")
 
 
 def device_type() -> str:
@@ -115,7 +115,7 @@ NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ (gem
 # ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
 # and waits in griddepcontrol.wait before touching memory (0.6 us a boundary on the H200,
 # NOTES). GEMSLIB_PDL=0 launches them plain
-DEPENDENT_LAUNCH: bool = _env_flag("GEMSLIB_PDL", default=True)
+DEPENDENT_LAUNCH: bool = env_flag("GEMSLIB_PDL", default=True)
 
 
 @functools.cache

@@ -895,10 +895,13 @@ def _fuse_cache_writes(graph: torch.fx.Graph, real_value) -> list[str]:
     positions that the same attention reads -> ``rotary_into_cache``: the rotated k and v are
     written into the caches by the rotary's launch, in place (``auto_functionalized``, which
     inductor reinplaces since the graph copies the update back into the cache), and the two
-    index_put kernels and the rotated k's own tensor are gone."""
+    index_put kernels and the rotated k's own tensor are gone. GEMSLIB_ROTARY_INTO_CACHE=0
+    (read at each compile) leaves the updates to inductor."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
     aten, sites = torch.ops.aten, []
+    if not runtime.env_flag("GEMSLIB_ROTARY_INTO_CACHE", default=True):
+        return sites
     for rotary in graph.find_nodes(op="call_function", target=torch.ops.gemslib.rotary.default):
         first, second, cos, sin, positions, interleaved, inverse = rotary.args
         if positions is not None or inverse or cos.meta["val"].dim() != 3:

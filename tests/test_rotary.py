@@ -765,3 +765,26 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
     on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
     assert len(on_inputs) == fused, code
     assert ReinplaceCounters.get_total_missed_bytes() == 0
+
+
+def test_the_cache_write_rewrite_can_be_switched_off(monkeypatch):
+    """GEMSLIB_ROTARY_INTO_CACHE=0 (read when a graph compiles) leaves the static cache's
+    update to inductor: the rotary is still gemslib's, the results still eager's."""
+    monkeypatch.setenv("GEMSLIB_ROTARY_INTO_CACHE", "0")
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q, k, v = (random_tensor((2, 2, 1, 16), torch.float32, scale=1.0) for _ in range(3))
+    angles = torch.rand(2, 1, 16, device=DEVICE) * 6.3
+    caches = [random_tensor((2, 2, 5, 16), torch.float32) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    positions, mask = torch.tensor([3], device=DEVICE), torch.ones(2, 1, 1, 5, dtype=torch.bool,
+                                                                   device=DEVICE)
+    args = (q, k, v, angles.cos(), angles.sin())
+    with torch.no_grad():
+        expected = _cache_step(*args, *expected_caches, positions, mask)
+        got = torch.compile(_cache_step, backend="gemslib", fullgraph=True)(
+            *args, *caches, positions, mask)
+    assert gemslib.fusion_report() == {"rotary": 1, "attention": 1}, gemslib.fusion_report()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for cache, want in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
