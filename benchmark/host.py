@@ -81,7 +81,7 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     gate_up_weight = torch.randn(2 * 4864, 896, **bf16) / 30
     # transformers' per-token table for one token of each sequence: (B, 1, D) halves repeated
     table_angles = torch.cat([angles[:16, None]] * 2, dim=-1)
-    cos_table, sin_table = table_angles.cos().to(torch.bfloat16), table_angles.sin().to(torch.bfloat16)
+    cos_table, sin_table = (f(table_angles).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     # backward inputs: an incoming gradient, and what the forward saved
     grad_hidden = torch.randn(16, 4096, **bf16)
     probs, log_probs = torch.softmax(logits, -1), torch.log_softmax(logits, -1)

@@ -104,15 +104,16 @@ def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, 
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads,
+    x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, n_heads_out,
     b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
-    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head."""
+    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head. Heads
+    past n_heads_out are read but not written."""
     b_xa, b_xb = _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs, INTERLEAVED,
                              BLOCK_H, BLOCK_R)
-    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
+    _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads_out, b_xa, b_xb,
                  b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST,
                  BLOCK_H, BLOCK_R, BLOCK_REST)
 
@@ -250,15 +251,13 @@ def _rotary_kernel(
         i_h = tl.program_id(1)
         if i_h < n_q_blocks:
             _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
-                          i_h * BLOCK_H, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs,
-                          head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          i_h * BLOCK_H, n_q_heads, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
+                          n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
             i_hk = (i_h - n_q_blocks) * BLOCK_H
-            b_ka, b_kb = _load_heads(p_k, stride_k_h, i_hk, n_k_heads, n_pairs, INTERLEAVED,
-                                     BLOCK_H, BLOCK_R)
-            _store_heads(p_k, p_k_out, stride_k_h, stride_k_out_h, i_hk, n_k_heads_out,
-                         b_ka, b_kb, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
-                         INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+            _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h, i_hk, n_k_heads,
+                          n_k_heads_out, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
+                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
             if v_ptr is not None:
                 _copy_heads(p_v, p_v_out, stride_v_h, stride_v_out_h, i_hk, n_k_heads,
                             n_k_heads_out, head_dim, BLOCK_H, BLOCK_D)
@@ -912,9 +911,7 @@ def _fuse_cache_writes(graph: torch.fx.Graph, real_value) -> list[str]:
             site = _cache_write_site(outputs.get(which))
             if site is None or outputs.get(1 - which) is None:
                 continue
-            k_write, v_write = site
-            k_cache, cache_position, _ = _cache_write(k_write)
-            v_cache, _, v_values = _cache_write(v_write)
+            (k_write, (k_cache, cache_position, _)), (v_write, (v_cache, _, v_values)) = site
             inputs = (first, second)
             dtype = inputs[which].meta["val"].dtype
             if any(node.meta["val"].dtype != dtype
@@ -942,9 +939,10 @@ def _fuse_cache_writes(graph: torch.fx.Graph, real_value) -> list[str]:
 
 
 def _cache_write_site(rotated):
-    """(k's cache write, v's) when ``rotated`` (one output of a rotary, (B, S, Hk, D)) is read
-    only by its transpose back to (B, Hk, S, D), read only by a static cache's update, whose
-    reader (the attention) also reads the update of another cache at the same positions."""
+    """((k's cache write, its :func:`_cache_write`), (v's, its)) when ``rotated`` (one output
+    of a rotary, (B, S, Hk, D)) is read only by its transpose back to (B, Hk, S, D), read only
+    by a static cache's update, whose reader (the attention) also reads the update of another
+    cache at the same positions."""
     aten = torch.ops.aten
     if rotated is None:
         return None
@@ -957,7 +955,7 @@ def _cache_write_site(rotated):
     if written is None or written[2] is not transposed:
         return None
     k_cache, cache_position, _ = written
-    partners = set()
+    partners = {}
     for reader in live_users(k_write):
         if reader.target is aten.copy_.default:
             continue
@@ -965,8 +963,8 @@ def _cache_write_site(rotated):
             other = _cache_write(node) if node is not k_write else None
             if other is not None and other[1] is cache_position and other[0] is not k_cache \
                     and other[0].meta["val"].shape == k_cache.meta["val"].shape:
-                partners.add(node)
-    return (k_write, partners.pop()) if len(partners) == 1 else None
+                partners[node] = other
+    return ((k_write, written), *partners.items()) if len(partners) == 1 else None
 
 
 GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),)
