@@ -1,5 +1,8 @@
 """Test setup: pick the device, and run the kernels in the Triton interpreter without a GPU.
 
+What tests share (the device, random inputs, ...) is in ``helpers.py``; this file holds the
+setup and the fixtures.
+
 TRITON_INTERPRET must be set before Triton decorates gemslib's kernels, i.e. before gemslib is
 imported, so this happens at the top of the conftest, ahead of every test module.
 """
@@ -21,10 +24,7 @@ if not torch.cuda.is_available():
 
 import gemslib  # noqa: E402  (after the interpreter decision)
 from gemslib import runtime  # noqa: E402
-
-DEVICE = torch.device(runtime.device_type())
-ON_GPU = not runtime.INTERPRETER
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from helpers import DEVICE, ON_GPU  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -43,27 +43,3 @@ def _fresh_state():
 @pytest.fixture
 def device():
     return DEVICE
-
-
-def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
-    """Fresh normal samples times ``scale`` (covers silu's saturated tails)."""
-    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)
-
-
-def poisoned(shape, dtype, device=DEVICE):
-    """An output buffer full of NaN, so an element the kernel does not write shows up."""
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def assert_device_side_assert(script: str, message: str) -> None:
-    """Run ``script`` (which makes a kernel meet a bad value on the GPU) in a fresh process,
-    since a device-side assert leaves the CUDA context unusable, and check that it failed with
-    one, printing ``message``."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode != 0
-    assert "device-side assert" in done.stderr, done.stderr[-2000:]
-    assert message in done.stdout + done.stderr, done.stderr[-2000:]

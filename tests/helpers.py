@@ -1,0 +1,38 @@
+"""What the tests share: the device they run on, the dtypes, fresh random inputs, poisoned
+outputs, the repository's root. Imported as ``helpers`` (pytest puts ``tests/`` on the path);
+the conftest has already chosen the interpreter or the GPU by the time a test imports it."""
+
+from pathlib import Path
+
+import torch
+
+from gemslib import runtime
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEVICE = torch.device(runtime.device_type())
+ON_GPU = not runtime.INTERPRETER
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
+    """Fresh normal samples times ``scale`` (covers silu's saturated tails)."""
+    return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def poisoned(shape, dtype, device=DEVICE):
+    """An output buffer full of NaN, so an element the kernel does not write shows up."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_device_side_assert(script: str, message: str) -> None:
+    """Run ``script`` (which makes a kernel meet a bad value on the GPU) in a fresh process,
+    since a device-side assert leaves the CUDA context unusable, and check that it failed with
+    one, printing ``message``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert "device-side assert" in done.stderr, done.stderr[-2000:]
+    assert message in done.stdout + done.stderr, done.stderr[-2000:]

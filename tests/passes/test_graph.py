@@ -1,0 +1,616 @@
+"""Graph passes: torch.compile(backend="gemslib") replaces the forms models write with
+gemslib's operators, only where the matched site is that computation."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemslib
+from helpers import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+
+_FAMILIES = {  # transformers' config and model classes, by family
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),       # q, k, v with biases
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
+def _tiny_model(dtype, family="llama", layers=2, eps=1e-5):
+    config_name, model_name = _FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=eps)
+    torch.manual_seed(0)
+    return _away_from_identity(getattr(transformers, model_name)(config).to(DEVICE, dtype).eval())
+
+
+def _away_from_identity(model):
+    """Norm weights away from 1, so a dropped weight would show; biases away from 0."""
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def _tiny_llama(dtype, layers=2, eps=1e-5):
+    return _tiny_model(dtype, "llama", layers, eps)
+
+
+def _decoder_fusions(layers):
+    """What the decoder layers of these families fuse: each layer's q/k/v and gate/up
+    projections (two merged_linear), silu_and_mul, the rotary of q and k, and attention (its
+    causal mask proven); the attention's residual add with the
+    MLP's norm in each layer, and the next layer's input norm (or the final norm) with the
+    MLP's residual add; the first layer's input norm, with no add before it, alone."""
+    return {"rms_norm": 1, "add_rms_norm": 2 * layers, "merged_linear": 2 * layers,
+            "silu_and_mul": layers, "attention": layers, "rotary": layers}
+
+
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decoder_layers_run_on_gemslib_fusions(family, dtype):
+    """Every fusion at every layer of a tiny Llama, Qwen2 and Mistral, and logits that stay
+    eager's within the dtype's rounding; the eager model, on its merged parameters after the
+    compile, gives exactly what it gave before."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(dtype, family)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids).logits.float()
+        again = model(ids).logits.float()
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(again, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dynamic_shapes_keep_every_fusion(dtype):
+    """With ``dynamic=True`` one graph serves every sequence length (the causal mask is then
+    symbolic) and dynamo makes the norms' float epsilon a graph input: every fusion is still
+    made, once, and each length's logits are eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(dtype, "qwen2")
+    compiled = torch.compile(model, backend="gemslib", fullgraph=True, dynamic=True)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for length in (5, 9, 13):
+            ids = torch.randint(0, 96, (2, length), device=DEVICE)
+            expected = model(ids).logits.float()
+            logits = compiled(ids).logits.float()
+            error = ((logits - expected).abs().max() / expected.abs().max()).item()
+            assert error <= tolerance, f"length {length}: max error {error:.2e}"
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
+def test_generate_with_transformers_compile_config():
+    """transformers' ``CompileConfig(backend="gemslib")`` compiles generate()'s decode step on a
+    static cache (its default mode, reduce-overhead, puts it in CUDA graphs on a GPU): the
+    greedy tokens and every step's logits are eager's, with a left-padded sequence in the
+    batch, and the layers' fusions are made. The decode step attends over the whole cache
+    under a boolean mask of the visible positions (a graph input): decode_attention reads the
+    keys it keeps. Each layer's rotary writes the rotated k and the new v into the static
+    cache itself (rotary_into_cache), in place: the op runs on the graph's cache inputs and
+    inductor left no copy of a cache."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(1, 96, (2, 7), device=DEVICE)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # the second sequence is 4 tokens, padded on the left
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False,
+                  cache_implementation="static", pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on GPUs only by default
+        model.generation_config.compile_config = config
+        gemslib.reset_fusion_report()
+        ReinplaceCounters.clear()
+        got, codes = run_and_get_code(model.generate, ids, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (logits, reference) in enumerate(zip(got.logits, expected.logits)):
+        error = ((logits - reference).abs().max() / reference.abs().max()).item()
+        assert error <= 1e-4, f"step {step}: max error {error:.2e}"
+    fusions = gemslib.fusion_report()
+    assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
+        fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4 and \
+        fusions["attention"] == 2 and fusions["rotary_into_cache"] == 2, fusions
+    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)",
+                           "\n".join(codes))
+    assert len(on_inputs) == 2 and len({name for pair in on_inputs for name in pair}) == 4
+    assert ReinplaceCounters.get_total_missed_bytes() == 0
+
+
+def test_a_decode_step_whose_attention_splits_a_long_cache_replays_in_cuda_graphs():
+    """One Qwen2 sequence (q, k, v with biases) in a 320-long static cache, its decode step
+    compiled with reduce-overhead: on a GPU the decode kernel splits the cache over programs
+    that merge through kept scratch memory, which must not come from the CUDA graphs' pool
+    (torch's graph trees check that it holds only their outputs). The steps' logits are
+    eager's."""
+    torch._dynamo.reset()
+    model = _tiny_model(torch.float32, "qwen2")
+    ids = torch.randint(1, 96, (1, 7), device=DEVICE)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True
+        model.generation_config.compile_config = config
+        gemslib.reset_fusion_report()
+        for _ in range(2):  # the second generate replays the recorded graphs
+            cache = transformers.StaticCache(config=model.config, max_cache_len=320)
+            got = model.generate(ids, past_key_values=cache, **kwargs)
+            assert torch.equal(got.sequences, expected.sequences)
+            for step, (logits, reference) in enumerate(zip(got.logits, expected.logits)):
+                error = ((logits - reference).abs().max() / reference.abs().max()).item()
+                assert error <= 1e-4, f"step {step}: max error {error:.2e}"
+    assert gemslib.fusion_report()["attention"] == 2, gemslib.fusion_report()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "default"])
+def test_inductor_modes_keep_the_fusions(mode):
+    """The backend takes inductor's modes (reduce-overhead: CUDA graphs on a GPU)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True, mode=mode)
+        for _ in range(3):  # CUDA graphs record on a later call and replay after
+            logits = compiled(ids).logits.clone()
+            assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+    assert gemslib.fusion_report() == _decoder_fusions(2), gemslib.fusion_report()
+
+
+def test_one_sequence_s_packed_sequence_mask_is_proven_causal():
+    """For one sequence transformers adds a packed-sequence test of its positions to the
+    causal mask (a cumsum over position steps); computed at compile time it is causal."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32)
+    ids = torch.randint(0, 96, (1, 13), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids, logits_to_keep=1).logits
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids, logits_to_keep=1).logits
+    assert gemslib.fusion_report()["attention"] == 2, gemslib.fusion_report()
+    assert torch.allclose(logits, expected, atol=1e-4 * expected.abs().max().item())
+
+
+def test_attention_under_a_window_or_padding_is_left_to_inductor():
+    """A sliding window that hides keys (Mistral's, shorter than the sequence) and a padding
+    mask are not the kernel's causal mask: their SDPA stays inductor's, and the logits eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model(torch.float32, "mistral")
+    model.config.sliding_window = 4
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0  # the first sequence left-padded
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": padding}):
+            expected = model(ids, **kwargs).logits
+            torch._dynamo.reset()
+            logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids, **kwargs).logits
+            assert torch.allclose(logits[:, 3:], expected[:, 3:], atol=1e-4), kwargs
+    assert "attention" not in gemslib.fusion_report(), gemslib.fusion_report()
+    assert gemslib.fusion_report()["merged_linear"] == 2 * 2 * 2
+
+
+class _LookAlikeNorms(torch.nn.Module):
+    """Forms that trace like transformers' RMSNorm but compute something else."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.row = torch.nn.Parameter(torch.rand(1, width) + 0.5)
+
+    def forward(self, x):
+        def norm(h, weight, dim=-1, power=2):
+            dtype = h.dtype
+            h = h.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(power).mean(dim, keepdim=True) + 1e-6)
+            return weight * h.to(dtype)
+        gemma = norm(x, 1 + self.weight)              # (1 + w): another weight, a 1-d one
+        columns = norm(x, self.weight[0], dim=0)      # over the other dim
+        fourth = norm(x, self.weight, power=4)        # another exponent
+        broadcast = norm(x, self.row)                 # a (1, N) weight
+        upcast = norm(x, self.weight.float())         # an fp32 weight: an fp32 result
+        shifted = norm(self.row + x, self.weight)     # a broadcast add: the norm alone fuses
+        return gemma, columns, fourth, broadcast, upcast, shifted
+
+
+def test_look_alike_forms_are_left_alone():
+    """Only the (1 + w) form (the same computation with another weight) and the norm after a
+    broadcast add (the add itself is no add_rms_norm) are replaced; every result stays
+    eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _LookAlikeNorms(24).to(DEVICE, torch.float16)
+    _assert_compiled_is_eager_s(module, torch.randn(5, 24, device=DEVICE, dtype=torch.float16),
+                                fusions={"rms_norm": 2})
+
+
+def _assert_compiled_is_eager_s(module, x, fusions):
+    """The module compiled with the backend reports ``fusions`` and returns eager's results:
+    same dtypes and shapes, values within 16-bit rounding of the largest."""
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    assert gemslib.fusion_report() == fusions, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+
+
+def test_the_backend_is_found_by_name_without_importing_gemslib():
+    script = ("import sys, torch\n"
+              "f = torch.compile(lambda x: x * 2, backend='gemslib')\n"
+              "assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))\n"
+              "print('gemslib' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd="/", timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_mode_and_options_are_inductor_s():
+    with pytest.raises(RuntimeError, match="either mode or options"):
+        gemslib.graph.backend(None, [], mode="max-autotune", options={"a": 1})
+    with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
+        gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
+
+
+def test_the_merged_projection_feeds_rotary_and_attention_without_copies():
+    """q, k and v reach the rotary and attention ops as views of the merged q | k | v output
+    (its rows are q, k and v wide together), not as copies inductor makes for a layout recorded
+    before the projections were merged."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32, layers=1)
+    ids = torch.randint(0, 96, (1, 16), device=DEVICE)
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(torch.compile(model, backend="gemslib", fullgraph=True),
+                                         ids)
+    calls = {op: next(line for line in code.splitlines() if f"gemslib.{op}.default(" in line)
+             for op in ("merged_linear", "rotary", "attention")}
+    width = 64 + 2 * 32  # q, then k and v of two 16-wide heads
+    row_views = re.findall(r"reinterpret_tensor\((buf\d+), \([\d, ]+\), \((\d+), (\d+), (\d+), 1\)",
+                           calls["rotary"])
+    assert len(row_views) == 2, calls["rotary"]  # q and k: (B, S, H, D) views of token rows
+    assert all(int(token) == width for _, _, token, _ in row_views), calls["rotary"]
+    assert len({buffer for buffer, *_ in row_views}) == 1, calls["rotary"]
+    value = re.findall(r"reinterpret_tensor\((buf\d+), \(1, 2, 16, 16\), \((\d+), 16, (\d+), 1\), 96\)",
+                       calls["attention"])
+    assert value and int(value[0][2]) == width, calls["attention"]  # v, head-major view
+
+
+@pytest.mark.parametrize("options, padding", [(None, False), ({"shape_padding": True}, True)])
+def test_matmuls_keep_their_shape_unless_padding_is_asked_for(monkeypatch, options, padding):
+    """The backend turns inductor's shape padding off (its GPU timings would decide per run
+    whether a projection still reads as one), unless the options ask for it."""
+    seen = []
+    call = gemslib.graph.GemslibPasses.__call__
+
+    def recording(self, graph):
+        seen.append(torch._inductor.config.shape_padding)
+        return call(self, graph)
+
+    monkeypatch.setattr(gemslib.graph.GemslibPasses, "__call__", recording)
+    torch._dynamo.reset()
+    x, w = torch.randn(5, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    f = torch.compile(lambda x, w: x @ w, backend="gemslib", options=options)
+    assert torch.allclose(f(x, w), x @ w)
+    assert seen == [padding]
+
+
+def test_a_training_graph_keeps_its_gradients():
+    """With gradients the forward's intermediates are saved for the backward, so a norm can
+    only be replaced where the backward does not read inside it; the gradients stay eager's."""
+    _assert_compiled_gradients_are_eager_s(_tiny_llama(torch.float32, layers=1))
+
+
+def _assert_compiled_gradients_are_eager_s(model):
+    torch._dynamo.reset()
+    ids = torch.randint(3, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+def test_a_training_graph_of_layers_sharing_one_table_compiles():
+    """Every layer of a model rotates by one cos/sin table, so the q of one layer and the k of
+    an earlier one look like one rotary site; in a training graph's order the matcher offered
+    such a pair, and one launch for both would have needed its own output (a cycle: the
+    compile failed). Such a pair is refused; the gradients stay eager's."""
+    config = transformers.AutoConfig.for_model(
+        "phi3", vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32)
+    _assert_compiled_gradients_are_eager_s(model)
+
+
+class _FunctionalNorms(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        F = torch.nn.functional
+        return (F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5),
+                F.rms_norm(x, (x.shape[-1],), None, None),
+                F.rms_norm(x, x.shape[-2:], None, 1e-5),                 # two dims: left alone
+                x.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * x)   # 16-bit statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_functional_rms_norm_with_and_without_weight(dtype):
+    """F.rms_norm over the last dim, with a weight or none and any eps, becomes rms_norm; over
+    two dims it does not, nor does a norm computed without the fp32 upcast in 16 bits."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalNorms(24).to(DEVICE, dtype)
+    # the last form is an RMSNorm too when x is fp32, written in an order no pattern has yet
+    _assert_compiled_is_eager_s(module, torch.randn(3, 5, 24, device=DEVICE, dtype=dtype),
+                                fusions={"rms_norm": 2})
+
+
+class _GatedUp(torch.nn.Module):
+    """``silu(gate) * up`` over the columns of one (merged) projection output, the ways models
+    take them apart: chunk, split, split_with_sizes, open slices, or the gate/up columns of a
+    projection wider still (a parallel block's q | k | v | gate | up); and look-alikes that
+    compute something else: silu of the second half, a split over another dim, an up of
+    another width."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, h):
+        F = torch.nn.functional
+        n = h.shape[-1] // 2
+        if self.form == "chunk":                      # Phi-3, GLM: up * act(gate)
+            gate, up = h.chunk(2, dim=-1)
+            return up * F.silu(gate)
+        if self.form == "split":
+            gate, up = h.split(n, dim=-1)
+            return F.silu(gate) * up
+        if self.form == "split_with_sizes":
+            gate, up = h.split([n, n], dim=-1)
+            return F.silu(gate) * up
+        if self.form == "open_slices":
+            return F.silu(h[..., :n]) * h[..., n:]
+        if self.form == "inner_columns":              # columns 8:24 and 24:40 of a 48-wide row
+            _, gate, up, _ = h.split([8, 16, 16, 8], dim=-1)
+            return F.silu(gate) * up
+        if self.form == "silu_of_second":
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(up) * gate
+        if self.form == "other_dim":
+            gate, up = h.chunk(2, dim=1)
+            return F.silu(gate) * up
+        gate, up = h.split([20, 28], dim=-1)          # "other_width"
+        return F.silu(gate) * up[..., :20]
+
+
+@pytest.mark.parametrize("form, fused", [
+    ("chunk", True), ("split", True), ("split_with_sizes", True), ("open_slices", True),
+    ("inner_columns", True), ("silu_of_second", False), ("other_dim", False),
+    ("other_width", False)])
+def test_silu_times_up_over_columns_of_one_output_runs_silu_and_mul(form, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    h = torch.randn(3, 48, 48, device=DEVICE, dtype=torch.float16)
+    _assert_compiled_is_eager_s(_GatedUp(form), h, fusions={"silu_and_mul": 1} if fused else {})
+
+
+def _pair_rotation(x, negate_odd=True, pair_dim=-1):
+    first, second = (-x[..., 1::2], x[..., ::2]) if negate_odd else (-x[..., ::2], x[..., 1::2])
+    return torch.stack((first, second), dim=pair_dim).flatten(-2)
+
+
+class _InterleavedRotary(torch.nn.Module):
+    """GLM's / Helium's rotary (the interleaved rotate_half, the table's first half repeated
+    per pair), on q and k (B, H, S, D), with and without the pass-through features of a
+    partial rotary; and look-alikes: the other pair element negated (the inverse rotation),
+    the pairs stacked on another dim (another layout)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        rotation = {"inverse": lambda x: _pair_rotation(x, negate_odd=False),
+                    "other_layout": lambda x: _pair_rotation(x, pair_dim=-2)}.get(
+                        self.form, _pair_rotation)
+        if self.form == "partial":
+            rotated = cos.shape[-1] // 2
+            cos, sin = cos[..., :rotated], sin[..., :rotated]
+            (q, q_pass), (k, k_pass) = q.split([rotated, rotated], -1), k.split([rotated, rotated], -1)
+            return (torch.cat([q * cos + rotation(q) * sin, q_pass], -1),
+                    torch.cat([k * cos + rotation(k) * sin, k_pass], -1))
+        return q * cos + rotation(q) * sin, k * cos + rotation(k) * sin
+
+
+@pytest.mark.parametrize("form, fused", [
+    ("full", True), ("partial", True), ("inverse", False), ("other_layout", False)])
+def test_interleaved_rotary_runs_rotary(form, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _InterleavedRotary(form)
+    q, k = (torch.randn(2, heads, 5, 16, device=DEVICE) for heads in (4, 2))
+    cos, sin = (torch.randn(1, 5, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report() == ({"rotary": 1} if fused else {}), gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+class _NormedAfterRotary(torch.nn.Module):
+    """Hunyuan's attention input: the rotary of q and k, then an RMSNorm of each head; the
+    rotary's final add must stay the rotary's (not read as a residual add + RMSNorm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_norm = torch.nn.RMSNorm(16, eps=1e-6)
+        self.k_norm = torch.nn.RMSNorm(16, eps=1e-6)
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return self.q_norm(q), self.k_norm(k)
+
+
+def test_the_rotary_is_matched_before_the_norms_after_it():
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _NormedAfterRotary().to(DEVICE)
+    q, k = (torch.randn(2, heads, 5, 16, device=DEVICE) for heads in (4, 2))
+    cos, sin = (torch.randn(1, 5, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report() == {"rotary": 1, "rms_norm": 2}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+# families beyond the three the benchmarks are shaped like, with what each computes in the
+# forms the passes know: Phi-3 (q/k/v and gate/up merged in its weights: chunked gate/up),
+# Qwen3 (an RMSNorm of q's and k's heads), Hunyuan (the norms after the rotary), GLM (the
+# interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
+# projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
+# computed in fp32, a GELU MLP: neither fused)
+_OTHER_FAMILIES = {
+    "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
+    "qwen3": {**_decoder_fusions(2), "rms_norm": 5},
+    "hunyuan_v1_dense": {**_decoder_fusions(2), "rms_norm": 5},
+    "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2, "attention": 2,
+            "silu_and_mul": 2},
+    "cohere": {"merged_linear": 2, "rotary": 2, "attention": 2, "silu_and_mul": 2},
+    "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(_OTHER_FAMILIES))
+def test_other_families_stay_right_and_fuse_what_they_compute(family):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = _away_from_identity(
+        transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.float32).eval())
+    ids = torch.randint(3, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits
+    assert gemslib.fusion_report() == _OTHER_FAMILIES[family], gemslib.fusion_report()
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= 1e-4, f"max error {error:.2e} of the largest logit"
+
+
+class _FunctionalAddNorm(torch.nn.Module):
+    """A residual add before ``F.rms_norm`` (torch.nn.RMSNorm's form), the sum used after."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x, residual):
+        total = residual + x
+        normed = torch.nn.functional.rms_norm(total, (x.shape[-1],), self.weight, 1e-5)
+        return normed, total * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_residual_add_before_functional_rms_norm_runs_add_rms_norm(dtype):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _FunctionalAddNorm(24).to(DEVICE, dtype)
+    x, residual = (torch.randn(3, 5, 24, device=DEVICE, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        expected = module(x, residual)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(x, residual)
+    assert gemslib.fusion_report() == {"add_rms_norm": 1}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())
+
+
+class _Sharded(torch.Tensor):
+    """A traceable wrapper subclass of one inner tensor (as a DTensor holds its local shard),
+    whose shape is the whole: rows times the shard's."""
+
+    @staticmethod
+    def __new__(cls, shard, ranks):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, (shard.shape[0] * ranks, *shard.shape[1:]), dtype=shard.dtype,
+            device=shard.device)
+
+    def __init__(self, shard, ranks):
+        self.shard = shard
+
+    def __tensor_flatten__(self):
+        return ["shard"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Sharded holds inputs only, not {func}")
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return _Sharded(inner["shard"], outer_size[0] // inner["shard"].shape[0])
+
+
+def test_subclass_inputs_map_to_their_leaves_even_one_leaf_each():
+    """The backend's inputs are subclasses with one leaf each (DTensor parameters), so the
+    graph has as many placeholders as inputs: each placeholder is still the leaf's, the
+    shard, not the whole."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gemslib import graph as passes
+
+    shards = [torch.randn(4, 8), torch.randn(2, 8)]
+    inputs = [_Sharded(shard, ranks=2) for shard in shards]
+    traced = torch.fx.Graph()
+    with FakeTensorMode() as fake_mode:
+        for i, shard in enumerate(shards):
+            traced.placeholder(f"arg{i}").meta["val"] = fake_mode.from_tensor(shard)
+    token = passes._compiling_inputs.set(inputs)
+    try:
+        real_value = passes._real_values(traced)
+    finally:
+        passes._compiling_inputs.reset(token)
+    placeholders = traced.find_nodes(op="placeholder")
+    assert [real_value(node) is shard for node, shard in zip(placeholders, shards)] == [True, True]
