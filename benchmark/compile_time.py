@@ -60,7 +60,11 @@ def _first_and_next_call(spec, batch: int, seq: int, backend: str) -> dict:
     call()
     next_s = time.perf_counter() - start
     counters = torch._dynamo.utils.counters
-    return {"first_call_s": first_s, "next_call_s": next_s,
+    attention = model.model.layers[0].self_attn
+    # the merged q/k/v GEMM reads one buffer: the parameters were merged, cold or warm
+    merged = attention.q_proj.weight.untyped_storage().data_ptr() == \
+        attention.k_proj.weight.untyped_storage().data_ptr()
+    return {"projections_merged": merged, "first_call_s": first_s, "next_call_s": next_s,
             "fx_graph_cache_hits": counters["inductor"]["fxgraph_cache_hit"],
             "fx_graph_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
             "aot_autograd_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
