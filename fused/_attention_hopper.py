@@ -16,19 +16,19 @@ The descriptors are 4-d (B, H, S, D) with blocks (1, 1, rows, D): any strides th
 and rows past a head's end read as zeros, so ragged lengths need only the key mask on the last
 block (keys >= Skv) and the causal diagonal (keys > row, top-left aligned). Used by
 ``attention._launch_forward`` for 16-bit inputs with D = Dv = 128 on sm_90; see ``eligible``.
-Measured in benchmark/NOTES.md (issue 4's H200 runs).
+The evidence for this schedule: docs/notes/attention.md.
 
 The backward's dK/dV (``backward_dkdv``) follows the same plan with the roles of queries and
 keys swapped: a program holds 128 keys of one KV head (64 per consumer warpgroup) in shared
 memory for its whole life, the producer streams q and do tiles of 64 rows for every query head
 of the group, and each consumer computes s^T = k q^T, dp^T = v do^T, then dv += p^T do and
 dk += ds^T q with p^T and ds^T as register operands. Used while ``attention.HOPPER_BACKWARD``
-is on (the default; measured in benchmark/NOTES.md, issue 6's H200 runs). With FUSED_DQ
+is on (the default; see docs/notes/attention.md). With FUSED_DQ
 (``backward``) it computes dQ too, from the ds it already has: dq += ds k over both
 warpgroups' keys (ds through shared memory, each warpgroup one half of D), handed to
 WRITER_WARPS writer warps that add the tiles into an fp32 buffer with atomics; no second pass
 over s and dp. With DQ_BY_TMA the consumers add their tiles by TMA reduce-add instead, with no
-writer (measured slower on the H200: benchmark/NOTES.md).
+writer (off: the writer warps serve better, see docs/notes/attention.md).
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ KEYS = 64
 BWD_ROWS = 64
 BWD_STAGES = 2
 DQ_BY_TMA = False  # dQ's tiles added by the consumers' TMA reduce-adds, else by writer warps
-WRITER_WARPS = 2   # the writer's warps: one could not keep up with the consumers (NOTES)
+WRITER_WARPS = 2   # the writer's warps: one cannot keep up with the consumers
 # The dq matmuls issued between dv's and dk's and waited for with dk still running, so that the
 # hand-off to the writer overlaps a matmul (wgmma groups complete in order: waiting for dq
 # after dk waits for dk too); K's column half is indexed at run time, one path for both
-# warpgroups. 1-2% faster on the H200 (NOTES). GEMSLIB_DQ_OVERLAP_DK=0 waits for dq after dk,
+# warpgroups (see docs/notes/attention.md). GEMSLIB_DQ_OVERLAP_DK=0 waits for dq after dk,
 # read once per process (the kernels take it as a global when they compile)
 DQ_OVERLAP_DK = gl.constexpr(os.environ.get("GEMSLIB_DQ_OVERLAP_DK", "1") == "1")
 WRITER_REGS = 40   # the fused backward's dQ writer warps: they share the producer's warpgroup,
@@ -667,7 +667,7 @@ KEEP_FORWARD_LAUNCH = os.environ.get("GEMSLIB_KEEP_FORWARD_LAUNCH", "1") != "0"
 _FORWARD = runtime.KeptKernel(_attention_fwd_hopper)
 
 
-@functools.cache  # ~10 us to build, on every forward call otherwise
+@functools.cache  # building them is host time that every forward call would pay again
 def shared_layouts(dtype: torch.dtype):
     """NVMMA shared layouts of the q and the K/V blocks for ``dtype``."""
     element = _GL_DTYPES[dtype]
@@ -688,13 +688,14 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # The dK/dV kernel at head dim 64 too (its dQ then the Triton kernel's: the fused dQ splits D
 # between the warpgroups, and a 32-column half of a 64-wide K tile starts inside its swizzle).
-# Not yet measured: GEMSLIB_GLUON_BACKWARD_D64=1
+# Opt-in (GEMSLIB_GLUON_BACKWARD_D64=1): by default D64 stays on the Triton kernels, the path
+# the shipped configs are tuned for (see docs/notes/attention.md)
 BACKWARD_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_GLUON_BACKWARD_D64") == "1" \
     else (HEAD_DIM,)
 
 
 # dQ fused at head dim 64 too (KEY_SPLIT: each warpgroup's partial over its own keys, summed
-# by the writer); with BACKWARD_HEAD_DIMS's 64. Not yet measured: GEMSLIB_FUSED_DQ_D64=1
+# by the writer); with BACKWARD_HEAD_DIMS's 64. Opt-in, as that one: GEMSLIB_FUSED_DQ_D64=1
 FUSED_DQ_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_FUSED_DQ_D64") == "1" \
     else (HEAD_DIM,)
 

@@ -49,8 +49,9 @@ def _why_not_sdpa_forward(query, key, value, attn_bias=None, dropout_p=0.0, scal
     """:func:`_why_not_sdpa` for the forward operators. An fp32 forward that autograd records
     stays torch's: its backward may run outside enable() and its scores, recomputed there by
     torch, round differently from gemslib's; at peaked rows the difference to the saved lse
-    does not cancel (3 times torch's own gradient error on the H200; benchmark/NOTES.md). So fp32 SDPA
-    training under enable() is torch's forward and backward; fp32 inference is gemslib's."""
+    does not cancel, and the gradients' error grows well past torch's own (see
+    docs/notes/attention.md). So fp32 SDPA training under enable() is torch's forward and
+    backward; fp32 inference is gemslib's."""
     if query.dtype == torch.float32 and torch.is_grad_enabled() and (
             query.requires_grad or key.requires_grad or value.requires_grad):
         return _FP32_PAIRING

@@ -11,10 +11,10 @@
    stage by an mbarrier that needs both their arrivals; tiles in grouped order (GROUP_M row
    tiles sweep the columns together, so W is read about once per group).
 
-On the H200 Triton's own matmul takes 1.29x cuBLAS's time, this one 1.02-1.07x at most
-shapes (benchmark/NOTES.md, RMSNorm + Linear + SiLU); the in-loop fusion of the Triton kernel in
-``rms_norm_linear_silu.py`` (which serves every other call) cost another 1.6x on top. The
-operand fed to the tensor cores is the same x * g rounded to x's dtype as there.
+On Hopper Triton's own matmul falls well short of cuBLAS, and the in-loop fusion of the
+Triton kernel in ``rms_norm_linear_silu.py`` (which serves every other call) costs more on
+top; this schedule comes close to cuBLAS (see docs/notes/matmul-mlp.md). The operand fed to
+the tensor cores is the same x * g rounded to x's dtype as there.
 
 The same matmul with ``SWIGLU`` (``forward_swiglu``, under ``rms_norm_swiglu`` and
 ``linear_swiglu``) computes an MLP's up half, silu(n @ Wg.T) * (n @ Wu.T) over a stacked
@@ -48,7 +48,7 @@ GROUP_M = 8
 SWIGLU_BLOCK_N = 128  # output columns of a SwiGLU tile: a gate and an up block per stage
 MIN_ROWS = 128     # below, the Triton kernel's small-M tiles stream W better
 MIN_WAVES = 4      # tiles per SM below which a persistent program's tail and the epilogues
-                   # cost more than cuBLAS's split tiles lose (benchmark/NOTES.md)
+                   # cost more than cuBLAS's split tiles lose (see docs/notes/matmul-mlp.md)
 SCALE_BLOCK = 1024  # x elements per step of the pre-pass
 
 ROWS = gl.constexpr(TILE_ROWS)
@@ -229,8 +229,8 @@ def tiles(n_rows: int, weight_rows: int) -> int:
 def fills_the_gpu(n_rows: int, weight_rows: int, multiprocessors: int) -> bool:
     """Whether the product has MIN_WAVES tiles per SM at least: with fewer, the persistent
     programs idle through the last wave and every tile's epilogue, and cuBLAS between
-    gemslib's norm and activation kernels is faster (0.16-0.6x at 128-512 rows of a
-    tensor-parallel quarter on the H200)."""
+    gemslib's norm and activation kernels is faster (as for a tensor-parallel shard's few
+    hundred rows; see docs/notes/matmul-mlp.md)."""
     return tiles(n_rows, weight_rows) >= MIN_WAVES * multiprocessors
 
 

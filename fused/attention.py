@@ -384,15 +384,14 @@ ATTENTION_BWD_DQ = runtime.TunedKernel("attention", "attention_bwd_dq", _attenti
 
 
 # On sm_90, 16-bit inputs with D = Dv = 128 go to the warp-specialised Gluon kernel
-# (_attention_hopper.py, 1.2x the Triton kernel's speed there), and the backward computes their
-# dK/dV in Gluon too (_attention_hopper.backward_dkdv: K and V kept in shared memory; on the H200
-# the whole backward up to 1.42x faster than with the Triton dK/dV kernel, at worst 1% slower;
-# benchmark/NOTES.md). Switched off, every call stays on the Triton kernels.
+# (_attention_hopper.py), faster than the Triton kernel there, and the backward computes their
+# dK/dV in Gluon too (_attention_hopper.backward_dkdv: K and V kept in shared memory); see
+# docs/notes/attention.md. Switched off, every call stays on the Triton kernels.
 HOPPER_FORWARD = runtime.KernelPath("attention", "the Gluon forward on sm_90")
 HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_90")
 # ...and dQ from that kernel too (fp32 atomics of ds k, no second pass over s and dp), where
-# HOPPER_BACKWARD applies to a call without a causal mask (with one it was no faster, or
-# slower: benchmark/NOTES.md); switched off, dQ comes from the Triton kernel
+# HOPPER_BACKWARD applies to a call without a causal mask (with one it does not pay: see
+# docs/notes/attention.md); switched off, dQ comes from the Triton kernel
 HOPPER_FUSED_DQ = runtime.KernelPath("attention", "dQ from the Gluon dK/dV kernel on sm_90")
 
 
@@ -525,7 +524,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
     enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
     multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Differentiable in q, k and v (the
-    backward recomputes the probabilities from the saved row log-sum-exp)."""
+    backward recomputes the probabilities from the saved row log-sum-exp).
+
+    Args:
+        q: (B, Hq, Sq, D) floating tensor, any strides (a non-unit last stride costs a copy).
+            The kernels take fp16, bf16 and fp32 on the kernel device with D and Dv in
+            [1, 256]; other calls are computed by torch, in fp32 (fp64 for fp64).
+        k: (B, Hkv, Skv, D), q's dtype and device; Hq a multiple of Hkv (grouped-query).
+        v: (B, Hkv, Skv, Dv), q's dtype and device.
+        causal: query i sees the keys j <= i (top-left alignment when Sq != Skv).
+        scale: the scores' factor; None for 1 / sqrt(D).
+
+    Returns:
+        (B, Hq, Sq, Dv) tensor of q's dtype.
+
+    Raises:
+        TypeError: q, k or v is not a floating-point tensor, causal is not a bool, or scale
+            is not a real number.
+        ValueError: a tensor that is not 4-d, shapes that do not agree as above, or k or v of
+            another dtype or device.
+    """
     args = (q, k, v, causal, scale)
     key, planned = _ATTENTION_CALLS.replayed(*args)
     if planned is not None:
@@ -1081,9 +1099,9 @@ def _prefill_buckets(backward: bool):
                        _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
 
 
-# Compiling the candidates is most of a full tuner run, so the lists leave out what never won
-# a sweep or a tuner run on the H200 (benchmark/NOTES.md): LAZY rescaling, one-stage pipelines for the large backward tiles, 128-row
-# dQ tiles on 4 warps (they spill).
+# Compiling the candidates is most of a full tuner run, so the lists leave out what does not
+# win (see docs/notes/tuning.md): LAZY rescaling, one-stage pipelines for the large backward
+# tiles, 128-row dQ tiles on 4 warps (they spill).
 TUNING = (
     # 128-row blocks spill with 4 warps (ptxas, D128 bf16), 128-key blocks at 4 stages exceed
     # the shared memory; the small tiles are for fp32 inputs

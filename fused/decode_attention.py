@@ -212,7 +212,7 @@ def _decode_kernel(
         if arrived == n_splits - 1:  # the last split of this KV head: merge
             # the whole group at once, [members, splits(, features)] tiles in chunks of splits
             # with masks instead of branches, so every load can be in flight together (a loop
-            # over splits waited one L2 round trip each; one over members, a store between)
+            # over splits would wait one L2 round trip each; one over members, a store between)
             o_member = tl.arange(0, GROUP)
             m_member = o_member < group_size
             o_member_slot = (i_b * n_q_heads + i_hkv * group_size + o_member) * n_splits
@@ -282,8 +282,8 @@ def _decode_scratch(device: torch.device, n_counters: int, n_lse: int,
 
 class _DecodePlan(NamedTuple):
     """Everything about a decode launch that follows from the layout (shapes, strides, dtypes,
-    scale, config), worked out once: decode calls the same layout every step, and at B1 the
-    host's time is most of a step."""
+    scale, config), worked out once: decode calls the same layout every step, and at small
+    batches the host's time is most of a step (see docs/notes/host-path.md)."""
     config: runtime.LaunchConfig
     grid: tuple[int, int]
     out_shape: tuple[int, int, int]
@@ -370,8 +370,8 @@ def _run_decode(plan: _DecodePlan, q, k_cache, v_cache, seqlens,
 
 # layout key (``_decode_layout``) of arguments that passed the checks -> the plan of their
 # kernel launch, or None where the call copies, falls back to torch or has nothing to compute
-# (the checks were a fifth of a B1 step's host time, the plan arithmetic as much again); kept
-# by ``_checked_plan``
+# (the checks and the plan arithmetic are a large share of a small batch's host time: see
+# docs/notes/host-path.md); kept by ``_checked_plan``
 _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
@@ -514,7 +514,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mask does for one query row); blocks of positions it hides entirely are not read. The KV
     length is split over programs (flash-decoding) and the parts merged by log-sum-exp; the
     query heads of one KV head share a program, so K/V are read once. A sequence with no key
-    gives 0."""
+    gives 0.
+
+    Args:
+        q: (B, Hq, D) floating tensor, any strides (a non-unit last stride costs a copy). The
+            kernel takes fp16, bf16 and fp32 on the kernel device with D and Dv in [1, 256];
+            other calls, and calls that need gradients, are computed by torch.
+        k_cache: (B, Hkv, L, D), q's dtype and device; Hq a multiple of Hkv (grouped-query).
+        v_cache: (B, Hkv, L, Dv), q's dtype and device.
+        seqlens: (B,) integer tensor on q's device, each in [0, L], or None for all L.
+        scale: the scores' factor; None for 1 / sqrt(D).
+        key_mask: (B, L) bool tensor on q's device, or None.
+
+    Returns:
+        (B, Hq, Dv) tensor of q's dtype.
+
+    Raises:
+        TypeError: q, k_cache or v_cache is not a floating-point tensor, or scale is not a
+            real number.
+        ValueError: q is not a 3-d tensor; shapes, dtypes or devices that do not agree as
+            above; seqlens outside [0, L] on the CPU (on a GPU the kernel stops with a
+            device-side assert).
+    """
     args = (q, k_cache, v_cache, seqlens, scale, key_mask)
     key, planned = _DECODE_CALLS.replayed(*args)
     if planned is not None:
@@ -598,11 +619,11 @@ def _decode_problem(shapes: tuple[tuple[int, int], ...], dim: int, dtype: torch.
     return make
 
 
-# Compiling the candidates is most of a full tuner run, so the list leaves out what never
-# won a sweep or a tuner run on the H200: 4 programs per SM.
+# Compiling the candidates is most of a full tuner run, so the list leaves out what does not
+# win (see docs/notes/decode.md): 4 programs per SM.
 TUNING = (
-    # 32-key blocks and 2 warps were latency-bound at B1 on the H200; 3 per SM: the 64-key
-    # configs fit three programs on an SM; the 32-key ones are for fp32 caches and wide heads
+    # no 2 warps, and 32-key blocks only for fp32 caches and wide heads: at B1 they are
+    # latency-bound; 3 per SM: the 64-key configs fit three programs on an SM
     TuneSpace(DECODE,
               tuple({"BLOCK_N": n, "PROGRAMS_PER_SM": per_sm, "num_warps": 4, "num_stages": st}
                     for n, st in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))

@@ -308,6 +308,23 @@ def rms_norm_linear_silu(x: torch.Tensor, norm_weight: torch.Tensor, weight: tor
 
     x (..., K), norm_weight (K,), weight (N, K), bias (N,) or None, all of one dtype; returns
     (..., N) in that dtype. Differentiable in every tensor argument (the backward uses torch).
+
+    Args:
+        x: (..., K) floating tensor with at least one dim, any strides. The kernels take fp16,
+            bf16 and fp32 on the kernel device; other dtypes and devices are computed by
+            torch, in fp32 (fp64 for fp64).
+        norm_weight: (K,) RMSNorm weight g, x's dtype and device.
+        weight: (N, K) projection, as ``nn.Linear.weight``; x's dtype and device.
+        bias: (N,) or None; x's dtype and device.
+        eps: added to mean(x**2) before the square root; a float or 0-d tensor.
+
+    Returns:
+        (..., N) contiguous tensor of x's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not floating-point, or eps not a real number.
+        ValueError: x is 0-d, shapes that do not agree as above, or another dtype or device
+            than x's.
     """
     # a decided signature replays: the checks and the choice cost more host time than the GPU
     # spends at a tensor-parallel slice's 128 rows or at decode. Three kernels are a kept
@@ -503,8 +520,8 @@ TUNING = (
                "SPLIT_K": 1, "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
               for m, n, k in ((128, 128, 64), (128, 256, 64), (64, 256, 64), (128, 128, 128))
               for t in (0, 1) for w in (4, 8) for s in (3, 4))
-        # decode tiles: 16 rows, narrow column tiles, long K steps (16-32 columns were 1.5-2.5x
-        # slower on the H200)
+        # decode tiles: 16 rows, narrow column tiles, long K steps (columns narrower than 64
+        # do not pay: see docs/notes/matmul-mlp.md)
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "USE_TMA": t,
                  "SPLIT_K": 1, "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
                 for n, k in ((64, 128), (64, 256), (128, 128))
@@ -519,7 +536,7 @@ TUNING = (
         (TuneBucket({"rows": 16, "elem_bytes": 2}, "M1 + M16 N14336 K4096", _tune_problem((1, 16))),
          TuneBucket({"rows": 64, "elem_bytes": 2}, "M64 N14336 K4096", _tune_problem((64,))),
          TuneBucket({"elem_bytes": 2}, "M4096 N14336 K4096", _tune_problem((4096,))),
-         # fp32 (IEEE products, a few percent of the 16-bit rate): smaller problems
+         # fp32 (IEEE products, far below the 16-bit tensor-core rate): smaller problems
          TuneBucket({"rows": 64}, "M16 N4096 K4096 fp32",
                     _tune_problem((16,), n_out=4096, dtype=torch.float32)),
          TuneBucket(None, "M1024 N4096 K4096 fp32",

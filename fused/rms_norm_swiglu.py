@@ -309,6 +309,24 @@ def rms_norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor,
     they lie end to end in one buffer (rows of one merged weight) and no gradient is wanted,
     else stacked into a new tensor on every call. One dtype; returns (..., I) in it.
     Differentiable in every tensor argument (the backward uses torch).
+
+    Args:
+        x: (..., K) floating tensor with at least one dim, any strides. The kernels take fp16,
+            bf16 and fp32 on the kernel device; other dtypes and devices are computed by
+            torch, in fp32 (fp64 for fp64).
+        norm_weight: (K,) RMSNorm weight g, x's dtype and device.
+        gate_up_weight: (2I, K) tensor, the gate rows then the up rows, or a pair
+            (gate_weight, up_weight) of (I, K) tensors; x's dtype and device.
+        eps: added to mean(x**2) before the square root; a float or 0-d tensor.
+
+    Returns:
+        (..., I) contiguous tensor of x's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not floating-point, a gate_up_weight that is
+            neither a tensor nor a pair of tensors, or eps not a real number.
+        ValueError: x is 0-d, shapes that do not agree as above, or another dtype or device
+            than x's.
     """
     if isinstance(gate_up_weight, (tuple, list)):
         if len(gate_up_weight) != 2 or not all(isinstance(w, torch.Tensor)
@@ -506,10 +524,8 @@ TUNING = (
                "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
               for m, n, k in ((128, 64, 64), (128, 128, 64), (64, 128, 64), (128, 64, 128))
               for w in (4, 8) for s in (3, 4))
-        # decode: 16 rows, narrow column tiles, long K steps, K split over more programs
-        # (the sweep of benchmark.experiments.decode_gemv, whose GEMV streamed the merged
-        # gate | up weight at 81% of the copy rate; the K-long tiles read longer runs of
-        # each weight row)
+        # decode: 16 rows, narrow column tiles, long K steps, K split over more programs (the
+        # K-long tiles read longer runs of each weight row; see docs/notes/decode.md)
         + tuple({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1, "SPLIT_K": split,
                  "VENDOR_GEMM": 0, "num_warps": w, "num_stages": s}
                 for n, k in ((32, 128), (64, 128), (64, 256), (32, 256), (16, 512), (32, 512))
@@ -528,7 +544,7 @@ TUNING = (
          TuneBucket({"rows": 64, "elem_bytes": 2}, "M1 + M16 I18944 K3584",
                     _tune_problem((1, 16), n_out=18944, n_in=3584)),
          TuneBucket({"elem_bytes": 2}, "M4096 I14336 K4096", _tune_problem((4096,))),
-         # fp32 (IEEE products, a few percent of the 16-bit rate): a smaller problem
+         # fp32 (IEEE products, far below the 16-bit tensor-core rate): a smaller problem
          TuneBucket(None, "M1024 I4096 K4096 fp32",
                     _tune_problem((1024,), n_out=4096, dtype=torch.float32)))),
 )

@@ -242,7 +242,7 @@ def head_and_block(n_blocks, HEAVY_FIRST: tl.constexpr):
     Gluon). HEAVY_FIRST (causal, where the kernel numbers each head's blocks heaviest first):
     heads fastest, so every head's heavy blocks go out before any head's light ones and the last
     wave is short programs. Otherwise blocks fastest: the programs running together belong to
-    one or two heads and share that head's tiles in L2 (heads fastest cost 6% at S8192)."""
+    one or two heads and share that head's tiles in L2, a reuse heads fastest would lose."""
     i_hb = tl.program_id(0)
     if HEAVY_FIRST:
         n_heads = tl.num_programs(0) // n_blocks

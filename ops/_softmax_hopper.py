@@ -10,8 +10,8 @@ once, folds the slice into a running max and rescaled sum per lane as the copies
 its (m_r, s_r) to a scratch slot of the row in global memory, meets the cluster at a cluster
 barrier (release/acquire: the slots are visible after it), combines the CLUSTER pairs and
 writes its slice's outputs from shared memory. Each thread reads back only the vectors it
-copied. Triton 3.6 cannot reduce across a cluster through distributed shared memory
-(benchmark/NOTES.md, issue 25), hence the two floats a CTA through L2.
+copied. Triton 3.6 cannot reduce across a cluster through distributed shared memory (see
+docs/notes/softmax.md), hence the two floats a CTA through L2.
 
 Rows are walked from the 16-byte boundary at or before their start (the "window"; window
 position w holds column w - head), so odd widths (50257, 152064) move whole vectors too; the
@@ -42,7 +42,7 @@ from gemslib import runtime
 from gemslib.layout import LOG2E
 
 CLUSTERS = (1, 2, 4, 8)        # portable cluster sizes (16 needs a non-portable opt-in)
-MAX_SLICE_BYTES = 200 * 1024   # shared memory a CTA may hold (227 KB on the H200, less scratch)
+MAX_SLICE_BYTES = 200 * 1024   # shared memory a CTA may hold (sm_90 allows 227 KB, less scratch)
 
 
 @gluon.constexpr_function

@@ -337,6 +337,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 
     weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
     Differentiable (dx and dweight).
+
+    Args:
+        x: (..., N) floating tensor with at least one dim, any strides. The kernel takes fp16,
+            bf16 and fp32 on the kernel device; other dtypes and devices (or a weight of
+            another dtype) are computed by torch, in fp32 (fp64 for fp64).
+        weight: (N,) floating tensor on x's device, or None (no scale).
+        eps: added to mean(x**2) before the square root; a float or 0-d tensor.
+
+    Returns:
+        (..., N) contiguous tensor of x's dtype.
+
+    Raises:
+        TypeError: x or weight is not a floating-point tensor, or eps is not a real number.
+        ValueError: x is 0-d, or weight is not (N,) or on another device.
     """
     args = (x, weight, eps)  # as given: a plan is found by the arguments of the calls it serves
     key, planned = _RMS_NORM_CALLS.replayed(*args)
@@ -402,6 +416,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
     and those two tensors are returned; x and residual must then not share memory, with each
     other or within themselves (an expanded tensor): a ValueError says which. Out of place,
     they may (``add_rms_norm(a, a)`` normalises ``2 * a``). Differentiable when not in place.
+
+    Args:
+        x: (..., N) floating tensor with at least one dim, any strides; as for ``rms_norm``,
+            fp16, bf16 and fp32 on the kernel device run the kernel, the rest torch.
+        residual: (..., N) tensor of x's shape, dtype and device.
+        weight: (N,) floating tensor on x's device, or None (no scale).
+        eps: added to mean(sum**2) before the square root; a float or 0-d tensor.
+        inplace: write the normalised rows into x and the sum into residual.
+
+    Returns:
+        (normed, total), both (..., N) of x's dtype: ``normed = rms_norm(total, weight, eps)``,
+        ``total = x + residual``; contiguous new tensors, or ``(x, residual)`` when in place.
+
+    Raises:
+        TypeError: x, residual or weight is not a (floating-point) tensor, or eps or inplace
+            has the wrong type.
+        ValueError: x is 0-d, residual differs from x in shape, dtype or device, weight is not
+            (N,) or on another device; in place, x and residual share memory.
+        RuntimeError: ``inplace=True`` with x or residual requiring grad.
     """
     args = (x, residual, weight, eps)  # as given (see rms_norm)
     key, planned = _ADD_RMS_NORM_CALLS.replayed(*args) if inplace is False else (None, None)
@@ -839,7 +872,8 @@ def _buckets(shapes, backward: bool):
 
 TUNING = (
     # a row per program up to 16K columns in one block, or a few rows together when narrow;
-    # wide rows loop over column blocks (8192x5120 was fastest looping over 1024)
+    # blocks narrower than the row stay candidates, since looping over column blocks can win
+    # for wide rows (see docs/notes/tuning.md)
     TuneSpace(RMS_NORM_FWD,
               tuple({"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
                     for m, n in ((16, 128), (8, 256), (4, 512), (2, 1024), (1, 1024), (4, 1024),

@@ -154,8 +154,8 @@ def _rotary_kernel(
     """One token's angles, applied to BLOCK_H heads at a time. Grid (tokens, head blocks of q
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
     loading its angles once; each step loads a block of BLOCK_H q heads and one of BLOCK_HK
-    k heads before storing either, so both reads are in flight together (as in Liger-Kernel,
-    whose one program per token wins on short inputs). n_pairs = rot_dim / 2 per head.
+    k heads before storing either, so both reads are in flight together (one program per token
+    suits short inputs; the tuned config chooses). n_pairs = rot_dim / 2 per head.
 
     A KV cache's write (``rotary_into_cache``): with out_rows_ptr, token i_s of k_out (and of
     v_out) is row out_rows[i_s] of its sequence dim, a row outside [0, n_out_rows) a
@@ -510,6 +510,31 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     Positions outside [0, max_position) raise IndexError for CPU tensors; on a GPU the kernel
     stops with a device-side assert (torch raises it at the next synchronisation), as torch's
     own indexing does.
+
+    Args:
+        q: (B, S, Hq, D) or (T, Hq, D) floating tensor, any strides (a non-unit last stride
+            costs a copy). The kernel takes fp16, bf16 and fp32 on the kernel device (math in
+            fp32); other dtypes and devices are computed by torch.
+        k: (B, S, Hk, D) or (T, Hk, D), q's dtype and device.
+        cos: (max_position, rot_dim / 2) half table, or (B or 1, S, rot_dim) per-token table
+            ((1, T, rot_dim) for (T, H, D) q); rot_dim even, at most D; on q's device.
+        sin: the same shape as cos.
+        positions: (B, S) or (T,) integer tensor on q's device, each in [0, max_position), or
+            None for arange(S) in every sequence; only with a half table.
+        interleaved: False for the NeoX/Llama half-split pairs, True for GPT-J's (2i, 2i + 1).
+        inplace: overwrite q and k (they must then have a unit last stride, not require grad,
+            and share no memory with each other or with cos, sin, positions).
+
+    Returns:
+        (q_rot, k_rot) of q's and k's shapes and dtype: new tensors, or q and k when in place.
+
+    Raises:
+        TypeError: a tensor argument that is not floating-point (positions: not integer), or
+            interleaved or inplace not a bool.
+        ValueError: shapes, dtypes or devices that do not agree as above; in place, a layout
+            or aliasing the kernel cannot write.
+        IndexError: a CPU position outside [0, max_position).
+        RuntimeError: ``inplace=True`` with q or k requiring grad.
     """
     args = (q, k, cos, sin, positions, interleaved)  # as given (see rms_norm)
     key, planned = _ROTARY_CALLS.replayed(*args) if inplace is False else (None, None)

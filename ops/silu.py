@@ -90,8 +90,7 @@ def _silu_bwd_kernel(
 def _row_and_columns(half_width, BLOCK_N: tl.constexpr):
     """(row, its columns) of this program. A 1-d grid walked row-major: neighbouring programs
     take neighbouring column blocks of one row, so the grid sweeps memory in order (a 2-d grid
-    with rows on the fast axis jumps a whole row between neighbours and lost ~5% bandwidth on
-    the H200)."""
+    with rows on the fast axis jumps a whole row between neighbours, which costs bandwidth)."""
     i_mn = tl.program_id(0)  # int32 division: the int64 one is a long emulated sequence
     n_col_blocks = tl.cdiv(half_width, BLOCK_N)
     i_row = (i_mn // n_col_blocks).to(tl.int64)  # int64 from here: row * stride can pass 2**31
@@ -289,6 +288,19 @@ def silu(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
     The result has ``x``'s layout when ``x`` is dense (like ``torch.empty_like``). With ``out``
     (same shape, dtype and device) nothing is allocated. Differentiable.
+
+    Args:
+        x: (...) floating tensor, any strides. The kernel takes fp16, bf16 and fp32 (math in
+            fp32) on the kernel device; other dtypes and devices are computed by torch.
+        out: optional (...) tensor of ``x``'s shape, dtype and device, without overlapping
+            elements; it may be ``x`` itself (in place).
+
+    Returns:
+        (...) tensor of ``x``'s shape and dtype; ``out`` when given.
+
+    Raises:
+        TypeError: ``x`` or ``out`` is not a tensor, or ``x`` is not floating-point.
+        ValueError: ``out`` has another shape, dtype or device, or overlapping elements.
     """
     if out is None:
         key, planned = _SILU_CALLS.replayed(x)
@@ -318,6 +330,21 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
     x: (..., 2d) with any strides -> (..., d), contiguous (or written into ``out``).
     Differentiable.
+
+    Args:
+        x: (..., 2d) floating tensor, any strides: ``gate = x[..., :d]``, ``up = x[..., d:]``.
+            The kernel takes fp16, bf16 and fp32 (math in fp32) on the kernel device; other
+            dtypes and devices are computed by torch.
+        out: optional (..., d) tensor of ``x``'s dtype and device, without overlapping
+            elements.
+
+    Returns:
+        (..., d) tensor of ``x``'s dtype; ``out`` when given.
+
+    Raises:
+        TypeError: ``x`` or ``out`` is not a tensor, or ``x`` is not floating-point.
+        ValueError: ``x`` is 0-d or its last dim is odd; ``out`` has another shape, dtype or
+            device, or overlapping elements.
     """
     if out is None:
         key, planned = _SILU_AND_MUL_CALLS.replayed(x)

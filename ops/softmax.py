@@ -9,7 +9,7 @@ Rows that fit one block are read once. Wider rows (vocabulary-sized) take an onl
 the statistics, a running max and a rescaled running sum per lane, then a second pass that
 writes the outputs: two reads and one write. A second form for wide rows splits each row over
 several programs that exchange their pieces' statistics and write from registers, one read
-(``softmax_split_fwd``; the H200 configs use it for rows over 65536 wide). On Hopper a third
+(``softmax_split_fwd``, for rows whose tuned config gives it a CHUNK). On Hopper a third
 form holds each row in shared memory across a cluster of 1-8 CTAs and reads it once
 (``_softmax_hopper.py``; ``softmax_cluster_fwd``'s CLUSTER, 0 where unused), and the
 backward holds dy and y so (``softmax_cluster_bwd``). Looped rows that
@@ -17,9 +17,10 @@ start off a 16-byte boundary (odd widths such as 50257) are walked from the boun
 them, so that all blocks but the first and last move full vectors (``ALIGN``). exp is
 computed as exp2 with log2(e) folded in.
 NaN and infinities behave as in torch: a row holding NaN or +inf, or only -inf, is all NaN.
-A reduction over a non-last dim moves that dim last (a copy; not yet measured against a
-strided kernel). The file reads top-down: kernels, launchers, references, public functions and
-custom ops, aten overrides, self-checks, tuning.
+A reduction over a non-last dim moves that dim last (a copy, so that one row kernel serves
+every dim; the aten overrides leave such calls to torch's strided kernel). Why these forms:
+see docs/notes/softmax.md. The file reads top-down: kernels, launchers, references, public
+functions and custom ops, aten overrides, self-checks, tuning.
 """
 
 from __future__ import annotations
@@ -517,6 +518,18 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
     Statistics in fp32; rows of any width (vocabulary-sized ones in an online pass).
     Differentiable.
+
+    Args:
+        x: (...) floating tensor of any shape (0-d included) and strides. The kernels take
+            fp16, bf16 and fp32 on the kernel device; other dtypes and devices go to torch.
+        dim: the dim to normalise over, in [-x.dim(), x.dim()) (an int or 0-d int tensor).
+
+    Returns:
+        (...) tensor of x's shape and dtype, contiguous from the kernels.
+
+    Raises:
+        TypeError: x is not a floating-point tensor, or dim is not an int.
+        IndexError: dim is out of range.
     """
     args = (x, dim)  # as given: a plan is found by the arguments of the calls it serves
     key, planned = _SOFTMAX_CALLS.replayed(*args)
@@ -529,7 +542,22 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x."""
+    """``x - max - log(sum(exp(x - max)))`` along ``dim``; same shape and dtype as x.
+
+    Statistics in fp32, as for ``softmax``. Differentiable.
+
+    Args:
+        x: (...) floating tensor of any shape (0-d included) and strides. The kernels take
+            fp16, bf16 and fp32 on the kernel device; other dtypes and devices go to torch.
+        dim: the dim to normalise over, in [-x.dim(), x.dim()) (an int or 0-d int tensor).
+
+    Returns:
+        (...) tensor of x's shape and dtype, contiguous from the kernels.
+
+    Raises:
+        TypeError: x is not a floating-point tensor, or dim is not an int.
+        IndexError: dim is out of range.
+    """
     args = (x, dim)  # as given: a plan is found by the arguments of the calls it serves
     key, planned = _LOG_SOFTMAX_CALLS.replayed(*args)
     if planned is not None:
@@ -584,7 +612,7 @@ _softmax_op = runtime.CustomOp(
 
 def _not_last_dim(t: torch.Tensor, dim: int) -> bool:
     """A reduction over a non-last dim: gemslib would move it last with a copy, which torch's
-    strided kernel avoids, so the override leaves those calls to torch for now."""
+    strided kernel avoids, so the override leaves those calls to torch."""
     return t.dim() > 1 and dim % t.dim() != t.dim() - 1
 
 
