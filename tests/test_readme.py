@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 # the user-facing guides: their commands are checked as the README's are
 GUIDES = {name: (ROOT / name).read_text()
-          for name in ("README.md", "docs/graph-passes.md", "docs/benchmarks.md")}
+          for name in ("README.md", "docs/README.md", "docs/graph-passes.md", "docs/benchmarks.md")}
 MAX_LINES = 250
 FIRST_SCREEN = 40
 TEST_COMMAND = "python -m pytest -n auto"
