@@ -4,7 +4,7 @@
 #   NO_BENCH=1 the benchmark, FULL=1 runs every shape instead of the headline ones (either run
 #   times the backward kernels too), EXPERIMENT="a b" runs benchmark/experiments/a.py and b.py first,
 #   JOBS the pytest processes, 14 by default: the whole suite in ~6 minutes on the H200)
-# Peers come from .whl/ when present (see benchmark/NOTES.md). At most 8 files land in $OUT, so
+# Peers come from .whl/ when present (docs/notes/interpreter.md). At most 8 files land in $OUT, so
 # no plots: `python -m benchmark.readme $OUT/bench/results.json --plots DIR` draws them anywhere.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gemslib_out}

@@ -14,7 +14,8 @@ TFLOP/s count 4 matmuls (dK/dV) and 3 (dQ) of 2 * D FLOPs per visible (row, key)
 "useful" rate of a whole backward is 2.5x the forward's FLOPs over its time. Then the atomic
 microbenchmark (``_dq_atomic_kernel``): the dQ traffic of a dK/dV grid of 128 keys a program,
 one 64 x D fp32 tile added to a (B, Hq, S, D) buffer per (program, query block), as GB/s of
-atomic payload and against the dQ kernel's time. Results: benchmark/NOTES.md.
+atomic payload and against the dQ kernel's time. Results and the open question:
+docs/notes/attention.md.
 """
 
 from __future__ import annotations

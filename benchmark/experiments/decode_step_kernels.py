@@ -5,15 +5,13 @@ between them.
                                                        [--batch 16] [--prompt 128] [--cache 192]
                                                        [--backend gemslib]
 
-The step under ``backend="gemslib"`` is 1.5-2.0x its floor (benchmark/NOTES.md). The GEMMs'
-share is known from their times alone; what the boundaries between kernels cost inside the
-graph is not. Here the step is built as ``benchmark.decode`` builds it (the same model, cache
-and compiled step), replayed a few times, then profiled over 5 replays (torch.profiler, CUDA
-activity). It prints the kernels of one replay in order (name, microseconds, the idle gap
-before it), the sums per kernel name, and the totals: busy time, idle time between kernels,
-the step's wall time from the first kernel's start to the last one's end. The idle time is
-what programmatic dependent launch or fewer kernels could take back. Results:
-benchmark/NOTES.md.
+The question it answers: what a static-cache step spends over its floor, kernel by kernel
+(docs/notes/decode.md, open questions). The step is built as ``benchmark.decode`` builds it
+(the same model, cache and compiled step), replayed a few times, then profiled over 5 replays
+(torch.profiler, CUDA activity). It prints the kernels of one replay in order (name,
+microseconds, the idle gap before it), the sums per kernel name, and the totals: busy time,
+idle time between kernels, the step's wall time from the first kernel's start to the last
+one's end.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ largest logit error against eager relative to the largest logit, whether the eag
 gives exactly what it gave before the compile (the merged parameters are views), and the
 fusion report. With ``--fp16`` the model runs in fp16 and both eager's and the backend's logits
 are set against the fp32 model's (relative error of the norms). On a machine without a GPU, in
-the Triton interpreter. Results: benchmark/NOTES.md.
+the Triton interpreter. Results and the open question: docs/notes/graph-passes.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Experiment: the Hopper softmax path (ops/_softmax_hopper.py, a row held in shared memory
 across a cluster of 1-8 CTAs and read from HBM once) at every (CLUSTER, num_warps) whose slice
-fits, beside the shipped configs, torch and quack (where it imports), at issue 25's shapes.
+fits, beside the shipped configs, torch and quack (where it imports), at the wide-row shapes
+of docs/notes/softmax.md.
 
     python -m benchmark.experiments.softmax_cluster             # GPU: check and time
     python -m benchmark.experiments.softmax_cluster --compile   # CPU: compile for sm_90 only
@@ -8,7 +9,7 @@ fits, beside the shipped configs, torch and quack (where it imports), at issue 2
 
 Each variant is checked against float64 (softmax and log_softmax) before it is timed; the
 backward (ops/_softmax_hopper.py's, dy and y held across the cluster) at the forward's fastest
-configs that hold two slices. Expected and measured: benchmark/NOTES.md.
+configs that hold two slices. Expected and measured, and the open question: docs/notes/softmax.md.
 """
 
 from __future__ import annotations

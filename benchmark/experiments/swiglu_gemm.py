@@ -21,7 +21,7 @@ DRAM throughput, tensor-pipe activity, warp stalls):
     ncu --clock-control none --nvtx --nvtx-include "swiglu/" --nvtx-include "cublas/" \\
         --set full -c 4 -o swiglu python -m benchmark.experiments.swiglu_gemm --counters
 
-Needs an sm_90 GPU. Results: benchmark/NOTES.md.
+Needs an sm_90 GPU. Results and the open questions: docs/notes/matmul-mlp.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""The benchmark report, from a synthetic run on the CPU: plots per operator and the README
-tables rendered from results.json. No GPU, no timing: the "times" are made up."""
+"""The benchmark report, from a synthetic run on the CPU: plots per operator, the full tables
+and the summary rendered from results.json, and the project's README and docs/benchmarks.md
+holding what the kept run renders to. No GPU, no timing: the synthetic "times" are made up."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -259,12 +261,69 @@ def test_plots_from_the_command_line(run, tmp_path, capsys):
     assert "wrote 3 plot(s)" in capsys.readouterr().out
 
 
-def test_the_projects_readme_has_the_markers_once_in_order():
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parents[2]
+# the run whose tables README.md and docs/benchmarks.md show, kept so that both regenerate
+KEPT_RUN = ROOT / "docs" / "results" / "nvidia_h200-quick-2026-11-30.json"
 
-    path = Path(__file__).resolve().parents[2] / "README.md"
-    text = path.read_text()
-    replaced = readme.replace_between_markers(text, "TABLE", str(path))
-    assert replaced.count("TABLE") == 1
-    assert replaced.split(readme.START)[0] == text.split(readme.START)[0]
-    assert replaced.split(readme.END)[1] == text.split(readme.END)[1]
+
+def _between(text, start, end):
+    return text.split(start)[1].split(end)[0].strip("\n") + "\n"
+
+
+def test_the_projects_readme_holds_the_summary_and_docs_the_full_tables():
+    """README.md: the summary markers once, in order, around render_summary of the kept run;
+    docs/benchmarks.md: the table markers likewise around render of it."""
+    report = json.loads(KEPT_RUN.read_text())
+    for name, start, end, make in (
+            ("README.md", readme.SUMMARY_START, readme.SUMMARY_END, readme.render_summary),
+            ("docs/benchmarks.md", readme.START, readme.END, readme.render)):
+        path = ROOT / name
+        text = path.read_text()
+        replaced = readme.replace_between_markers(text, "TABLE", str(path), start, end)
+        assert replaced.count("TABLE") == 1
+        assert replaced.split(start)[0] == text.split(start)[0]
+        assert replaced.split(end)[1] == text.split(end)[1]
+        assert _between(text, start, end) == make(report, str(KEPT_RUN)), \
+            f"{name}'s generated part is not what python -m benchmark.readme makes of {KEPT_RUN}"
+        assert readme.fill(text, report, name) == text
+
+
+def test_summary_has_one_row_per_operator_at_its_largest_problem(run):
+    report = json.loads(run.read_text())
+    markdown = readme.render_summary(report)
+    head, table = markdown.split("\n\n", 1)
+    for text in ("NVIDIA H200 (132 SMs)", "torch 2.11.0+cu130 (CUDA 13.0)", "Triton 3.6.0",
+                 "Liger-Kernel 0.8.5", "2026-12-01 10:00 UTC", "`python -m benchmark --quick`",
+                 "copy 4000 GB/s", "bf16 matmul 700 TFLOP/s"):
+        assert text in head, text
+    rows = [[cell.strip() for cell in line.strip("|").split(" | ")]
+            for line in table.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["silu", "4096x14336"], ["rms_norm", "4096x4096"],
+                                         ["attention", "B1 H32 S8192 D128"]]
+    assert rows[0][4:] == ["torch.compile 66.0", "1.10x"]
+    assert rows[1][4:] == ["torch.compile 20.0", "0.87x (behind)"]  # 4096 rows, not the 1-row case
+    assert rows[2][3].endswith("% matmul")
+
+
+def test_readme_option_fills_each_files_markers_and_summary_prints(run, tmp_path, capsys):
+    report = json.loads(run.read_text())
+    summary_file, tables_file = tmp_path / "README.md", tmp_path / "tables.md"
+    summary_file.write_text(f"# top\n{readme.SUMMARY_START}\nold\n{readme.SUMMARY_END}\ntail\n")
+    tables_file.write_text(README)
+    assert readme.main([str(run), "--readme", str(summary_file), "--readme", str(tables_file)]) == 0
+    assert summary_file.read_text() == \
+        f"# top\n{readme.SUMMARY_START}\n{readme.render_summary(report)}{readme.SUMMARY_END}\ntail\n"
+    assert readme.render(report) in tables_file.read_text()
+    assert capsys.readouterr().out.count("wrote 4 rows") == 2
+    assert readme.main([str(run), "--summary"]) == 0
+    assert capsys.readouterr().out == readme.render_summary(report)
+
+
+def test_a_file_without_any_markers_is_an_error_and_nothing_is_written(run, tmp_path, capsys):
+    good, bare = tmp_path / "good.md", tmp_path / "bare.md"
+    good.write_text(README)
+    bare.write_text("# no markers\n")
+    assert readme.main([str(run), "--readme", str(good), "--readme", str(bare)]) == 1
+    assert f"{bare} has no {readme.START} marker nor {readme.SUMMARY_START} marker" in \
+        capsys.readouterr().err
+    assert good.read_text() == README  # every file is checked before any is written

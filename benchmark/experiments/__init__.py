@@ -1,1 +1,0 @@
-"""One-off experiments kept as the record behind benchmark/NOTES.md."""
