@@ -206,8 +206,6 @@ def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
         return _active
 
 
-
-
 def forget_loaded() -> None:
     """Forget the loaded files: the next :func:`active_configs` reads them again."""
     global _active

@@ -109,6 +109,17 @@ def _outside_graph_pools(device: torch.device, make: Callable):
     return made[0]
 
 
+def in_split_scratch(pointer: int) -> tuple[int, int, int, int] | None:
+    """(n_counters, n_floats, which of the pair, byte offset) of a pointer into a kept
+    :func:`split_scratch` pair, which a plan fetches again for the stream it runs on."""
+    for (_, _, _, n_counters, n_floats), pair in _split_scratch_cache.items():
+        for which, t in enumerate(pair):
+            start = t.data_ptr()
+            if start <= pointer < start + t.numel() * t.element_size():
+                return n_counters, n_floats, which, pointer - start
+    return None
+
+
 def next_power_of_2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (Triton's is a constexpr function: slow from Python);
     1 for n <= 1."""
@@ -116,7 +127,7 @@ def next_power_of_2(n: int) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` is a jit function: ~10 us per call from Python)."""
+    """Host-side ceil division (``triton.cdiv`` is a jit function: slow to call from Python)."""
     return -(-a // b)
 
 
@@ -135,14 +146,3 @@ def device_name() -> str:
     if not torch.cuda.is_available():
         return "no_gpu"
     return normalize_device_name(torch.cuda.get_device_name())
-
-
-def in_split_scratch(pointer: int) -> tuple[int, int, int, int] | None:
-    """(n_counters, n_floats, which of the pair, byte offset) of a pointer into a kept
-    :func:`split_scratch` pair, which a plan fetches again for the stream it runs on."""
-    for (_, _, _, n_counters, n_floats), pair in _split_scratch_cache.items():
-        for which, t in enumerate(pair):
-            start = t.data_ptr()
-            if start <= pointer < start + t.numel() * t.element_size():
-                return n_counters, n_floats, which, pointer - start
-    return None

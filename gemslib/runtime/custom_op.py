@@ -67,8 +67,8 @@ class CustomOp:
     * while torch.compile traces, the custom op (``register_fake`` + ``register_autograd``), so
       the graph holds ``torch.ops.gemslib.<name>`` and its backward op;
     * otherwise an eager ``torch.autograd.Function`` with the same ``impl``, ``setup_context``
-      and ``backward``: the custom op's Python dispatch costs 150-200 us of host time per
-      forward + backward even on a fast host, more than the kernels at most sizes.
+      and ``backward``: the custom op's Python dispatch costs more host time per forward +
+      backward than the kernels take at most sizes (see docs/notes/host-path.md).
 
     ``setup_context(ctx, inputs, output)`` saves what the backward needs (register_autograd's
     form). ``backward(ctx, *grads, ops)`` returns one gradient per input; ``ops`` holds the
@@ -141,7 +141,7 @@ def _eager_function(name: str, forward: Callable, setup_context: Callable, backw
 
     def forward_and_setup(ctx, *args):
         # the older forward(ctx, ...) form: Function.apply binds default arguments with
-        # inspect.signature on every call when setup_context is separate (about 50 us)
+        # inspect.signature on every call when setup_context is separate, which is slow
         output = forward(*args)
         setup_context(ctx, args, output)
         return output

@@ -84,8 +84,8 @@ NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ "
                            "(gemslib.runtime.native), not by their generated Python")
 # Programmatic dependent launch (sm_90 and later): a kernel built for it (TunedKernel's
 # ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
-# and waits in griddepcontrol.wait before touching memory (0.6 us a boundary on the H200,
-# NOTES). GEMSLIB_PDL=0 launches them plain
+# and waits in griddepcontrol.wait before touching memory, which hides the gap between small
+# kernels (see docs/notes/decode.md). GEMSLIB_PDL=0 launches them plain
 DEPENDENT_LAUNCH: bool = env_flag("GEMSLIB_PDL", default=True)
 
 

@@ -37,6 +37,9 @@ class RecordedCall:
 
 
 class Workload:
+    """What :func:`recording_calls` collects: every (tuned kernel, shape) launched, in order,
+    and the first call of each, kept to be run again."""
+
     def __init__(self):
         self.launches: list[tuple[TunedKernel, tuple[int, ...]]] = []
         self.calls: dict[tuple[str, tuple[int, ...]], RecordedCall] = {}

@@ -261,7 +261,6 @@ class TunedKernel:
         return best
 
 
-
 def reload_configs() -> None:
     """Forget loaded files and chosen configs (after changing ``GEMSLIB_TUNE_CONFIG``)."""
     configs.forget_loaded()
