@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
               "nothing was run.", file=sys.stderr)
         return 1
     device = torch.device("cuda")
-    from gemslib import native
+    from gemslib.runtime import native
 
     header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}; "
               f"{args.calls} calls per figure; microseconds of host time per call; "

@@ -85,7 +85,7 @@ def describe_environment() -> list[str]:
                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
     source = "$" + runtime.CONFIG_ENV if os.environ.get(runtime.CONFIG_ENV) else "shipped"
     lines.append(f"tune config: {runtime.config_path()} ({source})")
-    from gemslib import native
+    from gemslib.runtime import native
 
     lines.append(f"native replay of repeated calls: {native.status()}")
     lines.append("operators: " + ", ".join(

@@ -298,7 +298,7 @@ def _check_kernels_exist(overrides: list[AtenOverride], key: str) -> None:
 
 def _register_native_replay(aten: str, key: str):
     """The native replay kernel for an override's planned calls, registered after autograd
-    (gemslib.native; its Registration), or None: not on CUDA, the native path off, or an
+    (gemslib.runtime.native; its Registration), or None: not on CUDA, the native path off, or an
     operator with a kernel of its own at that key (in-place and out= overloads bump version
     counters there), which keeps the Python kernel alone."""
     if key != "CUDA" or torch._C._dispatch_has_kernel_for_dispatch_key(aten, "ADInplaceOrView"):
@@ -307,7 +307,7 @@ def _register_native_replay(aten: str, key: str):
     table = plans.native_table() if plans is not None else None
     if table is None:
         return None
-    from gemslib import native
+    from gemslib.runtime import native
 
     return native.module().register_replay(aten, table, runtime.native_replay_allowed)
 
@@ -363,7 +363,7 @@ class Activation:
         self.fallbacks: Counter[str] = Counter()
         self.aten_overloads: tuple[str, ...] = ()
         self._library = None
-        self._replays: list = []  # gemslib.native's kernels after autograd
+        self._replays: list = []  # gemslib.runtime.native's kernels after autograd
         key = runtime.dispatch_key()
         with _lock:
             todo = [override for name in self.ops for override in operators()[name].overrides

@@ -8,6 +8,7 @@ import torch
 import gemslib
 from helpers import ON_GPU, assert_device_side_assert, random_tensor
 from gemslib import runtime
+from gemslib.runtime import cuda
 from gemslib.accuracy import assert_close_to_reference, tolerance
 from gemslib.fused import decode_attention as decode_ops
 
@@ -94,7 +95,7 @@ def test_decode_merges_splits_in_one_launch_and_leaves_its_counters_at_zero(monk
     expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
                                                      torch.tensor([300, 130]))
     assert_close_to_reference(first, expected, torch.float32, reduction_len=300)
-    for counters, _ in runtime._split_scratch_cache.values():
+    for counters, _ in cuda._split_scratch_cache.values():
         assert not counters.any()
 
 

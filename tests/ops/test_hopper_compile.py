@@ -21,6 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import gemslib
 from helpers import ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.runtime import custom_op
 from gemslib.fused import attention as attention_ops
 from gemslib.fused import rms_norm_linear_silu as fused_ops
 from gemslib.ops import rotary as rotary_ops
@@ -56,7 +57,7 @@ def _record_launches(monkeypatch, calls):
         return original_run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
-    monkeypatch.setattr(runtime, "interpret_bf16_dots", True)  # the launches, not the values
+    monkeypatch.setattr(custom_op, "interpret_bf16_dots", True)  # the launches, not the values
     for call in calls:
         call()
     return list(launches.values())
@@ -358,7 +359,7 @@ def _launches_of_every_bucket(monkeypatch, config_file: str):
     path = runtime.shipped_configs_dir() / config_file
     shipped = runtime.load_tune_config(path)
     default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
-    monkeypatch.setattr(runtime, "interpret_bf16_dots", True)
+    monkeypatch.setattr(custom_op, "interpret_bf16_dots", True)
     launches, covered = {}, []
 
     def recording_run(self, *args, grid, warmup, **kwargs):

@@ -6,6 +6,7 @@ import torch
 import gemslib
 from helpers import DEVICE, ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.runtime import cuda, env
 from gemslib.fused import rms_norm_linear_silu as fused_ops
 
 # interpreter: fp16/fp32 (bf16 tl.dot is wrong there); GPU: bf16 too
@@ -113,7 +114,7 @@ def test_split_k_matches_reference_and_leaves_its_counters_at_zero(x_shape, n_ou
     _assert_close(first, *inputs)
     _assert_close(second, *inputs[:3], None)
     assert torch.equal(first, third)
-    for counters, _ in runtime._split_scratch_cache.values():
+    for counters, _ in cuda._split_scratch_cache.values():
         assert not counters.any()
 
 
@@ -144,6 +145,7 @@ def test_a_signature_decided_for_three_kernels_goes_straight_to_them(monkeypatch
     to the three kernels with their own tensors, unchecked; another signature (no bias) is
     decided on its own."""
     monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(env, "INTERPRETER", False)  # what the call plans read
     monkeypatch.setattr(runtime, "dot_kernel_runs", lambda x: True)
     monkeypatch.setattr(fused_ops, "_takes_three_kernels", lambda x, w: True)
     checked, routed = [], []

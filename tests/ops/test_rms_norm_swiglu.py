@@ -6,6 +6,7 @@ import torch
 import gemslib
 from helpers import DEVICE, ON_GPU, random_tensor
 from gemslib import runtime
+from gemslib.runtime import env
 from gemslib.fused import rms_norm_swiglu as swiglu_ops
 
 # interpreter: fp16/fp32 (bf16 tl.dot is wrong there); GPU: bf16 too
@@ -168,6 +169,7 @@ def test_a_signature_decided_for_three_kernels_goes_straight_to_them(monkeypatch
     to the three kernels with their own tensors, unchecked; a call that autograd must see
     has no key, so it is never routed so."""
     monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(env, "INTERPRETER", False)  # what the call plans read
     monkeypatch.setattr(runtime, "dot_kernel_runs", lambda x: True)
     monkeypatch.setattr(swiglu_ops, "_takes_three_kernels", lambda x, w: True)
     checked, routed = [], []

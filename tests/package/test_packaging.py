@@ -36,11 +36,14 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_the_mapped_subpackages_and_both_yaml_files(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("gemslib/__init__.py", "gemslib/runtime.py", "gemslib/ops/__init__.py",
+    for expected in ("gemslib/__init__.py", "gemslib/runtime/__init__.py",
+                     "gemslib/runtime/plans.py", "gemslib/ops/__init__.py",
                      "gemslib/ops/silu.py", "gemslib/fused/__init__.py",
                      "gemslib/tune_configs/__init__.py", "gemslib/tune_configs/default.yaml",
                      "gemslib/tune_configs/nvidia_h200.yaml", "gemslib/tune_configs/README.md",
-                     "gemslib/_launch.cpp"):  # the native replay, built where it runs
+                     "gemslib/runtime/_launch.cpp",  # the native replay, built where it runs
+                     *(f"gemslib/runtime/{header.name}"
+                       for header in (ROOT / "gemslib" / "runtime").glob("_launch_*.h"))):
         assert expected in names, expected
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"gemslib", next(n for n in top_level if n.endswith(".dist-info"))}, \

@@ -1,4 +1,5 @@
-"""The native replay of planned calls (gemslib/_launch.cpp through gemslib.native).
+"""The native replay of planned calls (gemslib/runtime/_launch.cpp through
+gemslib.runtime.native).
 
 On the CPU the module is built and its keying and plan checks are tested (there is no driver
 to launch with, so a matching plan hands the call back to Python); on a GPU the planned
@@ -15,7 +16,8 @@ import gemslib
 import test_runtime
 from helpers import ON_GPU, random_tensor
 from gemslib.accuracy import assert_close_to_reference
-from gemslib import native, runtime
+from gemslib import runtime
+from gemslib.runtime import native, plans
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import silu as silu_ops
 
@@ -119,9 +121,9 @@ def test_a_plan_is_checked_when_it_is_kept(built):
 def _plan(types, template, slots, constexprs=(), scratch=()):
     compiled = (lambda *args: None, (3, 1, 1), 99, False, False, (4, 1, 0), constexprs, types,
                 None)
-    return runtime._Plan(torch.device("cuda", 0), (0,),
-                         (((8,), (1,), torch.float32, False),), scratch, 0,
-                         ((compiled, template, slots),))
+    return plans._Plan(torch.device("cuda", 0), (0,),
+                       (((8,), (1,), torch.float32, False),), scratch, 0,
+                       ((compiled, template, slots),))
 
 
 def test_a_plan_passes_each_parameter_as_tritons_launcher_packs_it():

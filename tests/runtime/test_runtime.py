@@ -16,7 +16,8 @@ from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import silu as silu_ops
-from gemslib.runtime import TuneConfigError
+from gemslib.runtime import TuneConfigError, cuda, env, plans
+from gemslib.runtime.launch import MapOn
 
 
 @pytest.fixture
@@ -309,6 +310,7 @@ class _FakeLauncher:
 def off_the_interpreter(monkeypatch):
     """The launch path as on a GPU (device 0, stream 7), with fake kernels."""
     monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(env, "INTERPRETER", False)  # what the runtime's modules read
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     yield
@@ -515,7 +517,7 @@ def test_a_plan_fetches_its_split_scratch_again_at_each_call(off_the_interpreter
     assert op.own_paths == 2
     parts = runtime.split_scratch(torch.device("cpu"), 4, 64)[1]
     assert op.fake.direct[-1][1][0] == parts.data_ptr() + 32
-    runtime._split_scratch_cache.clear()
+    cuda._split_scratch_cache.clear()
     op(torch.randn(32))
     fresh = runtime.split_scratch(torch.device("cpu"), 4, 64)[1]
     assert op.own_paths == 2 and op.fake.direct[-1][1][0] == fresh.data_ptr() + 32
@@ -785,14 +787,14 @@ def test_a_tensor_map_parameter_is_passed_as_tritons_launcher_expands_it():
 
     meta = {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 64],
             "fp4_padded": False}
-    fixed = runtime._MapOn(None, (256, 128), (128, 1), "zero")
+    fixed = MapOn(None, (256, 128), (128, 1), "zero")
 
     def plan_with(maps_meta):
         compiled = (lambda *a: None, (3, 1, 1), 99, False, False, (4, 1, 0), (), (
             "tensordesc<bf16[1, 64]>", "*bf16", "i32"), maps_meta)
-        return runtime._Plan(torch.device("cuda", 0), (0,),
-                             (((8,), (1,), torch.float32, False),), (), 0,
-                             ((compiled, (fixed, None, 7), ((0, 0), (1, 1))),))
+        return plans._Plan(torch.device("cuda", 0), (0,),
+                           (((8,), (1,), torch.float32, False),), (), 0,
+                           ((compiled, (fixed, None, 7), ((0, 0), (1, 1))),))
 
     spec = runtime.native_spec(plan_with([meta]))
     (launch,) = spec[4]
@@ -820,7 +822,7 @@ def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here,
     the other kernels never do. On a GPU, under it a CUDA graph of GEMM -> rms_norm -> GEMM
     -> silu_and_mul (each reading its predecessor's output at once) gives the eager result
     exactly, and torch's within bf16 rounding, on new inputs each replay."""
-    monkeypatch.setattr(runtime, "dependent_launch_here", lambda: here)
+    monkeypatch.setattr(env, "dependent_launch_here", lambda: here)
     _fresh_launches()
     try:
         for name, kernel in runtime.KERNELS.items():

@@ -14,6 +14,7 @@ import yaml
 
 from helpers import DEVICE
 from gemslib import registry, runtime, tune
+from gemslib.runtime import custom_op
 
 
 def test_every_kernel_has_one_tune_space_that_fits_it():
@@ -274,7 +275,7 @@ def test_every_declared_problem_lands_in_its_own_bucket(monkeypatch):
     on the CPU the sizes are far past what the interpreter can run, and the inputs are left
     unfilled, since only their shapes matter here)."""
     monkeypatch.setattr(runtime.TunedKernel, "run", lambda self, config, grid, args: None)
-    monkeypatch.setattr(runtime, "interpret_bf16_dots", True)  # bf16 problems reach the kernels
+    monkeypatch.setattr(custom_op, "interpret_bf16_dots", True)  # bf16 problems reach the kernels
 
     class NotRun:  # the attention backward's delta kernel is launched directly
         def __getitem__(self, grid):

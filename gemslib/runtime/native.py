@@ -1,14 +1,14 @@
 """gemslib's native replay of planned calls: a small C++ module, built on first use.
 
-A planned call (:class:`gemslib.runtime.CallPlans`) spends its host time in Python: the
+A planned call (:class:`~gemslib.runtime.plans.CallPlans`) spends its host time in Python: the
 signature from every argument, the lookup, the allocations and the compiled launcher's
-argument parsing. ``_launch.cpp`` does the same work in C++ (a table per operator, from the
-call's signature to its plan: outputs to allocate and kernels to launch with
-``cuLaunchKernel``), so that a repeated call costs about what torch's own call costs. For the
-aten overrides of ``enable()`` it also registers a kernel after autograd (``register_replay``:
-ADInplaceOrView, functional operators only) that replays a planned call from the
-dispatcher's stack without entering Python at all, and passes any other call on to the
-override's Python kernel.
+argument parsing. ``_launch.cpp`` (with the ``_launch_*.h`` headers beside it) does the same
+work in C++ (a table per operator, from the call's signature to its plan: outputs to allocate
+and kernels to launch with ``cuLaunchKernel``), so that a repeated call costs about what
+torch's own call costs. For the aten overrides of ``enable()`` it also registers a kernel
+after autograd (``register_replay``: ADInplaceOrView, functional operators only) that
+replays a planned call from the dispatcher's stack without entering Python at all, and
+passes any other call on to the override's Python kernel.
 
 The module is compiled against the installed torch with the system's C++ compiler (Triton
 needs a C compiler on the machine anyway), once per source, torch and Python version, into
@@ -35,9 +35,13 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("gemslib.native")
+from gemslib.runtime import env
+from gemslib.runtime.cuda import split_scratch
+
+log = logging.getLogger("gemslib.runtime.native")
 
 SOURCE = Path(__file__).with_name("_launch.cpp")
+HEADERS = tuple(sorted(SOURCE.parent.glob("_launch_*.h")))  # included by SOURCE
 _MODULE_NAME = "gemslib_launch"
 _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded module or None, "error": why it is not there
@@ -82,6 +86,8 @@ def _build_command(output: Path) -> list[str] | None:
 
 def _tag() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        digest.update(header.read_bytes())
     digest.update(f"{torch.__version__}|{sys.version}|{sys.platform}".encode())
     return digest.hexdigest()[:16]
 
@@ -105,11 +111,11 @@ def build(directory: Path | None = None) -> Path:
                 built = Path(scratch) / target.name
                 command = _build_command(built)
                 if command is None:
-                    raise RuntimeError("gemslib.native: no C++ compiler or no cuda.h (Triton's) "
-                                       "to build the native launch path with")
+                    raise RuntimeError("gemslib.runtime.native: no C++ compiler or no cuda.h "
+                                       "(Triton's) to build the native launch path with")
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode != 0:
-                    raise RuntimeError(f"gemslib.native: building {SOURCE.name} failed "
+                    raise RuntimeError(f"gemslib.runtime.native: building {SOURCE.name} failed "
                                        f"({' '.join(command[:2])} ...):\n{done.stderr[-4000:]}")
                 os.replace(built, target)  # whole or not at all, for the other processes
         finally:
@@ -119,22 +125,18 @@ def build(directory: Path | None = None) -> Path:
 
 def load(path: Path):
     """Import a built module from ``path`` and hand it the Python objects it keys on."""
-    from gemslib import runtime
-
     spec = importlib.util.spec_from_file_location(_MODULE_NAME, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.setup(torch.Tensor, torch.nn.Parameter, runtime.split_scratch)
+    module.setup(torch.Tensor, torch.nn.Parameter, split_scratch)
     return module
 
 
 def _wanted() -> str | None:
     """Why the native path is not used here, or None where it should be."""
-    from gemslib import runtime
-
     if os.environ.get("GEMSLIB_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
         return "switched off (GEMSLIB_NATIVE=0)"
-    if runtime.INTERPRETER:
+    if env.INTERPRETER:
         return "the Triton interpreter runs the kernels (TRITON_INTERPRET=1)"
     if not torch.cuda.is_available():
         return "no CUDA device"

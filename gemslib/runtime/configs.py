@@ -1,0 +1,213 @@
+"""The tune-config files: their schema (``tune_configs/README.md``), validation, and which
+file is in use. ``GEMSLIB_TUNE_CONFIG=path`` picks a file explicitly; otherwise the
+device's ``<name>.yaml``, else ``default.yaml``. A malformed file raises
+:class:`TuneConfigError` naming the file and the key."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from gemslib.runtime.cuda import device_name
+
+
+CONFIG_ENV = "GEMSLIB_TUNE_CONFIG"
+SCHEMA_VERSION = 1
+_LAUNCH_KEYS = ("num_warps", "num_stages")
+
+
+class TuneConfigError(ValueError):
+    """A tune-config file is malformed or does not fit the kernel it configures."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Meta-parameters (constexpr block sizes) plus Triton's launch options."""
+
+    meta: tuple[tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @functools.cached_property
+    def meta_dict(self) -> dict[str, int]:
+        return dict(self.meta)
+
+    @functools.cached_property
+    def launch_kwargs(self) -> dict[str, int]:
+        """What the Triton launch takes: meta-parameters plus num_warps and num_stages."""
+        return {**self.meta_dict, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Configs for the calls whose shape keys are all <= ``max`` (``None``: every call)."""
+
+    max: Mapping[str, int] | None
+    configs: tuple[LaunchConfig, ...]
+    autotune: bool
+    where: str  # "file: ops.silu.silu_fwd[0]", for error messages
+
+    def matches(self, shape: Mapping[str, int]) -> bool:
+        return within(self.max, shape)
+
+
+def within(bound: Mapping[str, int] | None, shape: Mapping[str, int]) -> bool:
+    """Whether a bucket's ``max`` admits the call: ``shape[key] <= bound[key]`` for every key
+    of ``bound`` (``None``: no bound, every call)."""
+    return bound is None or all(shape[k] <= v for k, v in bound.items())
+
+
+@dataclass(frozen=True)
+class TuneConfigFile:
+    path: Path
+    device: str
+    ops: Mapping[str, Mapping[str, tuple[Bucket, ...]]]
+
+
+def _fail(path: Path, where: str, message: str) -> TuneConfigError:
+    return TuneConfigError(f"tune config {path}: {where}: {message}")
+
+
+def _positive_int(path: Path, where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise _fail(path, where, f"expected {kind}, got {value!r}")
+    return value
+
+
+def parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
+    """One config (a mapping of meta-parameters, num_warps, num_stages), validated; errors
+    name ``path`` and ``where``."""
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(path, where, f"expected a mapping of parameters, got {raw!r}")
+    meta = []
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise _fail(path, where, f"parameter names must be strings, got {key!r}")
+        # meta-parameters may be 0 (a kernel's way to say "off", e.g. softmax_split_fwd CHUNK)
+        _positive_int(path, f"{where}.{key}", value, minimum=1 if key in _LAUNCH_KEYS else 0)
+        if key not in _LAUNCH_KEYS:
+            meta.append((key, value))
+    num_warps = raw.get("num_warps", 4)
+    if num_warps & (num_warps - 1) or num_warps > 32:
+        raise _fail(path, f"{where}.num_warps", f"expected a power of two <= 32, got {num_warps}")
+    return LaunchConfig(meta=tuple(sorted(meta)), num_warps=num_warps,
+                        num_stages=raw.get("num_stages", 1))
+
+
+def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
+    if not isinstance(raw, dict):
+        raise _fail(path, where, f"expected a mapping with 'config' or 'autotune', got {raw!r}")
+    unknown = set(raw) - {"max", "config", "autotune"}
+    if unknown:
+        raise _fail(path, where, f"unknown keys {sorted(unknown)} (allowed: max, config, autotune)")
+    if ("config" in raw) == ("autotune" in raw):
+        raise _fail(path, where, "needs exactly one of 'config' (fixed) or 'autotune' (candidates)")
+    bound = None
+    if "max" in raw:
+        if not isinstance(raw["max"], dict) or not raw["max"]:
+            raise _fail(path, f"{where}.max", f"expected a mapping of shape keys, got {raw['max']!r}")
+        bound = {k: _positive_int(path, f"{where}.max.{k}", v, minimum=0)  # 0: a flag off
+                 for k, v in raw["max"].items()}
+    if "config" in raw:
+        configs = (parse_launch_config(path, f"{where}.config", raw["config"]),)
+    else:
+        candidates = raw["autotune"]
+        if not isinstance(candidates, list) or not candidates:
+            raise _fail(path, f"{where}.autotune", "expected a non-empty list of configs")
+        configs = tuple(parse_launch_config(path, f"{where}.autotune[{i}]", c)
+                        for i, c in enumerate(candidates))
+    return Bucket(max=bound, configs=configs, autotune="autotune" in raw, where=f"{path}: {where}")
+
+
+def parse_tune_config(path: Path, data: Any) -> TuneConfigFile:
+    """Validate the YAML document ``data`` read from ``path``; see tune_configs/README.md."""
+    if not isinstance(data, dict):
+        raise _fail(path, "<top level>", f"expected a mapping, got {type(data).__name__}")
+    for key in ("schema", "device", "ops"):
+        if key not in data:
+            raise _fail(path, key, "missing")
+    unknown = set(data) - {"schema", "device", "source", "tuned", "ops"}
+    if unknown:
+        raise _fail(path, "<top level>", f"unknown keys {sorted(unknown)}")
+    if data["schema"] != SCHEMA_VERSION:
+        raise _fail(path, "schema", f"expected {SCHEMA_VERSION}, got {data['schema']!r}")
+    if "tuned" in data and not isinstance(data["tuned"], dict):
+        raise _fail(path, "tuned", f"expected a mapping (gpu, torch, triton, date, ...), got "
+                                   f"{data['tuned']!r}")
+    if not isinstance(data["device"], str):
+        raise _fail(path, "device", f"expected a string, got {data['device']!r}")
+    if not isinstance(data["ops"], dict):
+        raise _fail(path, "ops", f"expected a mapping of operators, got {data['ops']!r}")
+    ops: dict[str, dict[str, tuple[Bucket, ...]]] = {}
+    for op, kernels in data["ops"].items():
+        if not isinstance(kernels, dict):
+            raise _fail(path, f"ops.{op}", f"expected a mapping of kernels, got {kernels!r}")
+        ops[op] = {}
+        for kernel, buckets in kernels.items():
+            where = f"ops.{op}.{kernel}"
+            if not isinstance(buckets, list) or not buckets:
+                raise _fail(path, where, "expected a non-empty list of buckets")
+            parsed = tuple(_parse_bucket(path, f"{where}[{i}]", b) for i, b in enumerate(buckets))
+            if parsed[-1].max is not None:
+                raise _fail(path, f"{where}[{len(parsed) - 1}]",
+                            "the last bucket must have no 'max' so that every shape has a config")
+            ops[op][kernel] = parsed
+    return TuneConfigFile(path=path, device=data["device"], ops=ops)
+
+
+def load_tune_config(path: str | os.PathLike) -> TuneConfigFile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise TuneConfigError(f"tune config {path}: cannot read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise TuneConfigError(f"tune config {path}: not valid YAML: {err}") from None
+    return parse_tune_config(path, data)
+
+
+def shipped_configs_dir() -> Path:
+    from gemslib import tune_configs
+
+    return Path(tune_configs.__file__).parent
+
+
+_config_lock = threading.Lock()
+_active: tuple[TuneConfigFile, TuneConfigFile] | None = None
+
+
+def config_path() -> Path:
+    """The file in use: ``$GEMSLIB_TUNE_CONFIG``, else ``<device>.yaml``, else ``default.yaml``."""
+    explicit = os.environ.get(CONFIG_ENV)
+    if explicit:
+        return Path(explicit)
+    candidate = shipped_configs_dir() / f"{device_name()}.yaml"
+    return candidate if candidate.is_file() else shipped_configs_dir() / "default.yaml"
+
+
+def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
+    """(file in use, default.yaml); a kernel missing from the first is looked up in the second."""
+    global _active
+    with _config_lock:
+        if _active is None:
+            selected = load_tune_config(config_path())
+            default_path = shipped_configs_dir() / "default.yaml"
+            default = selected if selected.path == default_path else load_tune_config(default_path)
+            _active = (selected, default)
+        return _active
+
+
+def forget_loaded() -> None:
+    """Forget the loaded files: the next :func:`active_configs` reads them again."""
+    global _active
+    with _config_lock:
+        _active = None
