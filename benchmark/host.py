@@ -9,7 +9,7 @@ so this is the host's time per call (Python, checks, the dispatcher, the kernel 
 cases: every operator at a decode size (the fused MLP ops at a width whose weights stream in
 a few microseconds), every backward override as autograd calls it, and a prefill-sized
 attention call, forward and forward + backward (host-bound too). Ways per case, in one process
-and one run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.native``
+and one run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.runtime.native``
 where it is on), the same with
 ``runtime.NATIVE_REPLAY`` switched off (``gemslib-python``: the plans' generated Python
 replays), the same with ``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every
