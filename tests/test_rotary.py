@@ -11,6 +11,7 @@ from conftest import DEVICE, DTYPES, ON_GPU, assert_device_side_assert, random_t
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rotary as rotary_ops
+from gemslib.passes import rotary as rotary_passes
 
 # (q shape, k heads, rot_dim / 2, positions kind)
 CASES = [
@@ -675,8 +676,8 @@ def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
     match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
                             nodes=[node for node in graph.nodes if node.op == "call_function"])
-    return rotary_ops._is_rotary(match, {"half": rotary_ops._half_rotations,
-                                         "pairs": rotary_ops._pair_rotations}[rotations])
+    return rotary_passes._is_rotary(match, {"half": rotary_passes._half_rotations,
+                                            "pairs": rotary_passes._pair_rotations}[rotations])
 
 
 def test_the_check_alone_refuses_every_other_computation():
