@@ -6,7 +6,7 @@ post-grad passes.
     model = torch.compile(model, backend="gemslib",
                           options={"gemslib.rotary_into_cache": False})     # a fusion off
 
-Options named ``gemslib.<fusion>`` switch a fusion (see ``manager.fusion_options``); the rest
+Options named ``gemslib.<fusion>`` switch a fusion (see ``fusion_options``); the rest
 go to inductor as its config patches, as ``backend="inductor"`` takes them.
 
 A warm compile (one inductor's FX graph cache or AOTAutograd's cache serves) skips the
@@ -27,22 +27,23 @@ from typing import Any, Mapping
 
 import torch
 
-from gemslib.passes import manager
 from gemslib.passes.base import CompileRecord, compiling
+from gemslib.passes.manager import (OPTION_PREFIX, GemslibPasses, compile_record, count,
+                                    fusion_options)
 
 log = logging.getLogger("gemslib.passes")
 
-_passes: dict[tuple, manager.GemslibPasses] = {}  # one pass object per set of options
+_passes: dict[tuple, GemslibPasses] = {}  # one pass object per set of options
 
 
-def passes_for(options: Mapping[str, bool]) -> manager.GemslibPasses:
+def passes_for(options: Mapping[str, bool]) -> GemslibPasses:
     """The pass for ``options`` (``{"gemslib.<fusion>": bool}``), every fusion's default
     read now (an environment variable may give one)."""
-    resolved = manager.fusion_options(options)
+    resolved = fusion_options(options)
     key = tuple(sorted(resolved.items()))
     if key not in _passes:
-        _passes[key] = manager.GemslibPasses(
-            {manager.OPTION_PREFIX + name: on for name, on in resolved.items()})
+        _passes[key] = GemslibPasses(
+            {OPTION_PREFIX + name: on for name, on in resolved.items()})
     return _passes[key]
 
 
@@ -56,14 +57,14 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
 
     options = dict(options or {})
     ours = {key: options.pop(key) for key in list(options)
-            if key.startswith(manager.OPTION_PREFIX)}
+            if key.startswith(OPTION_PREFIX)}
     if mode is not None and options:
         raise RuntimeError("gemslib backend: either mode or options can be given, not both "
                            "(as with inductor)")
     patches = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
     patches.update(options)
     if patches.get("post_grad_custom_post_pass") is not None and not isinstance(
-            patches["post_grad_custom_post_pass"], manager.GemslibPasses):
+            patches["post_grad_custom_post_pass"], GemslibPasses):
         raise ValueError("gemslib backend: options sets post_grad_custom_post_pass, which is "
                          "where gemslib's passes go; install gemslib.passes.PASSES in your own "
                          "pass instead")
@@ -74,23 +75,23 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     # still read as linear layers; merged_linear's GEMM over aligned weights needs no padding
     patches.setdefault("shape_padding", False)
 
-    from gemslib.passes import linear
+    from gemslib.passes.linear import merge_once, merge_state
 
-    record = manager.compile_record(example_inputs)
+    record = compile_record(example_inputs)
     # the merges a compile can make depend on the merges made before it (a parameter merged
     # in one group is not merged into another): part of what names the compile
-    record.state = linear.merge_state(record.inputs)
+    record.state = merge_state(record.inputs)
     with compiling(record):
         path = _record_path(gm, example_inputs, passes, patches)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if record.ran:
         _write(path, record)
     else:
-        _replay(path, record, linear.merge_once)
+        _replay(path, record, merge_once)
     return compiled
 
 
-def _record_path(gm, example_inputs, passes: manager.GemslibPasses, patches) -> Path:
+def _record_path(gm, example_inputs, passes: GemslibPasses, patches) -> Path:
     """Where the record of a compile of ``gm`` for ``example_inputs`` goes: under inductor's
     cache dir, named by a hash of what inductor's own key reads that decides the passes' work
     (the graph, its inputs' metadata, the config patches, the passes' uuid)."""
@@ -136,7 +137,7 @@ def _replay(path: Path, record: CompileRecord, merge_once) -> None:
         log.debug("gemslib: no record at %s of a compile the caches served", path)
         return
     for fusion, sites in saved.get("fusions", {}).items():
-        manager.count(fusion, sites)
+        count(fusion, sites)
     for group in saved.get("merged", []):
         if all(0 <= i < len(record.inputs) for i in group):
             merge_once([record.inputs[i] for i in group])

@@ -65,13 +65,11 @@ def count(fusion: str, sites: int = 1) -> None:
 @functools.cache
 def _families() -> tuple[Any, ...]:
     """The modules of ``gemslib.passes`` that declare fusions, by name."""
-    import gemslib.passes as package
-
     found = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        module = importlib.import_module(f"{__package__}.{info.name}")
         if hasattr(module, "GRAPH_PATTERNS") or hasattr(module, "GRAPH_REWRITES"):
             found.append(module)
     return tuple(found)
@@ -341,12 +339,10 @@ class GemslibPasses(CustomGraphPass):
 def _source_hash() -> str:
     """A hash of gemslib's Python source: the passes, the operators (``gemslib.ops``,
     ``gemslib.fused``) and the modules they share."""
-    import gemslib
-    import gemslib.fused
-    import gemslib.ops
-
-    paths = {path.resolve() for package in (gemslib, gemslib.ops, gemslib.fused)
-             for folder in package.__path__ for path in Path(folder).rglob("*.py")}
+    folders = [Path(__file__).parent.parent] + [
+        Path(folder) for name in ("gemslib.ops", "gemslib.fused")
+        for folder in importlib.import_module(name).__path__]
+    paths = {path.resolve() for folder in folders for path in folder.rglob("*.py")}
     digest = hashlib.sha256()
     for path in sorted(paths):
         digest.update(path.name.encode())
