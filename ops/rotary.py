@@ -682,10 +682,13 @@ def _full_table_inputs(device, dtype, rows):
 
 
 def _transformers_formula(q, k, cos, sin):
-    """What transformers computes on (B, H, S, D) views: x * cos + rotate_half(x) * sin."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_embed, k_embed = _transformers_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    return torch.cat([q_embed.transpose(1, 2).flatten(), k_embed.transpose(1, 2).flatten()])
+    """What transformers computes: x * cos + rotate_half(x) * sin, for (B, S, H, D) q and k and
+    a (B, S, D) table."""
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return torch.cat([(x * cos + rotate_half(x) * sin).flatten() for x in (q, k)])
 
 
 SELF_CHECKS = (

@@ -31,6 +31,12 @@ def rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
+def transformers_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb (Llama, Qwen2, Mistral and most others copy it) after
+    its ``cos.unsqueeze(1)``: q (B, Hq, S, D), k (B, Hk, S, D), cos and sin (B or 1, 1, S, D)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 def rotate_pairs(x):
     """The interleaved rotate_half (GLM, Helium, Ernie, Cohere): (-x[2i+1], x[2i]) per pair."""
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)

@@ -17,14 +17,8 @@ import torch
 from gemslib import runtime
 from gemslib.ops import rotary as _rotary_ops  # noqa: F401  (defines torch.ops.gemslib.rotary*)
 from gemslib.passes.base import GraphPattern, GraphRewrite
-from gemslib.passes.forms import (call_node, live_users, only_live_user, rotate_half,
-                                  rotate_pairs, same_size, slice_bounds)
-
-
-def _transformers_rotary(q, k, cos, sin):
-    """transformers' apply_rotary_pos_emb (Llama, Qwen2, Mistral and most others copy it) after
-    its ``cos.unsqueeze(1)``: q (B, Hq, S, D), k (B, Hk, S, D), cos and sin (B or 1, 1, S, D)."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+from gemslib.passes.forms import (call_node, live_users, only_live_user, rotate_pairs,
+                                  same_size, slice_bounds, transformers_rotary)
 
 
 def _interleaved_rotary(q, k, cos, sin):
@@ -187,7 +181,7 @@ def _pattern_inputs():
 # it), matched before the norms: a model that normalises q and k after the rotary (Hunyuan)
 # would have its final add read as a residual add + RMSNorm
 GRAPH_PATTERNS = (
-    GraphPattern("rotary", _transformers_rotary, _replacement(False), _pattern_inputs,
+    GraphPattern("rotary", transformers_rotary, _replacement(False), _pattern_inputs,
                  check=functools.partial(_is_rotary, rotations=_half_rotations), stage=-1),
     GraphPattern("rotary", _interleaved_rotary, _replacement(True), _pattern_inputs,
                  check=functools.partial(_is_rotary, rotations=_pair_rotations), stage=-1),
