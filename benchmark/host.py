@@ -57,7 +57,7 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
     import torch.nn.functional as F
 
     import gemslib
-    from gemslib.ops import rotary as rotary_ops
+    from gemslib.passes import forms
 
     aten = torch.ops.aten
     bf16 = dict(device=device, dtype=torch.bfloat16)
@@ -106,8 +106,8 @@ def cases(device) -> dict[str, dict[str, Callable | None]]:
                                               enable_gqa=True)
 
     def torch_rotary():  # transformers' apply_rotary_pos_emb on (B, H, 1, D) views
-        return rotary_ops._transformers_rotary(q.transpose(1, 2), k.transpose(1, 2),
-                                               cos_table[:, None], sin_table[:, None])
+        return forms.transformers_rotary(q.transpose(1, 2), k.transpose(1, 2),
+                                         cos_table[:, None], sin_table[:, None])
 
     def gemslib_rotary_table():
         return gemslib.apply_rotary(q, k, cos_table, sin_table)

@@ -18,14 +18,12 @@ from HBM about once per group. Small M (decode) runs the same kernel with 16-row
 narrow column tiles: many programs, each streaming its slice of W once.
 
 The backward is torch arithmetic (recomputing z), correct rather than fast. In a compiled model
-(``backend="gemslib"``) a graph rewrite replaces silu(linear(rms_norm(x))) with this op where the
-Hopper path takes it. The file reads top-down: kernel, launcher, reference, public function,
-custom op and autograd, graph rewrite, self-check, tuning.
+(``backend="gemslib"``) a graph rewrite (``gemslib.passes.linear``) replaces
+silu(linear(rms_norm(x))) with this op where the Hopper path takes it. The file reads top-down:
+kernel, launcher, reference, public function, custom op and autograd, self-check, tuning.
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 import triton
@@ -35,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from gemslib import checks, layout, runtime
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import silu as silu_ops
-from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -381,79 +379,6 @@ _rms_norm_linear_silu_op = runtime.CustomOp(
     "rms_norm_linear_silu", _rms_norm_linear_silu_impl,
     fake=lambda x, norm_weight, weight, bias, eps: x.new_empty((*x.shape[:-1], weight.shape[0])),
     setup_context=_setup, backward=_grad, differentiable_backward=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Graph rewrite (torch.compile(backend="gemslib")): silu of a projection of an rms_norm
-# --------------------------------------------------------------------------------------------
-
-
-def _silu_chain(act: torch.fx.Node, source: torch.fx.Node) -> set[torch.fx.Node]:
-    """The nodes between ``source`` and ``act`` (silu(source) as inductor decomposes it)."""
-    chain, todo = set(), [act]
-    while todo:
-        node = todo.pop()
-        if node is source or node in chain:
-            continue
-        chain.add(node)
-        todo += [a for a in node.all_input_nodes]
-    return chain
-
-
-def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
-    """``silu(linear(rms_norm(x, g, eps), W, b))`` (after the patterns: the norm is gemslib's
-    rms_norm node, the linear inductor's mm / addmm, possibly between reshapes) whose
-    intermediates feed nothing else -> ``rms_norm_linear_silu(x, g, W, b, eps)``, where the
-    fused path takes the site."""
-    from gemslib.fused.merged_linear import _projection
-    from gemslib.graph import call_node, live_users
-
-    sites = []
-    for act in list(graph.nodes):
-        if act.op != "call_function" or not isinstance(act.meta.get("val"), torch.Tensor):
-            continue
-        source = silu_ops._silu_source(act)
-        if source is None:
-            continue
-        mm = source.args[0] if source.target in (torch.ops.aten.reshape.default,
-                                                 torch.ops.aten.view.default) else source
-        found = _projection(mm) if isinstance(mm, torch.fx.Node) else None
-        if found is None:
-            continue
-        x2d, normed, weight, bias = found
-        norm = normed.args[0] if normed.target is operator.getitem and normed.args[1] == 0 \
-            else None
-        if not (isinstance(norm, torch.fx.Node)
-                and norm.target is torch.ops.gemslib.rms_norm_forward.default):
-            continue
-        x, norm_weight, eps = norm.args
-        chain = _silu_chain(act, source)
-        if norm_weight is None or not isinstance(eps, float) or \
-                any(u is not normed for u in live_users(norm)) or \
-                live_users(normed) != [x2d if x2d is not normed else mm] or \
-                (x2d is not normed and live_users(x2d) != [mm]) or \
-                (source is not mm and live_users(mm) != [source]) or \
-                any(u not in chain for n in [source, *chain - {act}] for u in live_users(n)):
-            continue
-        values = [n.meta["val"] for n in (x, norm_weight, weight) + ((bias,) if bias else ())]
-        if len({v.dtype for v in values}) != 1 or not (
-                _rms_norm_linear_silu_hopper is not None
-                and _rms_norm_linear_silu_hopper.graph_site_fuses(x2d.meta["val"], values[2])):
-            continue
-        with graph.inserting_before(act):
-            fused = call_node(graph, torch.ops.gemslib.rms_norm_linear_silu.default, x,
-                              norm_weight, weight, bias, eps)
-        if fused.meta["val"].shape != act.meta["val"].shape:
-            graph.erase_node(fused)
-            continue
-        act.replace_all_uses_with(fused)
-        graph.erase_node(act)
-        sites.append(f"{act.name} over {mm.name} of {norm.name}")
-    return sites
-
-
-GRAPH_REWRITES = (GraphRewrite("rms_norm_linear_silu", _fuse_rms_norm_linear_silu,
-                               after_patterns=True),)
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ calls whose config says VENDOR_GEMM run gemslib's rms_norm, torch's matmul and g
 silu_and_mul, where cuBLAS streams the weights faster than this kernel.
 
 In a compiled model (``backend="gemslib"``) the same kernels run as ``linear_swiglu``, the
-form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``: the graph rewrite below replaces the
-merged gate/up projection and the silu_and_mul after it, and the model's (add_)rms_norm before
-it stays. The backward is torch arithmetic (recomputing the projections). The file reads
-top-down: kernel, launcher, reference, public function, custom op and autograd, graph rewrite,
+form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``: a graph rewrite
+(``gemslib.passes.linear``) replaces the merged gate/up projection and the silu_and_mul after
+it, and the model's (add_)rms_norm before it stays. The backward is torch arithmetic (recomputing the projections). The file reads
+top-down: kernel, launcher, reference, public function, custom op and autograd, linear_swiglu,
 self-check, tuning.
 """
 
@@ -30,10 +30,9 @@ import triton.language as tl
 
 from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
-from gemslib.graph import call_node, live_users
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import silu as silu_ops
-from gemslib.registry import GraphRewrite, SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -403,13 +402,9 @@ _rms_norm_swiglu_op = runtime.CustomOp(
 
 
 # --------------------------------------------------------------------------------------------
-# Graph rewrite (torch.compile(backend="gemslib")): silu_and_mul of a merged [gate | up]
-# projection -> linear_swiglu, the GEMM with the SwiGLU epilogue
+# linear_swiglu: the GEMM with the SwiGLU epilogue, without the norm (what the graph passes
+# put in place of a merged gate/up projection and its silu_and_mul)
 # --------------------------------------------------------------------------------------------
-#
-# A model's MLP reaches the rewrites as (add_)rms_norm -> merged_linear([Wg, Wu]) ->
-# silu_and_mul. The norm stays the model's own kernel: its normalised rows are what the
-# Hopper matmul reads, where rms_norm_swiglu's own pre-pass would write them again.
 
 
 def _linear_swiglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor]) -> torch.Tensor:
@@ -429,35 +424,6 @@ _linear_swiglu_op = torch.library.custom_op("gemslib::linear_swiglu", _linear_sw
 _linear_swiglu_op.register_fake(
     lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
 
-def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    hopper = _rms_norm_linear_silu_hopper
-    return hopper is not None and hopper.graph_site_fuses(x, weight)
-
-
-def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
-    """``silu_and_mul(merged_linear(x, [Wg, Wu], [None, None]))`` whose merged output feeds
-    nothing else -> ``linear_swiglu(x, [Wg, Wu])``."""
-    sites = []
-    for act in graph.find_nodes(op="call_function", target=torch.ops.gemslib.silu_and_mul.default):
-        merged = act.args[0]
-        if not (isinstance(merged, torch.fx.Node)
-                and merged.target is torch.ops.gemslib.merged_linear.default):
-            continue
-        x, weights, biases = merged.args
-        if len(weights) != 2 or any(b is not None for b in biases) or \
-                weights[0].meta["val"].shape != weights[1].meta["val"].shape or \
-                any(user is not act for user in live_users(merged)) or \
-                not _takes_graph_site(x.meta["val"], weights[0].meta["val"]):
-            continue
-        with graph.inserting_before(act):
-            fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x, list(weights))
-        act.replace_all_uses_with(fused)
-        graph.erase_node(act)
-        sites.append(f"{act.name} over {merged.name}")
-    return sites
-
-
-GRAPH_REWRITES = (GraphRewrite("linear_swiglu", _fuse_linear_swiglu),)
 
 
 # --------------------------------------------------------------------------------------------

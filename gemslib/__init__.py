@@ -38,7 +38,7 @@ def _map_source_checkout() -> None:
 _map_source_checkout()
 
 from gemslib.registry import disable, enable, is_enabled, registered_ops
-from gemslib.graph import fusion_report, reset_fusion_report
+from gemslib.passes import fusion_report, reset_fusion_report
 from gemslib.runtime import TuneConfigError
 from gemslib.fused.attention import attention
 from gemslib.fused.decode_attention import decode_attention

@@ -44,8 +44,8 @@ import pkgutil
 import threading
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -90,47 +90,6 @@ class SelfCheck:
 
 
 @dataclass(frozen=True)
-class GraphPattern:
-    """One form a model writes that an operator computes.
-
-    ``search(*inputs, **scalars)`` is written the way models write it and ``replace`` (same
-    signature) calls the operator; both are traced by inductor's pattern matcher with
-    ``example_inputs()`` (tensors only) and ``scalars`` (a value for each scalar argument, which
-    then matches any value: an epsilon, a scale). A traced pattern keeps node targets and
-    structure, but not every constant (a dtype, a dim, an exponent may become a wildcard), so
-    ``check(match)`` must prove the matched site is this computation (dtypes, dims, shapes,
-    constants); a site it refuses is left to inductor.
-    """
-
-    fusion: str  # the name fusion_report() counts it under
-    search: Callable
-    replace: Callable
-    example_inputs: Callable[[], Sequence[Any]]
-    check: Callable[[Any], bool]
-    scalars: Mapping[str, float | int] = field(default_factory=dict)
-    # patterns of a lower stage are matched over the whole graph first: a form whose last node
-    # another pattern's first could swallow (rotary's final add, read by an add + RMSNorm)
-    stage: int = 0
-
-
-@dataclass(frozen=True)
-class GraphRewrite:
-    """A fusion that is not one fixed pattern (a varying number of projections of one input,
-    parameters merged once): ``rewrite(graph, real_value)`` edits an inductor post-grad
-    ``torch.fx.Graph`` in place and returns one description per site it fused.
-    ``real_value(placeholder)`` is the real tensor the compiled graph was called with for that
-    input (a parameter), or None where it is not known; a rewrite that needs one must leave the
-    site alone without it. Rewrites run before the patterns, repeatedly until none fuses
-    anything more, so one may build on another's output; ``after_patterns`` ones run after
-    the patterns instead (they read the patterns' gemslib nodes, e.g. an rms_norm).
-    """
-
-    fusion: str  # the name fusion_report() counts it under
-    rewrite: Callable[[Any, Callable[[Any], Any]], Sequence[str]]
-    after_patterns: bool = False
-
-
-@dataclass(frozen=True)
 class TuneBucket:
     """One bucket of a kernel's tune-config entry, for ``python -m gemslib.tune``: the calls
     whose shape keys are all <= ``max`` (``None``: the last bucket, every other call), and a
@@ -163,8 +122,6 @@ class Operator:
     overrides: tuple[AtenOverride, ...]
     self_checks: tuple[SelfCheck, ...]
     tuning: tuple[TuneSpace, ...] = ()
-    graph_patterns: tuple[GraphPattern, ...] = ()
-    graph_rewrites: tuple[GraphRewrite, ...] = ()
 
 
 _OPERATOR_PACKAGES = ("gemslib.ops", "gemslib.fused")
@@ -187,9 +144,7 @@ def operators() -> Mapping[str, Operator]:
                     overrides=tuple(o for o in getattr(module, "ATEN_OVERRIDES", ())
                                     if runtime.dispatch_key() in o.dispatch_keys),
                     self_checks=tuple(getattr(module, "SELF_CHECKS", ())),
-                    tuning=tuple(getattr(module, "TUNING", ())),
-                    graph_patterns=tuple(getattr(module, "GRAPH_PATTERNS", ())),
-                    graph_rewrites=tuple(getattr(module, "GRAPH_REWRITES", ())))
+                    tuning=tuple(getattr(module, "TUNING", ())))
         _operators = found
     return _operators
 

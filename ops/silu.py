@@ -11,8 +11,6 @@ launchers, references, public functions and custom ops, aten overrides, self-che
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -20,8 +18,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, layout, runtime
-from gemslib.graph import call_node, slice_bounds
-from gemslib.registry import AtenOverride, GraphRewrite, SelfCheck, TuneBucket, TuneSpace
+from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
 
@@ -473,131 +470,6 @@ ATEN_OVERRIDES = (
     AtenOverride("aten::silu_backward", _silu_backward, _why_not_silu_backward),
 )
 
-
-# --------------------------------------------------------------------------------------------
-# Graph rewrite (torch.compile(backend="gemslib")): silu(gate) * up over the halves of one
-# tensor (the merged gate | up projection) -> silu_and_mul
-# --------------------------------------------------------------------------------------------
-
-_aten, _prims = torch.ops.aten, torch.ops.prims
-
-
-def _cast(node, dtype):
-    """The node that ``node`` converts to ``dtype``, or None."""
-    if isinstance(node, torch.fx.Node) and node.target is _prims.convert_element_type.default \
-            and node.args[1] == dtype:
-        return node.args[0]
-    return None
-
-
-def _silu_source(node):
-    """s when ``node`` computes silu(s) rounded once to s's dtype, as inductor decomposes
-    F.silu: ``s / (1 + exp(-s))``, for 16-bit s upcast to fp32 and the result cast back."""
-    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
-        return None
-    dtype = node.meta["val"].dtype
-    inner = node if dtype == torch.float32 else _cast(node, dtype)
-    if not (isinstance(inner, torch.fx.Node) and inner.target is _aten.div.Tensor):
-        return None
-    numerator, denominator = inner.args
-    if not (isinstance(denominator, torch.fx.Node) and denominator.target is _aten.add.Tensor
-            and denominator.args[1] == 1 and isinstance(denominator.args[0], torch.fx.Node)
-            and denominator.args[0].target is _aten.exp.default):
-        return None
-    negated = denominator.args[0].args[0]
-    if not (isinstance(negated, torch.fx.Node) and negated.target is _aten.neg.default
-            and negated.args[0] is numerator):
-        return None
-    source = numerator if dtype == torch.float32 else _cast(numerator, torch.float32)
-    if not isinstance(source, torch.fx.Node) or source.meta["val"].dtype != dtype:
-        return None
-    return source
-
-
-def _columns_of(node):
-    """(whole, start, end, shape) when ``node`` is the columns [start, end) of ``whole``'s
-    last dim (static sizes), possibly reshaped (to ``shape``, else None): a slice with step 1,
-    or a piece of ``split`` / ``split_with_sizes`` over the last dim (``chunk(2, -1)`` in a
-    model's code); else None."""
-    shape = None
-    if node.target in (_aten.reshape.default, _aten.view.default):
-        node, shape = node.args[0], node.args[1]
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if node.target is operator.getitem:
-        return _piece_of_split(node, shape)
-    if node.target is not _aten.slice.Tensor:
-        return None
-    bounds = slice_bounds(node)
-    if bounds is None or bounds[0] != node.args[0].meta["val"].dim() - 1 or bounds[3] != 1:
-        return None
-    return node.args[0], bounds[1], bounds[2], shape
-
-
-def _last_width(whole, dim):
-    """The static size of ``whole``'s last dim when ``dim`` is that dim, else None."""
-    value = whole.meta.get("val") if isinstance(whole, torch.fx.Node) else None
-    if value is None or not isinstance(dim, int) or value.dim() == 0 or \
-            dim % value.dim() != value.dim() - 1:
-        return None
-    width = value.shape[-1]
-    return width if isinstance(width, int) else None
-
-
-def _piece_of_split(getitem, shape):
-    split, index = getitem.args
-    if not isinstance(split, torch.fx.Node) or not isinstance(index, int) or \
-            split.target not in (_aten.split.Tensor, _aten.split_with_sizes.default):
-        return None
-    whole, size, dim = (*split.args, split.kwargs.get("dim", 0))[:3]
-    width = _last_width(whole, dim)
-    if width is None:
-        return None
-    if split.target is _aten.split.Tensor:
-        if not isinstance(size, int) or size <= 0:
-            return None
-        sizes = [size] * (width // size) + ([width % size] if width % size else [])
-    else:
-        sizes = list(size)
-    if not all(isinstance(n, int) for n in sizes) or sum(sizes) != width or \
-            not 0 <= index < len(sizes):
-        return None
-    start = sum(sizes[:index])
-    return whole, start, start + sizes[index], shape
-
-
-def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
-    """``silu(x[..., a:a+n]) * x[..., a+n:a+2n]`` (each part possibly reshaped alike; the
-    parts slices or split pieces of x's last dim) -> silu_and_mul of x[..., a:a+2n]: the
-    merged gate/up output, or the gate/up columns of a wider merged projection."""
-    sites = []
-    for mul in graph.find_nodes(op="call_function", target=_aten.mul.Tensor):
-        for gated, other in (mul.args, mul.args[::-1]):
-            if not all(isinstance(a, torch.fx.Node) for a in (gated, other)):
-                continue
-            source = _silu_source(gated)
-            gate, up = source and _columns_of(source), _columns_of(other)
-            if not (gate and up and gate[0] is up[0] and gate[2] == up[1]
-                    and gate[2] - gate[1] == up[2] - up[1] > 0 and gate[3] == up[3]):
-                continue
-            whole, start, end = gate[0], gate[1], up[2]
-            if whole.meta["val"].dtype not in runtime.KERNEL_DTYPES or \
-                    mul.meta["val"].dtype != whole.meta["val"].dtype:
-                continue
-            with graph.inserting_before(mul):
-                if (start, end) != (0, whole.meta["val"].shape[-1]):
-                    whole = call_node(graph, _aten.slice.Tensor, whole, -1, start, end)
-                fused = call_node(graph, torch.ops.gemslib.silu_and_mul.default, whole)
-                if gate[3] is not None:
-                    fused = call_node(graph, _aten.reshape.default, fused, gate[3])
-            mul.replace_all_uses_with(fused)
-            graph.erase_node(mul)
-            sites.append(f"{mul.name} over {whole.name}")
-            break
-    return sites
-
-
-GRAPH_REWRITES = (GraphRewrite("silu_and_mul", _fuse_silu_and_mul),)
 
 # --------------------------------------------------------------------------------------------
 # Self-checks for `python -m gemslib`

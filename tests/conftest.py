@@ -7,10 +7,20 @@ TRITON_INTERPRET must be set before Triton decorates gemslib's kernels, i.e. bef
 imported, so this happens at the top of the conftest, ahead of every test module.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
+# inductor's caches in a folder of this session's own: a graph cached by older code (the
+# passes' uuid is a hash of the source, but not of everything a test may patch) never serves
+# a test, and the suite leaves nothing behind
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gemslib-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import pytest  # noqa: E402  (after the cache decision: inductor reads it once)
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

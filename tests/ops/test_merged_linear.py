@@ -7,6 +7,7 @@ import torch
 import gemslib
 from helpers import DEVICE
 from gemslib.fused import merged_linear as ml
+from gemslib.passes import linear as linear_passes
 
 merged_linear = torch.ops.gemslib.merged_linear
 
@@ -119,9 +120,9 @@ def test_tensors_that_are_not_parameters_merge_into_storages_of_their_own():
     tensors whose inner tensors share a storage), and they still read as end to end."""
     a, b = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
     expected = torch.cat([a, b])
-    assert ml._merge_once([a, b])
-    buffer = getattr(a, ml._MERGED_ROWS)
-    assert getattr(b, ml._MERGED_ROWS) is buffer and buffer.nbytes == a.nbytes + b.nbytes
+    assert linear_passes.merge_once([a, b])
+    buffer = getattr(a, ml.MERGED_ROWS)
+    assert getattr(b, ml.MERGED_ROWS) is buffer and buffer.nbytes == a.nbytes + b.nbytes
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     assert b.data_ptr() == a.data_ptr() + a.nbytes
     assert torch.equal(ml.end_to_end([a, b]), expected)
@@ -156,7 +157,7 @@ def test_a_site_without_real_parameters_is_left_alone():
     module = _Projections().eval()
     x = torch.randn(2, 16, device=DEVICE)
     with torch.no_grad(), torch._inductor.config.patch(
-            post_grad_custom_post_pass=gemslib.graph.PASSES):
+            post_grad_custom_post_pass=gemslib.passes.PASSES):
         torch.compile(module, fullgraph=True)(x, x, x)
     assert "merged_linear" not in gemslib.fusion_report()
     assert ml.end_to_end([module.a.weight, module.b.weight]) is None

@@ -11,6 +11,7 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_device_side_assert, random_te
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rotary as rotary_ops
+from gemslib.passes import rotary as rotary_passes
 
 # (q shape, k heads, rot_dim / 2, positions kind)
 CASES = [
@@ -675,8 +676,8 @@ def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
     match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
                             nodes=[node for node in graph.nodes if node.op == "call_function"])
-    return rotary_ops._is_rotary(match, {"half": rotary_ops._half_rotations,
-                                         "pairs": rotary_ops._pair_rotations}[rotations])
+    return rotary_passes._is_rotary(match, {"half": rotary_passes._half_rotations,
+                                            "pairs": rotary_passes._pair_rotations}[rotations])
 
 
 def test_the_check_alone_refuses_every_other_computation():
@@ -768,9 +769,18 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
 
 
 def test_the_cache_write_rewrite_can_be_switched_off(monkeypatch):
-    """GEMSLIB_ROTARY_INTO_CACHE=0 (read when a graph compiles) leaves the static cache's
-    update to inductor: the rotary is still gemslib's, the results still eager's."""
+    """GEMSLIB_ROTARY_INTO_CACHE=0 (the default of the option, read when a graph compiles)
+    leaves the static cache's update to inductor: the rotary is still gemslib's, the results
+    still eager's."""
     monkeypatch.setenv("GEMSLIB_ROTARY_INTO_CACHE", "0")
+    _check_cache_write_left_to_inductor()
+
+
+def test_the_cache_write_rewrite_is_switched_off_by_its_option():
+    _check_cache_write_left_to_inductor({"gemslib.rotary_into_cache": False})
+
+
+def _check_cache_write_left_to_inductor(options=None):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     q, k, v = (random_tensor((2, 2, 1, 16), torch.float32, scale=1.0) for _ in range(3))
@@ -782,7 +792,7 @@ def test_the_cache_write_rewrite_can_be_switched_off(monkeypatch):
     args = (q, k, v, angles.cos(), angles.sin())
     with torch.no_grad():
         expected = _cache_step(*args, *expected_caches, positions, mask)
-        got = torch.compile(_cache_step, backend="gemslib", fullgraph=True)(
+        got = torch.compile(_cache_step, backend="gemslib", fullgraph=True, options=options)(
             *args, *caches, positions, mask)
     assert gemslib.fusion_report() == {"rotary": 1, "attention": 1}, gemslib.fusion_report()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

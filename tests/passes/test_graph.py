@@ -275,9 +275,9 @@ def test_the_backend_is_found_by_name_without_importing_gemslib():
 
 def test_mode_and_options_are_inductor_s():
     with pytest.raises(RuntimeError, match="either mode or options"):
-        gemslib.graph.backend(None, [], mode="max-autotune", options={"a": 1})
+        gemslib.passes.backend(None, [], mode="max-autotune", options={"a": 1})
     with pytest.raises(ValueError, match="post_grad_custom_post_pass"):
-        gemslib.graph.backend(None, [], options={"post_grad_custom_post_pass": object()})
+        gemslib.passes.backend(None, [], options={"post_grad_custom_post_pass": object()})
 
 
 def test_the_merged_projection_feeds_rotary_and_attention_without_copies():
@@ -310,13 +310,13 @@ def test_matmuls_keep_their_shape_unless_padding_is_asked_for(monkeypatch, optio
     """The backend turns inductor's shape padding off (its GPU timings would decide per run
     whether a projection still reads as one), unless the options ask for it."""
     seen = []
-    call = gemslib.graph.GemslibPasses.__call__
+    call = gemslib.passes.GemslibPasses.__call__
 
     def recording(self, graph):
         seen.append(torch._inductor.config.shape_padding)
         return call(self, graph)
 
-    monkeypatch.setattr(gemslib.graph.GemslibPasses, "__call__", recording)
+    monkeypatch.setattr(gemslib.passes.GemslibPasses, "__call__", recording)
     torch._dynamo.reset()
     x, w = torch.randn(5, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
     f = torch.compile(lambda x, w: x @ w, backend="gemslib", options=options)
@@ -599,7 +599,8 @@ def test_subclass_inputs_map_to_their_leaves_even_one_leaf_each():
     shard, not the whole."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gemslib import graph as passes
+    from gemslib.passes import manager
+    from gemslib.passes.base import compiling
 
     shards = [torch.randn(4, 8), torch.randn(2, 8)]
     inputs = [_Sharded(shard, ranks=2) for shard in shards]
@@ -607,10 +608,7 @@ def test_subclass_inputs_map_to_their_leaves_even_one_leaf_each():
     with FakeTensorMode() as fake_mode:
         for i, shard in enumerate(shards):
             traced.placeholder(f"arg{i}").meta["val"] = fake_mode.from_tensor(shard)
-    token = passes._compiling_inputs.set(inputs)
-    try:
-        real_value = passes._real_values(traced)
-    finally:
-        passes._compiling_inputs.reset(token)
+    with compiling(manager.compile_record(inputs)):
+        real_value = manager._real_values(traced)
     placeholders = traced.find_nodes(op="placeholder")
     assert [real_value(node) is shard for node, shard in zip(placeholders, shards)] == [True, True]

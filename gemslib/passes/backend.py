@@ -1,0 +1,143 @@
+"""The ``"gemslib"`` torch.compile backend: inductor with gemslib's passes after its own
+post-grad passes.
+
+    model = torch.compile(model, backend="gemslib")                          # passes + inductor
+    model = torch.compile(model, backend="gemslib", mode="reduce-overhead")  # ... in CUDA graphs
+    model = torch.compile(model, backend="gemslib",
+                          options={"gemslib.rotary_into_cache": False})     # a fusion off
+
+Options named ``gemslib.<fusion>`` switch a fusion (see ``fusion_options``); the rest
+go to inductor as its config patches, as ``backend="inductor"`` takes them.
+
+A warm compile (one inductor's FX graph cache or AOTAutograd's cache serves) skips the
+passes. What the passes did besides editing the graph is therefore written beside inductor's
+cache for each compile, and redone when the passes did not run: the fusions are counted in the
+report, and the parameters merged_linear's rewrite merged are merged again (see
+docs/notes/compile-cache.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from gemslib.passes.base import CompileRecord, compiling
+from gemslib.passes.manager import (OPTION_PREFIX, GemslibPasses, compile_record, count,
+                                    fusion_options)
+
+log = logging.getLogger("gemslib.passes")
+
+_passes: dict[tuple, GemslibPasses] = {}  # one pass object per set of options
+
+
+def passes_for(options: Mapping[str, bool]) -> GemslibPasses:
+    """The pass for ``options`` (``{"gemslib.<fusion>": bool}``), every fusion's default
+    read now (an environment variable may give one)."""
+    resolved = fusion_options(options)
+    key = tuple(sorted(resolved.items()))
+    if key not in _passes:
+        _passes[key] = GemslibPasses(
+            {OPTION_PREFIX + name: on for name, on in resolved.items()})
+    return _passes[key]
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
+            options: Mapping[str, Any] | None = None):
+    """The ``"gemslib"`` torch.compile backend: inductor (with ``mode``'s or ``options``'
+    settings, as ``backend="inductor"`` takes them) plus gemslib's passes, the fusions
+    switched by the options ``gemslib.<fusion>``."""
+    import torch._inductor
+    from torch._inductor.compile_fx import compile_fx
+
+    options = dict(options or {})
+    ours = {key: options.pop(key) for key in list(options)
+            if key.startswith(OPTION_PREFIX)}
+    if mode is not None and options:
+        raise RuntimeError("gemslib backend: either mode or options can be given, not both "
+                           "(as with inductor)")
+    patches = dict(torch._inductor.list_mode_options(mode)) if mode is not None else {}
+    patches.update(options)
+    if patches.get("post_grad_custom_post_pass") is not None and not isinstance(
+            patches["post_grad_custom_post_pass"], GemslibPasses):
+        raise ValueError("gemslib backend: options sets post_grad_custom_post_pass, which is "
+                         "where gemslib's passes go; install gemslib.passes.PASSES in your own "
+                         "pass instead")
+    passes = passes_for(ours)
+    patches["post_grad_custom_post_pass"] = passes
+    # inductor's shape padding rewrites a matmul whose rows are not aligned into a padded one
+    # when a timing on the GPU favours it, and that decides per run whether the projections
+    # still read as linear layers; merged_linear's GEMM over aligned weights needs no padding
+    patches.setdefault("shape_padding", False)
+
+    from gemslib.passes.linear import merge_once, merge_state
+
+    record = compile_record(example_inputs)
+    # the merges a compile can make depend on the merges made before it (a parameter merged
+    # in one group is not merged into another): part of what names the compile
+    record.state = merge_state(record.inputs)
+    with compiling(record):
+        path = _record_path(gm, example_inputs, passes, patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if record.ran:
+        _write(path, record)
+    else:
+        _replay(path, record, merge_once)
+    return compiled
+
+
+def _record_path(gm, example_inputs, passes: GemslibPasses, patches) -> Path:
+    """Where the record of a compile of ``gm`` for ``example_inputs`` goes: under inductor's
+    cache dir, named by a hash of what inductor's own key reads that decides the passes' work
+    (the graph, its inputs' metadata, the config patches, the passes' uuid)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    digest = hashlib.sha256()
+    for part in (gm.code, _inputs_metadata(example_inputs), passes.uuid(), torch.__version__,
+                 repr(torch.is_grad_enabled()),
+                 repr(sorted((k, repr(v)) for k, v in patches.items()
+                             if k != "post_grad_custom_post_pass"))):
+        digest.update(str(part).encode())
+        digest.update(b"\0")
+    return Path(cache_dir()) / "gemslib" / f"{digest.hexdigest()}.json"
+
+
+def _inputs_metadata(example_inputs) -> list[str]:
+    described = []
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            described.append(f"{type(value).__name__} {value.dtype} {tuple(value.shape)} "
+                             f"{value.stride()} {value.device.type} {value.requires_grad}")
+        else:
+            described.append(type(value).__name__)
+    return described
+
+
+def _write(path: Path, record: CompileRecord) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"fusions": dict(record.fusions),
+                                       "merged": record.merged}))
+        os.replace(partial, path)  # whole or not at all, for a process reading it meanwhile
+    except OSError as err:  # a read-only cache: the next process compiles cold, no harm
+        log.debug("gemslib: could not write %s: %s", path, err)
+
+
+def _replay(path: Path, record: CompileRecord, merge_once) -> None:
+    """Redo what the passes did for a compile that inductor's caches served."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.debug("gemslib: no record at %s of a compile the caches served", path)
+        return
+    for fusion, sites in saved.get("fusions", {}).items():
+        count(fusion, sites)
+    for group in saved.get("merged", []):
+        if all(0 <= i < len(record.inputs) for i in group):
+            merge_once([record.inputs[i] for i in group])

@@ -1,0 +1,113 @@
+"""The passes and inductor's caches: a warm compile (a second process) is served from the FX
+graph cache and still reports its fusions and merges its projections; options switch fusions
+and name the cache entries they make."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gemslib
+from conftest import DEVICE
+from gemslib.passes.backend import passes_for
+from gemslib.passes import manager
+
+_COMPILE_TINY_LLAMA = r"""
+import json, sys
+import torch, transformers
+import gemslib
+from torch._dynamo.utils import counters
+
+config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config).eval()
+ids = torch.randint(0, 96, (1, 16))
+with torch.no_grad():
+    expected = model(ids).logits
+    got = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits
+attention = model.model.layers[0].self_attn
+storages = {p.untyped_storage().data_ptr()
+            for p in (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)}
+print(json.dumps({
+    "fusions": gemslib.fusion_report(),
+    "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
+    "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+    "merged": len(storages) == 1,
+    "error": ((got - expected).abs().max() / expected.abs().max()).item(),
+}))
+"""
+
+
+def _compile_in_a_process(cache_dir) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_TINY_LLAMA], capture_output=True,
+                          text=True, env=env, cwd="/", timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the processes run in the interpreter")
+def test_a_second_process_hits_the_cache_and_still_reports_and_merges(tmp_path):
+    pytest.importorskip("transformers")
+    cold = _compile_in_a_process(tmp_path)
+    warm = _compile_in_a_process(tmp_path)
+    assert cold["fx_hits"] == 0 and cold["aot_hits"] == 0, cold
+    assert warm["fx_hits"] + warm["aot_hits"] > 0, warm
+    assert warm["fusions"] == cold["fusions"] and cold["fusions"]["merged_linear"] == 4, (
+        cold, warm)
+    assert cold["merged"] and warm["merged"], (cold, warm)
+    assert cold["error"] <= 1e-4 and warm["error"] <= 1e-4, (cold, warm)
+    assert list((tmp_path / "gemslib").glob("*.json")), "no record beside inductor's cache"
+
+
+def test_an_option_changes_the_uuid():
+    default = passes_for({})
+    assert default.uuid() == passes_for({"gemslib.attention": True}).uuid()
+    for name in manager.fusion_names():
+        assert passes_for({f"gemslib.{name}": False}).uuid() != default.uuid()
+
+
+def test_the_environment_is_only_the_default_of_its_option(monkeypatch):
+    monkeypatch.setenv("GEMSLIB_ROTARY_INTO_CACHE", "0")
+    assert not manager.fusion_options()["rotary_into_cache"]
+    assert manager.fusion_options({"gemslib.rotary_into_cache": True})["rotary_into_cache"]
+
+
+def test_an_unknown_option_is_named_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"'gemslib\.nope'.*gemslib\.rotary_into_cache"):
+        gemslib.passes.backend(None, [], options={"gemslib.nope": False})
+    with pytest.raises(ValueError, match="True or False"):
+        gemslib.passes.GemslibPasses({"gemslib.attention": "no"})
+
+
+class _TwoProjections(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 24)
+        self.to(DEVICE)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_an_option_switches_its_fusion_and_reaches_only_the_passes(on):
+    """``gemslib.merged_linear`` (popped before inductor sees the other options) decides
+    whether the projections of one input merge; the results are eager's either way."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _TwoProjections().eval()
+    x = torch.randn(4, 16, device=DEVICE)
+    with torch.no_grad():
+        expected = module(x)
+        got = torch.compile(module, backend="gemslib", fullgraph=True,
+                            options={"gemslib.merged_linear": on, "shape_padding": False})(x)
+    assert gemslib.fusion_report() == ({"merged_linear": 1} if on else {}), \
+        gemslib.fusion_report()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
