@@ -317,7 +317,7 @@ def run_decode_floor(job: dict) -> dict:
 # ---- the orchestrating side ----
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import positive_int
+    from gemslib.cli import positive_int
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmark --models --decode",

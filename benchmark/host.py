@@ -324,7 +324,7 @@ def format_markdown(results: dict, header: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemslib.__main__ import positive_int
+    from gemslib.cli import positive_int
 
     parser = argparse.ArgumentParser(prog="python -m benchmark.host",
                                      description="Host microseconds per call at decode sizes.")

@@ -725,7 +725,7 @@ def _progress_line(result: dict, keys: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import doc_summary, positive_int, size_pair
+    from gemslib.cli import doc_summary, positive_int, size_pair
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmark --models", description=doc_summary(__doc__),

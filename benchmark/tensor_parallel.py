@@ -214,7 +214,7 @@ def launch_command(job: dict, job_path: Path) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import positive_int, size_pair
+    from gemslib.cli import positive_int, size_pair
 
     parser = argparse.ArgumentParser(prog="python -m benchmark.tensor_parallel",
                                      description=__doc__.split("\n\n")[0])

@@ -45,6 +45,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from gemslib.cli import doc_summary, positive_int, size_pair
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaShape:
@@ -449,8 +451,6 @@ def run_transformers(shape: LlamaShape, n_layers: int, prefill: tuple[int, int],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import doc_summary, positive_int, size_pair
-
     parser = argparse.ArgumentParser(
         prog="python -m gemslib demo", description=doc_summary(__doc__),
         epilog="exit codes: 0 every way agrees, 1 a mismatch, 2 bad arguments")

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from gemslib import registry, runtime, tune_search
+from gemslib.cli import doc_summary
 
 NO_GPU_EXIT = 1  # exit code without a CUDA GPU, as python -m benchmark's
 
@@ -220,8 +221,6 @@ def _batch_by_seq(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemslib.__main__ import doc_summary
-
     parser = argparse.ArgumentParser(
         prog="python -m gemslib.tune", description=doc_summary(__doc__),
         epilog="exit codes: 0 every operator tuned; 1 not done: no CUDA GPU here (nothing "
