@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 import shlex
@@ -314,7 +315,21 @@ def run_decode_floor(job: dict) -> dict:
     return result
 
 
+def worker_main(job_path: str) -> int:
+    """Run one job (the floor, a model's reference, or a way) in this process."""
+    job = json.loads(Path(job_path).read_text())
+    run = {"decode_floor": run_decode_floor, "decode_reference": run_decode_reference,
+           "decode_way": run_decode_way}[job["kind"]]
+    prefill._write(job["result"], run(job))
+    return 0
+
+
 # ---- the orchestrating side ----
+
+def worker_command(job: dict, job_path: Path) -> list[str]:
+    """The command line of one worker process: this module, in a process of its own."""
+    return [sys.executable, "-m", "benchmark.decode", "--worker", str(job_path)]
+
 
 def build_parser() -> argparse.ArgumentParser:
     from gemslib.cli import positive_int
@@ -342,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed steps (default: 50 on a GPU, 3 on the CPU)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", metavar="DIR",
                         help="where decode.json and decode.md go (default: benchmark/results)")
+    parser.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     return parser
 
 
@@ -402,6 +418,8 @@ def format_markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
     if importlib.util.find_spec("transformers") is None:
         print("python -m benchmark --models --decode: needs transformers; nothing was run.",
               file=sys.stderr)
@@ -420,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "-m", "benchmark", "--models", "--decode",
                           *(sys.argv[1:] if argv is None else argv)])
-    floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
+    floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout,
+                            command=worker_command)
     copy_gbps = floor.get("copy_gbps") or math.nan
     report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
     markdown = prefill.write_report(out, report, "decode", format_markdown)
@@ -434,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         common = {"model": name, "spec": dataclasses.asdict(spec),
                   "cases": [list(c) for c in cases], "reference": str(reference)}
         prefill.run_job(dict(common, kind="decode_reference", way="reference"), directory,
-                        args.timeout)
+                        args.timeout, command=worker_command)
         results = {}
         for way in args.ways:
             if way in prefill.PEER_MODULES and \
@@ -443,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results[way] = prefill.run_job(dict(common, kind="decode_way", way=way,
                                                     warmup=warmup, reps=reps),
-                                               directory, args.timeout)
+                                               directory, args.timeout, command=worker_command)
             if way in GEMSLIB_WAYS and results[way].get("status") != "ok":
                 failed.append(f"{name} {way}: {results[way].get('status')}")
             print(f"{name} {way}: {results[way].get('status')}", flush=True)

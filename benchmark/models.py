@@ -463,13 +463,7 @@ def run_floor(job: dict) -> dict:
 def worker_main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     kind = job["kind"]
-    if kind.startswith("decode_"):  # benchmark/decode.py's workers
-        from benchmark import decode
-
-        result = {"decode_floor": decode.run_decode_floor,
-                  "decode_reference": decode.run_decode_reference,
-                  "decode_way": decode.run_decode_way}[kind](job)
-    elif kind == "floor":
+    if kind == "floor":
         result = run_floor(job)
     elif kind == "reference":
         result = run_reference(job)
