@@ -1,6 +1,6 @@
 """``python -m gemslib``: print the environment, check every operator, time it on a GPU.
 
-``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways, then (with
+``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run five ways, then (with
 transformers installed) transformers' LlamaForCausalLM eager and compiled with the gemslib
 backend (gemslib/demo.py; ``python -m gemslib demo --help`` lists its options).
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gemslib", description=doc_summary(__doc__),
         usage="python -m gemslib [-h] [--rows N] [--time-rows N] [--no-time]\n"
               "       python -m gemslib demo [-h] [demo options]",
-        epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run four ways, checked "
+        epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run five ways, checked "
                "against each other,\n        and a transformers Llama through "
                "backend=\"gemslib\"\n        (python -m gemslib demo --help lists its options)\n\n"
                "exit codes: 0 every check passed, 1 a check failed, 2 bad arguments",

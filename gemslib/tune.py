@@ -160,7 +160,7 @@ def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int)
 
 def precompile(pool, ops: list[str] | None, quick: bool) -> None:
     """Compile every candidate the run will time, in ``pool``'s processes, each taking the
-    next (space, candidate) task as it finishes one (compile times differ by 10x between
+    next (space, candidate) task as it finishes one (compile times differ widely between
     kernels)."""
     spaces = tune_search.tune_spaces(ops)
     tasks = [(number, candidate) for number, (_, space) in enumerate(spaces)
