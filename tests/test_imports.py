@@ -163,12 +163,13 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     (package / "a.py").write_text("import torch\nfrom pkg.b import thing\n")
     (package / "b.py").write_text("def f():\n    from .c import name\n")
     (package / "c.py").write_text("def g():\n    from pkg import a\n    import pkg.b\n")
+    (package / "d.py").write_text("from pkg import VERSION\n")  # a name: the package itself
     modules = {"pkg": package / "__init__.py", "pkg.a": package / "a.py",
-               "pkg.b": package / "b.py", "pkg.c": package / "c.py"}
+               "pkg.b": package / "b.py", "pkg.c": package / "c.py", "pkg.d": package / "d.py"}
     edges = {module: {name for name, _ in imported_names(module, path, modules)}
              for module, path in modules.items()}
     assert edges == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"},
-                     "pkg.c": {"pkg.a", "pkg.b"}}
+                     "pkg.c": {"pkg.a", "pkg.b"}, "pkg.d": {"pkg"}}
     assert cycles(edges) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
 
 
