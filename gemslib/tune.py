@@ -16,7 +16,8 @@ from the file in use. The file is rewritten after each operator, so a run that i
 what it finished. ``--quick`` tries, per bucket, the config in use, default.yaml's and the first
 few candidates, with shorter timings. Compiling dominates a run, so before each operator is
 timed, ``--jobs`` worker processes run each of its candidates once on every bucket's problem
-to fill Triton's on-disk cache.
+to fill Triton's on-disk cache. Checking and timing the candidates on one problem is
+gemslib/tune_search.py's, shared with the ``--model`` run (gemslib/tune_model.py).
 
 Exit codes: 0 every operator tuned, 1 the job was not done here (no CUDA GPU: nothing is
 written) or an operator could not be tuned (the file is written, that operator keeps its
