@@ -43,7 +43,7 @@ def module_ops() -> dict[str, tuple[str, ...]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemslib.__main__ import doc_summary
+    from gemslib.cli import doc_summary
 
     arguments = sys.argv[1:] if argv is None else list(argv)
     if "--models" in arguments and "--tensor-parallel" in arguments:  # sharded over GPUs

@@ -132,7 +132,7 @@ def _spec(job: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemslib.__main__ import size_pair
+    from gemslib.cli import size_pair
     from gemslib.models import MODELS
 
     arguments = sys.argv[1:] if argv is None else list(argv)

@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 import shlex
@@ -45,8 +46,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import models as prefill
-from benchmark.models import BENCH_DIR, MODELS, ModelSpec, build_model, input_ids
+from benchmark import realmodels
+from benchmark.realmodels import fmt
+from gemslib.models import MODELS, ModelSpec, build_model
 
 DECODE_WAYS = ("eager", "enable", "static-inductor", "static-gemslib", "liger")
 GEMSLIB_WAYS = ("enable", "static-gemslib")
@@ -148,64 +150,64 @@ def _step_runner(way: str, model, ids, cache_len: int):
 def run_decode_way(job: dict) -> dict:
     import torch
 
-    device = prefill._device()
+    device = realmodels.target_device()
     spec = ModelSpec(**job["spec"])
     result = {"model": job["model"], "way": job["way"], "status": "ok", "shapes": {}}
     references = {}
     if job.get("reference") and Path(job["reference"]).exists():
         references = torch.load(job["reference"])
     model = build_model(spec, device, torch.bfloat16)
-    prefill._free(device)
+    realmodels.free_memory(device)
     way = job["way"]
     try:
         if way in ("liger", "enable"):
-            model, context, _ = prefill._prepare_way(way, model)
+            model, context, _ = realmodels.prepare_way(way, model)
         else:
             context = contextlib.nullcontext
-    except prefill._NotInstalled as missing:
-        result.update(status=prefill.NOT_INSTALLED, error=f"{missing} is not installed")
+    except realmodels.NotInstalled as missing:
+        result.update(status=realmodels.NOT_INSTALLED, error=f"{missing} is not installed")
         return result
     except Exception as err:
-        result.update(status=f"setup failed: {prefill._error_text(err)}")
+        result.update(status=f"setup failed: {realmodels.error_text(err)}")
         return result
     for batch, prompt, new, cache_len in job["cases"]:
         key = case_key(batch, prompt, new, cache_len)
         figures = result["shapes"].setdefault(key, {})
         try:
-            ids = input_ids(spec, batch, prompt, device)
+            ids = realmodels.input_ids(spec, batch, prompt, device)
             with torch.no_grad(), context() as scope:
                 started = time.perf_counter()
                 step, rewind = _step_runner(way, model, ids, cache_len)
                 logits = step().float()
-                prefill._synchronize(device)
+                realmodels.synchronize(device)
                 figures["first_call_s"] = time.perf_counter() - started
                 if way == "static-gemslib":
                     import gemslib
 
                     figures["fusion_report"] = gemslib.fusion_report()
                 # every step at the same fill: the rewind before it, untimed
-                prefill._time_calls(step, device, job["warmup"], before=rewind)
+                realmodels.time_calls(step, device, job["warmup"], before=rewind)
                 if way == "enable":
                     _time_beside_eager(figures, scope, step, rewind, model, ids, new,
                                        cache_len, device, job["reps"])
                 else:
-                    times = prefill._time_calls(step, device, job["reps"], before=rewind)
+                    times = realmodels.time_calls(step, device, job["reps"], before=rewind)
                     figures["step_ms"] = statistics.median(times)
-                    gpu_times = prefill._time_gpu_work(step, device, job["reps"], before=rewind)
+                    gpu_times = realmodels.time_gpu_work(step, device, job["reps"], before=rewind)
                     figures["gpu_ms"] = statistics.median(gpu_times) if gpu_times else None
                     rewind()
                     figures["tokens_per_s"], figures["generate_s"] = _generate(
                         way, model, ids, new, cache_len)
             if key in references:
-                figures.update(prefill._accuracy(logits, references[key]))
-            prefill._say(f"{job['model']} {way} {key}: step {figures['step_ms']:.3f} ms, "
-                         f"{figures['tokens_per_s']:.0f} tok/s")
+                figures.update(realmodels.accuracy(logits, references[key]))
+            realmodels.say(f"{job['model']} {way} {key}: step {figures['step_ms']:.3f} ms, "
+                           f"{figures['tokens_per_s']:.0f} tok/s")
         except Exception as err:
-            figures["error"] = prefill._error_text(err)
+            figures["error"] = realmodels.error_text(err)
             result["status"] = "error"
-            prefill._say(f"{job['model']} {way} {key}: FAILED {figures['error']}")
-        prefill._free(device)
-        prefill._write(job["result"], result)
+            realmodels.say(f"{job['model']} {way} {key}: FAILED {figures['error']}")
+        realmodels.free_memory(device)
+        realmodels.write_result(job["result"], result)
     return result
 
 
@@ -226,8 +228,8 @@ def _time_beside_eager(figures: dict, scope, step, rewind, model, ids, new: int,
     block = max(1, reps // ALTERNATIONS)
     for _ in range(ALTERNATIONS):
         with gemslib.enable(scope.ops):
-            ours += prefill._time_calls(step, device, block, before=rewind)
-        eager += prefill._time_calls(step, device, block, before=rewind)
+            ours += realmodels.time_calls(step, device, block, before=rewind)
+        eager += realmodels.time_calls(step, device, block, before=rewind)
     rewind()
     generated, generated_eager = [], []
     for first in (True, False):  # one untimed call of each before its first timed one
@@ -266,10 +268,10 @@ def _generate(way: str, model, ids, new: int, cache_len: int,
         call()
     timings = []
     for _ in range(timed):
-        prefill._synchronize(ids.device)
+        realmodels.synchronize(ids.device)
         started = time.perf_counter()
         call()
-        prefill._synchronize(ids.device)
+        realmodels.synchronize(ids.device)
         timings.append(time.perf_counter() - started)
     seconds = min(timings)
     return ids.shape[0] * new / seconds, seconds
@@ -279,19 +281,19 @@ def run_decode_reference(job: dict) -> dict:
     """The float32 model's logits of the first decode step of each case (dynamic cache)."""
     import torch
 
-    device = prefill._device()
+    device = realmodels.target_device()
     spec = ModelSpec(**job["spec"])
-    model = prefill.reference_model(spec, device)
+    model = realmodels.reference_model(spec, device)
     saved, result = {}, {"model": job["model"], "way": "reference", "status": "ok", "shapes": {}}
     for batch, prompt, new, cache_len in job["cases"]:
         key = case_key(batch, prompt, new, cache_len)
         with torch.no_grad():
-            step, _ = _step_runner("eager", model, input_ids(spec, batch, prompt, device),
-                                   cache_len)
+            ids = realmodels.input_ids(spec, batch, prompt, device)
+            step, _ = _step_runner("eager", model, ids, cache_len)
             saved[key] = step().float().cpu()
         result["shapes"][key] = {}
         torch.save(saved, job["reference"])
-        prefill._free(device)
+        realmodels.free_memory(device)
     return result
 
 
@@ -299,7 +301,7 @@ def run_decode_floor(job: dict) -> dict:
     """The copy bandwidth of the run (bytes read + written per second)."""
     import torch
 
-    device = prefill._device()
+    device = realmodels.target_device()
     result = {"way": "floor", "status": "ok"}
     if device.type == "cuda":
         from benchmark import harness
@@ -309,15 +311,29 @@ def run_decode_floor(job: dict) -> dict:
     else:
         src = torch.randn(1 << 22)
         dst = torch.empty_like(src)
-        ms = prefill._median_ms(lambda: dst.copy_(src), device)
+        ms = realmodels.median_call_ms(lambda: dst.copy_(src), device)
         result["copy_gbps"] = 2 * src.numel() * 4 / ms / 1e6
     return result
 
 
+def worker_main(job_path: str) -> int:
+    """Run one job (the floor, a model's reference, or a way) in this process."""
+    job = json.loads(Path(job_path).read_text())
+    run = {"decode_floor": run_decode_floor, "decode_reference": run_decode_reference,
+           "decode_way": run_decode_way}[job["kind"]]
+    realmodels.write_result(job["result"], run(job))
+    return 0
+
+
 # ---- the orchestrating side ----
 
+def worker_command(job: dict, job_path: Path) -> list[str]:
+    """The command line of one worker process: this module, in a process of its own."""
+    return [sys.executable, "-m", "benchmark.decode", "--worker", str(job_path)]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import positive_int
+    from gemslib.cli import positive_int
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmark --models --decode",
@@ -340,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="untimed steps before timing (default: 3 on a GPU, 1 on the CPU)")
     parser.add_argument("--reps", type=positive_int, default=None, metavar="N",
                         help="timed steps (default: 50 on a GPU, 3 on the CPU)")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", metavar="DIR",
+    parser.add_argument("--out", type=Path, default=realmodels.BENCH_DIR / "results", metavar="DIR",
                         help="where decode.json and decode.md go (default: benchmark/results)")
+    parser.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     return parser
 
 
@@ -376,12 +393,12 @@ def format_markdown(report: dict) -> str:
                       "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
             for row in case["rows"]:
                 lines.append("| " + " | ".join([
-                    row["way"], prefill._fmt(row["step_ms"], ".3f"),
-                    prefill._fmt(row["vs_floor"], ".2f"), prefill._fmt(row.get("gpu_ms"), ".3f"),
-                    prefill._fmt(row.get("gpu_vs_floor"), ".2f"),
-                    prefill._fmt(row["tokens_per_s"], ".0f"),
-                    prefill._fmt(row["first_call_s"], ".1f"), prefill._fmt(row["rel_error"], ".2e"),
-                    prefill._fmt(row["top1"], ".2f"), str(row["status"]).replace("|", "\\|")])
+                    row["way"], fmt(row["step_ms"], ".3f"),
+                    fmt(row["vs_floor"], ".2f"), fmt(row.get("gpu_ms"), ".3f"),
+                    fmt(row.get("gpu_vs_floor"), ".2f"),
+                    fmt(row["tokens_per_s"], ".0f"),
+                    fmt(row["first_call_s"], ".1f"), fmt(row["rel_error"], ".2e"),
+                    fmt(row["top1"], ".2f"), str(row["status"]).replace("|", "\\|")])
                     + " |")
             for row in case["rows"]:
                 if row.get("eager_step_ms") and row.get("step_ms"):
@@ -402,11 +419,13 @@ def format_markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
     if importlib.util.find_spec("transformers") is None:
         print("python -m benchmark --models --decode: needs transformers; nothing was run.",
               file=sys.stderr)
         return 1
-    gpu = prefill._has_gpu()
+    gpu = realmodels.has_gpu()
     if not gpu and not args.tiny:
         print("python -m benchmark --models --decode: needs a CUDA GPU at real sizes; --tiny "
               "runs the same path on the CPU. Nothing was run.", file=sys.stderr)
@@ -420,36 +439,37 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "-m", "benchmark", "--models", "--decode",
                           *(sys.argv[1:] if argv is None else argv)])
-    floor = prefill.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout)
+    floor = realmodels.run_job({"kind": "decode_floor", "way": "floor"}, work, args.timeout,
+                               command=worker_command)
     copy_gbps = floor.get("copy_gbps") or math.nan
     report = {"command": command, "copy_gbps": copy_gbps, "floor": floor, "models": {}}
-    markdown = prefill.write_report(out, report, "decode", format_markdown)
+    markdown = realmodels.write_report(out, report, "decode", format_markdown)
     failed = []
     for name in args.model_names:
-        spec = prefill.model_spec(name, args.tiny, args.layers)
+        spec = realmodels.model_spec(name, args.tiny, args.layers)
         directory = work / name
         directory.mkdir(parents=True, exist_ok=True)
         reference = directory / "reference.pt"
         reference.unlink(missing_ok=True)
         common = {"model": name, "spec": dataclasses.asdict(spec),
                   "cases": [list(c) for c in cases], "reference": str(reference)}
-        prefill.run_job(dict(common, kind="decode_reference", way="reference"), directory,
-                        args.timeout)
+        realmodels.run_job(dict(common, kind="decode_reference", way="reference"), directory,
+                           args.timeout, command=worker_command)
         results = {}
         for way in args.ways:
-            if way in prefill.PEER_MODULES and \
-                    importlib.util.find_spec(prefill.PEER_MODULES[way]) is None:
-                results[way] = {"way": way, "status": prefill.NOT_INSTALLED, "shapes": {}}
+            if way in realmodels.PEER_MODULES and \
+                    importlib.util.find_spec(realmodels.PEER_MODULES[way]) is None:
+                results[way] = {"way": way, "status": realmodels.NOT_INSTALLED, "shapes": {}}
             else:
-                results[way] = prefill.run_job(dict(common, kind="decode_way", way=way,
-                                                    warmup=warmup, reps=reps),
-                                               directory, args.timeout)
+                results[way] = realmodels.run_job(dict(common, kind="decode_way", way=way,
+                                                       warmup=warmup, reps=reps),
+                                                  directory, args.timeout, command=worker_command)
             if way in GEMSLIB_WAYS and results[way].get("status") != "ok":
                 failed.append(f"{name} {way}: {results[way].get('status')}")
             print(f"{name} {way}: {results[way].get('status')}", flush=True)
             # after every way, so that a run cut short keeps what it measured
             report["models"][name] = _model_entry(spec, cases, results, copy_gbps)
-            markdown = prefill.write_report(out, report, "decode", format_markdown)
+            markdown = realmodels.write_report(out, report, "decode", format_markdown)
     print()
     print(markdown)
     for failure in failed:

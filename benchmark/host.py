@@ -9,14 +9,14 @@ so this is the host's time per call (Python, checks, the dispatcher, the kernel 
 cases: every operator at a decode size (the fused MLP ops at a width whose weights stream in
 a few microseconds), every backward override as autograd calls it, and a prefill-sized
 attention call, forward and forward + backward (host-bound too). Ways per case, in one process
-and one run: gemslib's direct call (planned calls replayed by the native table of ``gemslib.runtime.native``
-where it is on), the same with
-``runtime.NATIVE_REPLAY`` switched off (``gemslib-python``: the plans' generated Python
-replays), the same with ``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every
-launch through Triton's argument binding, the path before the lean launch), the torch call
-under ``gemslib.enable()`` (and ``enable-python``, native replay off), torch eager (for work eager does in two kernels, both: their sum),
-the torch call under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two
-where importable. The ratios are against torch eager's (issue 23's bar: at most 1.5x). Under
+and one run: gemslib's direct call (planned calls replayed by the native table of
+``gemslib.runtime.native`` where it is on), the same with ``runtime.NATIVE_REPLAY`` switched off
+(``gemslib-python``: the plans' generated Python replays), the same with
+``runtime.DIRECT_LAUNCH`` switched off (``gemslib-bound``: every launch through Triton's
+argument binding), the torch call under ``gemslib.enable()`` (and ``enable-python``, native
+replay off), torch eager (for work eager does in two kernels, both: their sum), the torch call
+under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two where
+importable. The ratios are against torch eager's (the bar: at most 1.5x). Under
 the table, a planned silu piece by piece (its allocation, the compiled launcher alone): the
 floor of a call made from Python. Writes ``<out>/host.json`` and ``<out>/host.md``.
 """
@@ -324,7 +324,7 @@ def format_markdown(results: dict, header: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gemslib.__main__ import positive_int
+    from gemslib.cli import positive_int
 
     parser = argparse.ArgumentParser(prog="python -m benchmark.host",
                                      description="Host microseconds per call at decode sizes.")

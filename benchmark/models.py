@@ -49,27 +49,19 @@ Exit codes: 0 every gemslib way ran (a peer's failure is reported, not fatal), 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import importlib.util
 import json
 import math
-import os
 import shlex
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from benchmark import realmodels
+from benchmark.realmodels import fmt, input_ids, model_spec, shape_key
 from gemslib.models import MODELS, SEED, ModelSpec, build_model, hf_config  # noqa: F401 (re-exported)
-
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
 
 
 # ---- the models (gemslib.models) and the ways ----
@@ -79,28 +71,8 @@ WAYS = DEFAULT_WAYS + ("gemslib-cudagraphs", "inductor-cudagraphs")
 # their failure is the run's failure (exit 1)
 GEMSLIB_WAYS = ("enable", "gemslib", "gemslib-cudagraphs")
 COMPILED_WAYS = ("gemslib", "inductor", "gemslib-cudagraphs", "inductor-cudagraphs")
-# the way's package: its absence is "not installed", found without importing it
-PEER_MODULES = {"liger": "liger_kernel", "flaggems": "flag_gems"}
 SHAPES = ((1, 4096), (4, 2048))
 TINY_SHAPES = ((1, 32), (2, 16))
-NOT_INSTALLED = "not installed"
-
-
-def shape_key(batch: int, seq: int) -> str:
-    return f"B{batch} S{seq}"
-
-
-def model_spec(name: str, tiny: bool = False, layers: int | None = None) -> ModelSpec:
-    spec = MODELS[name].tiny() if tiny else MODELS[name]
-    return dataclasses.replace(spec, layers=layers) if layers else spec
-
-
-def input_ids(spec: ModelSpec, batch: int, seq: int, device):
-    """Token ids drawn on the CPU from a fixed seed: the same in every process."""
-    import torch
-
-    generator = torch.Generator(device="cpu").manual_seed(SEED + 1000 * batch + seq)
-    return torch.randint(0, spec.vocab, (batch, seq), generator=generator).to(device)
 
 
 def matmul_flops(spec: ModelSpec, batch: int, seq: int) -> int:
@@ -120,159 +92,6 @@ def attention_flops(spec: ModelSpec, batch: int, seq: int) -> int:
 
 # ---- the worker side: one process per job ----
 
-class _NotInstalled(Exception):
-    pass
-
-
-def _synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_calls(fn, device, reps: int, before=None) -> list[float]:
-    """Milliseconds of each of ``reps`` calls: CUDA events on a GPU, wall clock on the CPU.
-    ``before()``, if given, runs ahead of each call, untimed."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - started) * 1e3)
-    return times
-
-
-def _time_gpu_work(fn, device, reps: int, before=None) -> list[float] | None:
-    """Milliseconds of the GPU's work of each of ``reps`` calls, the host's part left out: the
-    stream is held busy (``torch.cuda._sleep``) for longer than a call's host part, so that the
-    events around the call see its kernels only, back to back. A call whose host part outlasted
-    the sleep (as the events around the sleep measured it) is timed again with a sleep twice as
-    long, up to ``MAX_SLEEP_MS``: a call that waits for the GPU (a ``.item()``, a
-    synchronize) outlasts every sleep, and gets None, as on the CPU, where host and device are
-    one. ``before()``, if given, runs ahead of each call, untimed."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-
-    def timing_event():
-        return torch.cuda.Event(enable_timing=True)
-
-    # the least of three: another process's kernels time-sliced in only lengthen a sleep
-    calibrations = []
-    for _ in range(3):
-        start, end = timing_event(), timing_event()
-        start.record()
-        torch.cuda._sleep(1 << 20)
-        end.record()
-        end.synchronize()
-        calibrations.append(start.elapsed_time(end))
-    cycles_per_ms = (1 << 20) / min(calibrations)
-    sleep_ms, times = 2.0, []
-    while len(times) < reps:
-        if before is not None:
-            before()
-        slept, start, end = timing_event(), timing_event(), timing_event()
-        slept.record()
-        torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
-        queued = time.perf_counter()
-        start.record()
-        fn()
-        end.record()
-        host_ms = (time.perf_counter() - queued) * 1e3
-        end.synchronize()
-        if host_ms < 0.8 * slept.elapsed_time(start):
-            times.append(start.elapsed_time(end))
-        elif sleep_ms >= MAX_SLEEP_MS:
-            return None
-        else:
-            sleep_ms *= 2
-    return times
-
-
-MAX_SLEEP_MS = 1024.0  # _time_gpu_work's longest sleep: ~2 s in all before it gives up
-
-
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _free(device) -> None:
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _write(path: str, data: dict) -> None:
-    """Write a worker's result atomically (a kill mid-write leaves the previous one)."""
-    temporary = Path(path).with_suffix(".tmp")
-    temporary.write_text(json.dumps(data, indent=2))
-    temporary.replace(path)
-
-
-def _say(text: str) -> None:
-    print(text, flush=True)
-
-
-def _accuracy(logits, reference) -> dict:
-    """Relative error (float32 norms) and top-1 agreement of the last positions' logits."""
-    import torch
-
-    got, ref = logits.float().reshape(reference.shape).cpu(), reference.float()
-    return {"rel_error": float((got - ref).norm() / ref.norm()),
-            "top1": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "finite": bool(torch.isfinite(got).all())}
-
-
-def _error_text(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:200]}" if text else type(err).__name__
-
-
-def _prepare_way(way: str, model):
-    """(model to call per shape, a context entered around each shape's calls, a note) for
-    ``way``; raises :class:`_NotInstalled` when its package is missing."""
-    if way in PEER_MODULES and importlib.util.find_spec(PEER_MODULES[way]) is None:
-        raise _NotInstalled(PEER_MODULES[way])
-    if way == "liger":
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        _apply_liger_kernel_to_instance(model=model)
-        return model, contextlib.nullcontext, None
-    if way == "flaggems":
-        import flag_gems
-
-        use = getattr(flag_gems, "use_gems", None)
-        if use is None:  # an old FlagGems: enable() for the process
-            flag_gems.enable()
-            return model, contextlib.nullcontext, "flag_gems.enable() (no use_gems)"
-        return model, use, None
-    if way == "enable":
-        import gemslib
-
-        return model, lambda: gemslib.enable(record=True), None
-    if way in ("eager",) + COMPILED_WAYS:
-        return model, contextlib.nullcontext, None
-    raise ValueError(f"unknown way {way!r}")
-
-
 def _compiled(way: str, model):
     """The compiled model for one shape (a fresh compile: dynamo's caches dropped first)."""
     import torch
@@ -291,7 +110,7 @@ def run_way(job: dict) -> dict:
     """Build the bf16 model, run ``job["way"]`` at each shape, compare with the reference."""
     import torch
 
-    device = _device()
+    device = realmodels.target_device()
     spec = ModelSpec(**job["spec"])
     result = {"model": job["model"], "way": job["way"], "status": "ok", "shapes": {}}
     references = {}
@@ -300,21 +119,22 @@ def run_way(job: dict) -> dict:
     started = time.perf_counter()
     model = build_model(spec, device, torch.bfloat16)
     result["build_s"] = time.perf_counter() - started
-    _free(device)  # the float32 build's memory back, the peak counter from here
+    realmodels.free_memory(device)  # the float32 build's memory back, the peak counter from here
     try:
-        model, context, note = _prepare_way(job["way"], model)
-    except _NotInstalled as missing:
-        result.update(status=NOT_INSTALLED, error=f"{missing} is not installed")
+        model, context, note = realmodels.prepare_way(job["way"], model,
+                                                      ("eager",) + COMPILED_WAYS)
+    except realmodels.NotInstalled as missing:
+        result.update(status=realmodels.NOT_INSTALLED, error=f"{missing} is not installed")
         return result
     except Exception as err:  # e.g. a peer that does not know this transformers version
-        result.update(status=f"setup failed: {_error_text(err)}")
+        result.update(status=f"setup failed: {realmodels.error_text(err)}")
         return result
     if note:
         result["note"] = note
     for batch, seq in job["shapes"]:
         key = shape_key(batch, seq)
         figures = result["shapes"].setdefault(key, {})
-        _say(f"{job['model']} {job['way']} {key}: first call")
+        realmodels.say(f"{job['model']} {job['way']} {key}: first call")
         try:
             ids = input_ids(spec, batch, seq, device)
             runner = _compiled(job["way"], model) if job["way"] in COMPILED_WAYS else model
@@ -327,7 +147,7 @@ def run_way(job: dict) -> dict:
             with torch.no_grad(), context() as scope:
                 started = time.perf_counter()
                 logits = forward()
-                _synchronize(device)
+                realmodels.synchronize(device)
                 figures["first_call_s"] = time.perf_counter() - started
                 if job["way"].startswith("gemslib"):
                     import gemslib
@@ -335,8 +155,8 @@ def run_way(job: dict) -> dict:
                     figures["fusion_report"] = gemslib.fusion_report()
                 for _ in range(job["warmup"]):
                     logits = forward()
-                _synchronize(device)
-                times = _time_calls(forward, device, job["reps"])
+                realmodels.synchronize(device)
+                times = realmodels.time_calls(forward, device, job["reps"])
                 logits = forward()  # a CUDA graph's replays overwrote the earlier output
             figures["times_ms"] = times
             figures["time_ms"] = statistics.median(times)
@@ -348,36 +168,27 @@ def run_way(job: dict) -> dict:
             if device.type == "cuda":
                 figures["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if key in references:
-                figures.update(_accuracy(logits, references[key]))
-            _say(f"{job['model']} {job['way']} {key}: {figures['time_ms']:.3f} ms, "
-                 f"first call {figures['first_call_s']:.1f} s")
+                figures.update(realmodels.accuracy(logits, references[key]))
+            realmodels.say(f"{job['model']} {job['way']} {key}: {figures['time_ms']:.3f} ms, "
+                           f"first call {figures['first_call_s']:.1f} s")
             del logits
         except Exception as err:  # this shape failed; the next may still run (an OOM frees)
-            figures["error"] = _error_text(err)
+            figures["error"] = realmodels.error_text(err)
             result["status"] = "error"
-            _say(f"{job['model']} {job['way']} {key}: FAILED {figures['error']}")
+            realmodels.say(f"{job['model']} {job['way']} {key}: FAILED {figures['error']}")
         runner = None
-        _free(device)
-        _write(job["result"], result)
+        realmodels.free_memory(device)
+        realmodels.write_result(job["result"], result)
     return result
-
-
-def reference_model(spec: ModelSpec, device):
-    """The float32 model every way's error is measured against (TF32 off: float32 matmuls)."""
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return build_model(spec, device, torch.float32)
 
 
 def run_reference(job: dict) -> dict:
     """The float32 model's last-position logits at each shape, saved to ``job["reference"]``."""
     import torch
 
-    device = _device()
+    device = realmodels.target_device()
     spec = ModelSpec(**job["spec"])
-    model = reference_model(spec, device)
+    model = realmodels.reference_model(spec, device)
     saved, result = {}, {"model": job["model"], "way": "reference", "status": "ok", "shapes": {}}
     for batch, seq in job["shapes"]:
         key = shape_key(batch, seq)
@@ -385,23 +196,14 @@ def run_reference(job: dict) -> dict:
             started = time.perf_counter()
             logits = model(input_ids=input_ids(spec, batch, seq, device), logits_to_keep=1,
                            use_cache=False).logits
-            _synchronize(device)
+            realmodels.synchronize(device)
         saved[key] = logits[:, -1].float().cpu()
         result["shapes"][key] = {"time_s": time.perf_counter() - started}
         torch.save(saved, job["reference"])
-        _say(f"{job['model']} reference {key}: done")
+        realmodels.say(f"{job['model']} reference {key}: done")
         del logits
-        _free(device)
+        realmodels.free_memory(device)
     return result
-
-
-def _median_ms(fn, device) -> float:
-    if device.type == "cuda":
-        from benchmark.harness import median_ms
-
-        return median_ms(fn)
-    fn()
-    return statistics.median(_time_calls(fn, device, 5))
 
 
 def _sdpa_ms(batch: int, heads: int, seq: int, dim: int, device) -> tuple[float, str]:
@@ -414,8 +216,8 @@ def _sdpa_ms(batch: int, heads: int, seq: int, dim: int, device) -> tuple[float,
     q, k, v = (torch.randn(batch, heads, seq, dim, device=device, dtype=dtype)
                for _ in range(3))
     if device.type != "cuda":
-        return _median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                          device), "default"
+        return realmodels.median_call_ms(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device), "default"
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     best = (math.inf, "none")
@@ -424,7 +226,7 @@ def _sdpa_ms(batch: int, heads: int, seq: int, dim: int, device) -> tuple[float,
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         try:
-            best = min(best, (_median_ms(call, device), backend.name.lower()))
+            best = min(best, (realmodels.median_call_ms(call, device), backend.name.lower()))
         except Exception:  # a backend that does not take the shape: the other one counts
             continue
     return best
@@ -437,45 +239,39 @@ def run_floor(job: dict) -> dict:
 
     from benchmark import harness
 
-    device = _device()
+    device = realmodels.target_device()
     result = {"way": "floor", "status": "ok", "problems": {}}
     if device.type == "cuda":
         result["environment"] = harness.environment()
     n = 8192 if device.type == "cuda" else 512
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    mm_ms = _median_ms(lambda: a @ b, device)
+    mm_ms = realmodels.median_call_ms(lambda: a @ b, device)
     result["matmul"] = {"n": n, "ms": mm_ms, "tflops": 2 * n**3 / mm_ms / 1e9}
     del a, b
-    _say(f"floor: bf16 matmul {n}^3 {result['matmul']['tflops']:.1f} TFLOP/s")
+    realmodels.say(f"floor: bf16 matmul {n}^3 {result['matmul']['tflops']:.1f} TFLOP/s")
     for problem in job["attention"]:
         batch, heads, seq, dim = problem
         ms, backend = _sdpa_ms(batch, heads, seq, dim, device)
         flops = 2 * batch * heads * seq * seq * dim
         result["problems"][f"B{batch} H{heads} S{seq} D{dim}"] = {
             "ms": ms, "backend": backend, "tflops": flops / ms / 1e9 if ms < math.inf else None}
-        _say(f"floor: SDPA causal B{batch} H{heads} S{seq} D{dim} {ms:.3f} ms ({backend})")
-        _free(device)
-        _write(job["result"], result)
-    _write(job["result"], result)
+        realmodels.say(f"floor: SDPA causal B{batch} H{heads} S{seq} D{dim} {ms:.3f} ms ({backend})")
+        realmodels.free_memory(device)
+        realmodels.write_result(job["result"], result)
+    realmodels.write_result(job["result"], result)
     return result
 
 
 def worker_main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     kind = job["kind"]
-    if kind.startswith("decode_"):  # benchmark/decode.py's workers
-        from benchmark import decode
-
-        result = {"decode_floor": decode.run_decode_floor,
-                  "decode_reference": decode.run_decode_reference,
-                  "decode_way": decode.run_decode_way}[kind](job)
-    elif kind == "floor":
+    if kind == "floor":
         result = run_floor(job)
     elif kind == "reference":
         result = run_reference(job)
     else:
         result = run_way(job)
-    _write(job["result"], result)
+    realmodels.write_result(job["result"], result)
     return 0
 
 
@@ -484,129 +280,6 @@ def worker_main(job_path: str) -> int:
 def worker_command(job: dict, job_path: Path) -> list[str]:
     """The command line of one worker process (tests replace it to fake a crash)."""
     return [sys.executable, "-m", "benchmark.models", "--worker", str(job_path)]
-
-
-def _worker_env(cache_root: Path | None) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    if not _has_gpu():
-        env["TRITON_INTERPRET"] = "1"
-    if cache_root is not None:  # cold compiles: nothing reused from another way's process
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root / "inductor")
-        env["TRITON_CACHE_DIR"] = str(cache_root / "triton")
-    return env
-
-
-def _tail(path: Path, lines: int = 1) -> str:
-    try:
-        text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return " / ".join(text[-lines:])[-300:]
-
-
-def job_name(job: dict) -> str:
-    """The stem of a job's files in the work directory."""
-    return job["model"] + "_" + job["way"] if job.get("model") else job["way"]
-
-
-def run_job(job: dict, work_dir: Path, timeout: float, cold_cache: bool = True,
-            name: str | None = None, command=None) -> dict:
-    """Run one job in its own process (its own session, so a timeout kills the whole group it
-    started, inductor's compile workers included). Returns the worker's result, or a result
-    whose status says what went wrong (timeout, crash with the exit code and the last line).
-    ``name``: the stem of its files (default :func:`job_name`); ``command(job, job_path)``: its
-    command line (default :func:`worker_command`)."""
-    name = name or job_name(job)
-    job_path, log_path = work_dir / f"{name}.job.json", work_dir / f"{name}.log"
-    job = dict(job, result=str(work_dir / f"{name}.result.json"))
-    Path(job["result"]).unlink(missing_ok=True)
-    job_path.write_text(json.dumps(job, indent=2))
-    cache_root = Path(tempfile.mkdtemp(prefix=f"gemslib-{name}-")) if cold_cache else None
-    started = time.perf_counter()
-    status = None
-    try:
-        with open(log_path, "w") as log, _sigterm_raises():
-            process = subprocess.Popen((command or worker_command)(job, job_path), cwd=REPO_ROOT,
-                                       env=_worker_env(cache_root), stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = process.wait(timeout=max(timeout, 1))
-                _kill_group(process)  # what it left behind (inductor's compile workers)
-            except subprocess.TimeoutExpired:
-                _kill_group(process)
-                returncode, status = None, f"timeout after {timeout:.0f} s"
-            except BaseException:  # Ctrl-C or a SIGTERM: take the worker down with us
-                _kill_group(process)
-                raise
-    finally:
-        if cache_root is not None:
-            shutil.rmtree(cache_root, ignore_errors=True)
-    elapsed = time.perf_counter() - started
-    result = {}
-    if Path(job["result"]).exists():
-        try:
-            result = json.loads(Path(job["result"]).read_text())
-        except json.JSONDecodeError:
-            result = {}
-    result.setdefault("model", job.get("model"))
-    result.setdefault("way", job["way"])
-    result.setdefault("shapes", {})
-    if status is None and returncode != 0:
-        status = f"crashed (exit {returncode}): {_tail(log_path)}"
-    elif status is None and not result.get("status"):
-        status = f"no result written: {_tail(log_path)}"
-    if status is not None:
-        result["status"] = status
-        # the shapes it did not finish carry the process's fate
-        for batch, seq in job.get("shapes", ()):
-            figures = result["shapes"].setdefault(shape_key(batch, seq), {})
-            if "time_ms" not in figures and "error" not in figures:
-                figures["error"] = status
-    result["wall_s"] = elapsed
-    result["log"] = str(log_path)
-    return result
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """SIGTERM (``timeout``, a scheduler) raises SystemExit while a worker runs, as Ctrl-C
-    raises KeyboardInterrupt, so that the worker's group is killed before this process ends;
-    left to the default action, the worker would outlive it and hold the GPU."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_exit(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, raise_exit)
-    try:
-        yield
-    finally:  # None: a handler not set from Python, which cannot be put back; the default
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """End the worker and what it started (its session's process group, by its id)."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
-        pass
-    process.wait()
-
-
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _ratio(base, value) -> str:
@@ -683,12 +356,12 @@ def format_markdown(report: dict) -> str:
             lines += ["| " + " | ".join(head) + " |",
                       "| --- | " + " | ".join(["---:"] * (len(head) - 2)) + " | --- |"]
             for row in shape["rows"]:
-                cells = [row["way"], _fmt(row["time_ms"], ".2f"),
-                         _fmt(row["vs_eager"], ".2f") + ("x" if row["vs_eager"] else ""),
-                         _fmt(row["vs_inductor"], ".2f") + ("x" if row["vs_inductor"] else ""),
-                         _fmt(row["vs_liger"], ".2f") + ("x" if row["vs_liger"] else ""),
-                         _fmt(row["vs_floor"], ".2f"), _fmt(row["first_call_s"], ".1f"),
-                         _fmt(row["rel_error"], ".2e"), _fmt(row["top1"], ".2f"),
+                cells = [row["way"], fmt(row["time_ms"], ".2f"),
+                         fmt(row["vs_eager"], ".2f") + ("x" if row["vs_eager"] else ""),
+                         fmt(row["vs_inductor"], ".2f") + ("x" if row["vs_inductor"] else ""),
+                         fmt(row["vs_liger"], ".2f") + ("x" if row["vs_liger"] else ""),
+                         fmt(row["vs_floor"], ".2f"), fmt(row["first_call_s"], ".1f"),
+                         fmt(row["rel_error"], ".2e"), fmt(row["top1"], ".2f"),
                          str(row["status"]).replace("|", "\\|")]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
@@ -725,7 +398,7 @@ def _progress_line(result: dict, keys: list[str]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import doc_summary, positive_int, size_pair
+    from gemslib.cli import doc_summary, positive_int, size_pair
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmark --models", description=doc_summary(__doc__),
@@ -757,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-cache", action="store_true",
                         help="let workers share inductor's and Triton's on-disk caches (default: "
                              "each starts cold, so compile times are first compiles)")
-    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results",
+    parser.add_argument("--out", type=Path, default=realmodels.BENCH_DIR / "results",
                         help="folder for models.json, models.md and models/ (default: "
                              "benchmark/results)")
     parser.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
@@ -772,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print("python -m benchmark --models: needs transformers (pip install -e '.[models]'); "
               "nothing was run.", file=sys.stderr)
         return 1
-    gpu = _has_gpu()
+    gpu = realmodels.has_gpu()
     if not gpu and not args.tiny:
         print("python -m benchmark --models: needs a CUDA GPU at real sizes and there is none "
               "here; --tiny runs the same path on the CPU (times mean nothing). Nothing was run.",
@@ -797,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         if seconds < 1:
             return {"model": job.get("model"), "way": job["way"], "shapes": {},
                     "status": "skipped: --budget spent"}
-        return run_job(job, directory, seconds, cold_cache=not args.warm_cache)
+        return realmodels.run_job(job, directory, seconds, command=worker_command,
+                                  cold_cache=not args.warm_cache)
 
     specs = {name: model_spec(name, args.tiny, args.layers) for name in args.model_names}
     print(f"real-model prefill: {', '.join(args.model_names)} x {', '.join(keys)} x "
@@ -812,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{time.perf_counter() - started:5.0f} s] floor: {floor.get('status')}"
           + (f", bf16 matmul {matmul:.1f} TFLOP/s" if matmul else ""), flush=True)
 
-    report = {"environment": floor.get("environment") or _cpu_environment(),
+    report = {"environment": floor.get("environment") or realmodels.cpu_environment(),
               "command": command, "settings": {"shapes": keys, "ways": args.ways,
                                                "warmup": warmup, "reps": reps, "tiny": args.tiny,
                                                "timeout_s": args.timeout,
@@ -833,15 +507,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{reference.get('status')}", flush=True)
         results = {}
         for way in args.ways:
-            if way in PEER_MODULES and importlib.util.find_spec(PEER_MODULES[way]) is None:
-                results[way] = {"way": way, "status": NOT_INSTALLED, "shapes": {}}
+            peer = realmodels.PEER_MODULES.get(way)
+            if peer is not None and importlib.util.find_spec(peer) is None:
+                results[way] = {"way": way, "status": realmodels.NOT_INSTALLED, "shapes": {}}
             else:
                 results[way] = run(dict(common, kind="way", way=way, warmup=warmup, reps=reps,
                                         reference=str(reference_path)), directory)
             result = results[way]
             if way in GEMSLIB_WAYS and (result.get("status") != "ok"):
                 failed_gemslib.append(f"{name} {way}: {result.get('status')}")
-            line = result["status"] if result["status"] in (NOT_INSTALLED,) or \
+            line = result["status"] if result["status"] in (realmodels.NOT_INSTALLED,) or \
                 result["status"].startswith("skipped") else _progress_line(result, keys)
             print(f"[{time.perf_counter() - started:5.0f} s] {name} {way:<8} {line}"
                   + (f"  ({result['wall_s']:.0f} s)" if result.get("wall_s") else ""),
@@ -860,25 +535,17 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": compile_s["gemslib"] / compile_s["inductor"]}
             entry["shapes"][key] = shape_entry
         report["models"][name] = entry
-        write_report(out, report)  # after each model: a cut run keeps what it finished
+        # after each model: a cut run keeps what it finished
+        realmodels.write_report(out, report, "models", format_markdown)
 
     report["wall_s"] = time.perf_counter() - started
-    markdown = write_report(out, report)
+    markdown = realmodels.write_report(out, report, "models", format_markdown)
     print()
     print(markdown)
     print(f"wrote models.json and models.md to {out} ({report['wall_s']:.0f} s)")
     for failure in failed_gemslib:
         print(f"gemslib FAILED: {failure}")
     return 1 if failed_gemslib else 0
-
-
-def write_report(out: Path, report: dict, stem: str = "models", formatter=None) -> str:
-    """``<stem>.json`` (the report) and ``<stem>.md`` (``formatter(report)``, by default this
-    module's table) in ``out``; returns the markdown."""
-    markdown = (formatter or format_markdown)(report)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / f"{stem}.md").write_text(markdown)
-    return markdown
 
 
 def _floor(spec: ModelSpec, batch: int, seq: int, floor: dict) -> dict:
@@ -902,22 +569,6 @@ def _version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_environment() -> dict:
-    import datetime
-    import platform
-
-    import torch
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"gpu": None, "torch": torch.__version__, "triton": triton_version,
-            "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import decode, models as prefill
+from benchmark import decode, realmodels
+from benchmark.realmodels import fmt
 from gemslib.models import MODELS, ModelSpec, build_model
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -104,11 +105,11 @@ def _timed(figures: dict, run, device, job, before=None):
     timed calls, ``before()`` ahead of each of those (a decode step's cache rewind)."""
     started = time.perf_counter()
     logits = run()
-    prefill._synchronize(device)
+    realmodels.synchronize(device)
     figures["first_call_s"] = time.perf_counter() - started
-    prefill._time_calls(run, device, job["warmup"], before=before)
-    figures["time_ms"] = statistics.median(prefill._time_calls(run, device, job["reps"],
-                                                               before=before))
+    realmodels.time_calls(run, device, job["warmup"], before=before)
+    figures["time_ms"] = statistics.median(realmodels.time_calls(run, device, job["reps"],
+                                                                 before=before))
     return logits
 
 
@@ -128,36 +129,36 @@ def run_rank(job: dict) -> dict:
         model = build_model(spec, device, torch.bfloat16)
         if world > 1:
             shard(model, device)
-        prefill._free(device)
+        realmodels.free_memory(device)
         with torch.no_grad():
             for batch, seq in job["prefill"]:
-                key = prefill.shape_key(batch, seq)
+                key = realmodels.shape_key(batch, seq)
                 figures = result["prefill"][key] = {}
-                ids = prefill.input_ids(spec, batch, seq, device)
+                ids = realmodels.input_ids(spec, batch, seq, device)
                 runner = _prefill_runner(way, model)
                 logits = _timed(figures, lambda: runner(input_ids=ids, use_cache=False,
                                                         logits_to_keep=1).logits[:, -1],
                                 device, job)
                 _finish(figures, way, logits, references.get(("prefill", key)))
-                prefill._say(f"rank {rank}: {way} TP{world} prefill {key} "
-                             f"{figures['time_ms']:.2f} ms")
+                realmodels.say(f"rank {rank}: {way} TP{world} prefill {key} "
+                               f"{figures['time_ms']:.2f} ms")
             for batch, prompt in job["decode"]:
                 key = decode_key(batch, prompt)
                 figures = result["decode"][key] = {}
-                ids = prefill.input_ids(spec, batch, prompt, device)
+                ids = realmodels.input_ids(spec, batch, prompt, device)
                 step, rewind = decode._step_runner(DECODE_WAYS[way], model, ids,
                                                    cache_len(prompt))
                 logits = _timed(figures, step, device, job, before=rewind)
                 _finish(figures, way, logits, references.get(("decode", key)))
-                prefill._say(f"rank {rank}: {way} TP{world} decode {key} "
-                             f"{figures['time_ms']:.3f} ms")
+                realmodels.say(f"rank {rank}: {way} TP{world} decode {key} "
+                               f"{figures['time_ms']:.3f} ms")
     except Exception as err:
-        result["status"] = f"error: {prefill._error_text(err)}"
-        prefill._say(f"rank {rank}: {result['status']}")
+        result["status"] = f"error: {realmodels.error_text(err)}"
+        realmodels.say(f"rank {rank}: {result['status']}")
         raise
     finally:
         if rank == 0:
-            prefill._write(job["result"], result)
+            realmodels.write_result(job["result"], result)
         dist.destroy_process_group()
     return result
 
@@ -168,25 +169,25 @@ def _finish(figures: dict, way: str, logits, reference) -> None:
 
         figures["fusion_report"] = gemslib.fusion_report()
     if reference is not None:
-        figures.update(prefill._accuracy(logits, reference))
+        figures.update(realmodels.accuracy(logits, reference))
 
 
 def run_reference(job: dict) -> dict:
     """The unsharded float32 model's last logits for every prefill shape and decode step."""
     import torch
 
-    device = prefill._device()
+    device = realmodels.target_device()
     spec = ModelSpec(**job["spec"])
-    model = prefill.reference_model(spec, device)
+    model = realmodels.reference_model(spec, device)
     saved = {}
     with torch.no_grad():
         for batch, seq in job["prefill"]:
-            ids = prefill.input_ids(spec, batch, seq, device)
-            saved[("prefill", prefill.shape_key(batch, seq))] = model(
+            ids = realmodels.input_ids(spec, batch, seq, device)
+            saved[("prefill", realmodels.shape_key(batch, seq))] = model(
                 input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float().cpu()
         for batch, prompt in job["decode"]:
             step, _ = decode._step_runner("eager", model,
-                                          prefill.input_ids(spec, batch, prompt, device),
+                                          realmodels.input_ids(spec, batch, prompt, device),
                                           cache_len(prompt))
             saved[("decode", decode_key(batch, prompt))] = step().float().cpu()
     torch.save(saved, job["reference"])
@@ -196,7 +197,7 @@ def run_reference(job: dict) -> dict:
 def worker_main(job_path: str) -> int:
     job = json.loads(Path(job_path).read_text())
     if job["way"] == "reference":
-        prefill._write(job["result"], run_reference(job))
+        realmodels.write_result(job["result"], run_reference(job))
     else:
         run_rank(job)
     return 0
@@ -214,7 +215,7 @@ def launch_command(job: dict, job_path: Path) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import positive_int, size_pair
+    from gemslib.cli import positive_int, size_pair
 
     parser = argparse.ArgumentParser(prog="python -m benchmark.tensor_parallel",
                                      description=__doc__.split("\n\n")[0])
@@ -262,11 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     work_dir = args.out / "tensor_parallel"
     work_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report = {"environment": prefill._cpu_environment(), "gpus": gpus, "models": {},
+    report = {"environment": realmodels.cpu_environment(), "gpus": gpus, "models": {},
               "command": "python -m benchmark.tensor_parallel " + " ".join(argv or sys.argv[1:])}
     failed = False
     for name in args.model_names:
-        spec = prefill.model_spec(name, args.tiny, args.layers)
+        spec = realmodels.model_spec(name, args.tiny, args.layers)
         base = {"model": name, "spec": spec.__dict__, "prefill": prefill_shapes,
                 "decode": decode_steps, "warmup": warmup, "reps": reps,
                 "reference": str(work_dir / f"{name}_reference.pt")}
@@ -280,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     runs[label] = _launch(dict(base, way=way, tp=tp), work_dir, args.timeout)
                     failed |= way == "gemslib" and runs[label]["status"] != "ok"
-                prefill._say(f"[{time.perf_counter() - started:5.0f} s] {name} {label}: "
-                             f"{runs[label]['status']}")
+                realmodels.say(f"[{time.perf_counter() - started:5.0f} s] {name} {label}: "
+                               f"{runs[label]['status']}")
         report["models"][name] = {"title": spec.title, "layers": spec.layers, "runs": runs}
     markdown = format_markdown(report, args.ways, args.tp)
     (args.out / "tensor_parallel.json").write_text(json.dumps(report, indent=2))
@@ -292,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(job: dict, work_dir: Path, timeout: float) -> dict:
     env = {**NO_MULTICAST, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    name = prefill.job_name(job) + (f"_tp{job['tp']}" if "tp" in job else "")
+    name = realmodels.job_name(job) + (f"_tp{job['tp']}" if "tp" in job else "")
     with _environment(env):
-        result = prefill.run_job(job, work_dir, timeout, name=name, command=launch_command)
+        result = realmodels.run_job(job, work_dir, timeout, name=name, command=launch_command)
     return {"way": job["way"], "tp": job.get("tp"), "prefill": result.get("prefill", {}),
             "decode": result.get("decode", {}), "status": result.get("status", "?"),
             "wall_s": result.get("wall_s"), "log": result.get("log")}
@@ -332,7 +333,7 @@ def format_markdown(report: dict, ways, tps) -> str:
                 baseline = runs.get("eager TP1", {}).get(phase, {}).get(key, {})
                 lines += [f"## {entry['title']}, {entry['layers']} layers: {phase} {key}", "",
                           "bf16 eager at TP 1: rel. error "
-                          f"{prefill._fmt(baseline.get('rel_error'), '.2e')}", "",
+                          f"{fmt(baseline.get('rel_error'), '.2e')}", "",
                           "| way | TP | time ms | scaling efficiency | rel. error | top-1 | "
                           "fusions | status |", "| --- | ---: | ---: | ---: | ---: | ---: | --- "
                           "| --- |"]
@@ -343,10 +344,10 @@ def format_markdown(report: dict, ways, tps) -> str:
                         figures = run.get(phase, {}).get(key, {})
                         fusions = figures.get("fusion_report")
                         lines.append(
-                            f"| {way} | {tp} | {prefill._fmt(figures.get('time_ms'), '.3f')} | "
-                            f"{prefill._fmt(efficiency(tp1.get('time_ms'), figures.get('time_ms'), tp), '.2f')} | "
-                            f"{prefill._fmt(figures.get('rel_error'), '.2e')} | "
-                            f"{prefill._fmt(figures.get('top1'), '.2f')} | "
+                            f"| {way} | {tp} | {fmt(figures.get('time_ms'), '.3f')} | "
+                            f"{fmt(efficiency(tp1.get('time_ms'), figures.get('time_ms'), tp), '.2f')} | "
+                            f"{fmt(figures.get('rel_error'), '.2e')} | "
+                            f"{fmt(figures.get('top1'), '.2f')} | "
                             f"{', '.join(f'{k} {v}' for k, v in sorted(fusions.items())) if fusions else '-'} | "
                             f"{run.get('status', 'not run')} |")
                 lines.append("")

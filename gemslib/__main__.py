@@ -1,6 +1,6 @@
 """``python -m gemslib``: print the environment, check every operator, time it on a GPU.
 
-``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run four ways, then (with
+``python -m gemslib demo``: Llama-3-8B-shaped decoder layers run five ways, then (with
 transformers installed) transformers' LlamaForCausalLM eager and compiled with the gemslib
 backend (gemslib/demo.py; ``python -m gemslib demo --help`` lists its options).
 
@@ -16,49 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
-
-# ---- command-line helpers, shared by the package's command lines (stdlib only: they run
-# ---- before torch is imported)
-
-def plain_help(text: str) -> str:
-    """A docstring's text as --help prints it: reST literals (``x``, `x`) as plain x."""
-    return re.sub(r"`{1,2}([^`]+)`{1,2}", r"\1", text)
-
-
-def doc_summary(doc: str) -> str:
-    """The first line of a module docstring, for an ArgumentParser's description."""
-    return plain_help(doc.strip().splitlines()[0])
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def size_pair(form: str):
-    """argparse ``type=`` for ``form`` (e.g. "BxS"): two positive integers joined by x."""
-    def parse(text: str) -> tuple[int, int]:
-        parts = text.lower().split("x")
-        try:
-            values = tuple(int(part) for part in parts)
-        except ValueError:
-            values = ()
-        if len(values) != 2 or min(values) < 1:
-            raise argparse.ArgumentTypeError(
-                f"expected {form} with positive integers (e.g. 1x4096), got {text!r}")
-        return values
-    parse.__name__ = form
-    return parse
+from gemslib.cli import doc_summary, positive_int
 
 
 def _reexec_under_interpreter(argv: list[str]) -> None:
@@ -139,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gemslib", description=doc_summary(__doc__),
         usage="python -m gemslib [-h] [--rows N] [--time-rows N] [--no-time]\n"
               "       python -m gemslib demo [-h] [demo options]",
-        epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run four ways, checked "
+        epilog="commands:\n  demo  Llama-3-8B-shaped decoder layers run five ways, checked "
                "against each other,\n        and a transformers Llama through "
                "backend=\"gemslib\"\n        (python -m gemslib demo --help lists its options)\n\n"
                "exit codes: 0 every check passed, 1 a check failed, 2 bad arguments",

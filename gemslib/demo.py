@@ -1,4 +1,4 @@
-"""``python -m gemslib demo``: Llama-3-8B-shaped decoder layers, run four ways.
+"""``python -m gemslib demo``: Llama-3-8B-shaped decoder layers, run five ways.
 
 A decoder layer (pre-norm, grouped-query attention with rotary embeddings, SwiGLU MLP):
 
@@ -13,7 +13,8 @@ with random weights (no downloads), run as
 - ``gemslib``: the layer written with gemslib's operators: add_rms_norm (the residual add
   fused into the next norm, across layers), one QKV matmul, apply_rotary in place on the QKV
   buffer, attention / decode_attention, one gate-up matmul and silu_and_mul;
-- ``torch.compile``: the eager layer compiled (inductor).
+- ``torch.compile``: the eager layer compiled (inductor);
+- ``gemslib, compile(fullgraph)``: the gemslib layer compiled whole (``fullgraph=True``).
 
 ``rms_norm_linear_silu`` does not fit this layer: the normed activations feed two matmuls
 (gate and up), so fusing the norm into the gate's would leave the up projection to norm again.
@@ -44,6 +45,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from gemslib.cli import doc_summary, positive_int, size_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +247,8 @@ def _fill_caches(caches, generator_seed: int, filled: int):
 def run(shape: LlamaShape, n_layers: int, prefill: tuple[int, int], decode: tuple[int, int],
         device: torch.device, dtype: torch.dtype, time_it: bool, compile_backend: str,
         out=print) -> int:
-    """Build the layers, check the four ways agree (and the compiled gemslib layer, and the
-    CUDA-graph decode step), time them when ``time_it``. Returns the number of disagreements."""
+    """Build the layers, check the five ways agree (and, for decode, the CUDA-graph step),
+    time them when ``time_it``. Returns the number of disagreements."""
     import gemslib
 
     check_dtype = torch.float64 if device.type == "cpu" else torch.float32
@@ -449,8 +452,6 @@ def run_transformers(shape: LlamaShape, n_layers: int, prefill: tuple[int, int],
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gemslib.__main__ import doc_summary, positive_int, size_pair
-
     parser = argparse.ArgumentParser(
         prog="python -m gemslib demo", description=doc_summary(__doc__),
         epilog="exit codes: 0 every way agrees, 1 a mismatch, 2 bad arguments")

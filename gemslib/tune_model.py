@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from gemslib import models, registry, runtime, tune
+from gemslib import models, registry, runtime, tune_search
 
 
 def model_spec(config: str, layers: int) -> tuple[str, object]:
@@ -86,12 +86,12 @@ def record_calls(hf_config, shapes: Iterable[tuple[int, int]], device, dtype=tor
 
 def _spaces_by_kernel() -> dict[str, tuple[str, registry.TuneSpace]]:
     return {f"{space.kernel.op}.{space.kernel.name}": (op, space)
-            for op, space in tune.tune_spaces()}
+            for op, space in tune_search.tune_spaces()}
 
 
 def tune_calls(calls: dict, timer: Callable[[Callable], float], quick: bool = False,
                progress: Callable[[str], None] = functools.partial(print, flush=True)
-               ) -> tuple[list[tune.BucketResult], dict[str, str]]:
+               ) -> tuple[list[tune_search.BucketResult], dict[str, str]]:
     """A result per recorded (kernel, shape) whose kernel has a TuneSpace (in the order the
     model made them); {kernel shape: why not} for the others."""
     spaces = _spaces_by_kernel()
@@ -103,19 +103,20 @@ def tune_calls(calls: dict, timer: Callable[[Callable], float], quick: bool = Fa
             continue
         op, space = spaces[kernel_name]
         bound = dict(zip(space.kernel.shape_keys, shape))
-        bucket = registry.TuneBucket(bound, f"{call.op} at {tune._bound(bound)}",
+        bucket = registry.TuneBucket(bound, f"{call.op} at {tune_search.bound_flow(bound)}",
                                      lambda device, call=call: call.run)
         try:
-            results.append(tune.time_candidates(
+            results.append(tune_search.time_candidates(
                 op, space, number, bucket, call.run, shape, timer, quick, progress,
-                f"[{number + 1}/{len(calls)}] {call.op} {tune._bound(bound)}", keep_in_use=True))
-        except tune.TuneError as err:
+                f"[{number + 1}/{len(calls)}] {call.op} {tune_search.bound_flow(bound)}",
+                keep_in_use=True))
+        except tune_search.TuneError as err:
             skipped[label] = str(err)
             progress(f"FAILED: {err}")
     return results, skipped
 
 
-def render_yaml(results: list[tune.BucketResult], device: str, tuned: dict) -> str:
+def render_yaml(results: list[tune_search.BucketResult], device: str, tuned: dict) -> str:
     """The file in use, with each result's exact-shape bucket before the bucket that held it."""
     lines = ["# Launch configurations written by `python -m gemslib.tune --model`; do not edit "
              "by hand:", "# re-run the tuner. Schema: tune_configs/README.md.",
@@ -124,7 +125,7 @@ def render_yaml(results: list[tune.BucketResult], device: str, tuned: dict) -> s
              "tuned:"]
     lines += [f"  {key}: {json.dumps(value)}" for key, value in tuned.items()]
     lines.append("ops:")
-    by_kernel: dict[tuple[str, str], list[tune.BucketResult]] = {}
+    by_kernel: dict[tuple[str, str], list[tune_search.BucketResult]] = {}
     for result in results:
         by_kernel.setdefault((result.op, result.kernel), []).append(result)
     registry.operators()  # every operator file imported: every kernel known
@@ -146,9 +147,9 @@ def render_yaml(results: list[tune.BucketResult], device: str, tuned: dict) -> s
                                     if t.config == (result.kept or result.reference)), None)
                     note = f"  # {result.bucket.label}: {best.ms * 1e3:.1f} us" + (
                         f", the file in use's {kept_ms * 1e3:.1f} us" if kept_ms else "")
-                    lines.append(f"      - max: {tune._bound(result.bucket.max)}")
-                    lines.append(f"        config: {tune._flow(best.config)}{note}")
-                lines += tune.bucket_lines(bucket)
+                    lines.append(f"      - max: {tune_search.bound_flow(result.bucket.max)}")
+                    lines.append(f"        config: {tune_search.config_flow(best.config)}{note}")
+                lines += tune_search.bucket_lines(bucket)
     return "\n".join(lines) + "\n"
 
 
@@ -162,12 +163,12 @@ def main(args) -> int:
         return 2
     device_name = runtime.device_name()
     out = args.out or Path(f"{device_name}-{Path(args.model).stem}.yaml")
-    tuned = {"model": args.model, **tune.environment(), "quick": args.quick,
+    tuned = {"model": args.model, **tune_search.environment(), "quick": args.quick,
              "shapes": [f"{b}x{s}" for b, s in args.shapes], "layers": args.layers}
     print(f"tuning for {title} ({args.layers} layers) on {tuned['gpu']}, torch "
           f"{tuned['torch']}, Triton {tuned['triton']}: recording its calls", flush=True)
     calls = record_calls(hf_config, args.shapes, torch.device(runtime.device_type()))
-    results, skipped = tune_calls(calls, tune.do_bench_ms(args.quick), args.quick)
+    results, skipped = tune_calls(calls, tune_search.do_bench_ms(args.quick), args.quick)
     tuned["seconds"] = round(time.perf_counter() - started)
     out.write_text(render_yaml(results, device_name, tuned))
     runtime.load_tune_config(out)  # what was written must load

@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 from benchmark import decode  # noqa: E402
-from benchmark.models import model_spec  # noqa: E402
+from benchmark import realmodels  # noqa: E402
+from benchmark.realmodels import model_spec  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +70,7 @@ def test_a_run_cut_short_keeps_the_ways_it_finished(tmp_path, monkeypatch):
         return {"way": job["way"], "status": "ok",
                 "shapes": {key: {"step_ms": 2.5, "tokens_per_s": 400.0}}}
 
-    monkeypatch.setattr(decode.prefill, "run_job", fake_run_job)
+    monkeypatch.setattr(realmodels, "run_job", fake_run_job)
     with pytest.raises(KeyboardInterrupt):
         decode.main(["--tiny", "--model-names", "llama3-8b", "--ways", "eager",
                      "static-gemslib", "--cases", "2x12+3of32", "--out", str(tmp_path)])
@@ -155,8 +156,6 @@ def test_the_gpu_time_of_a_call_leaves_its_host_part_out():
     around the call see the host's 20 ms; the GPU time sees the kernel alone."""
     import time
 
-    from benchmark import models
-
     x = torch.randn(1 << 22, device="cuda")
 
     def call():
@@ -164,8 +163,8 @@ def test_the_gpu_time_of_a_call_leaves_its_host_part_out():
         x.mul_(1.0)
 
     device = torch.device("cuda")
-    plain = models._time_calls(call, device, 5)
-    gpu = models._time_gpu_work(call, device, 5)
+    plain = realmodels.time_calls(call, device, 5)
+    gpu = realmodels.time_gpu_work(call, device, 5)
     assert len(gpu) == 5 and min(plain) >= 20.0
     # the least of them, well under the host's part: under pytest-xdist other processes'
     # kernels share the GPU, time-sliced in between the call's events
@@ -176,15 +175,13 @@ def test_the_gpu_time_of_a_call_leaves_its_host_part_out():
 def test_a_call_that_waits_for_the_gpu_gets_no_gpu_time():
     """Its host part outlasts any sleep ahead of it: None, after a bounded number of tries,
     not a figure with the host inside (nor sleeps doubling without end)."""
-    from benchmark import models
-
     x = torch.randn(1 << 20, device="cuda")
 
     def call():
         x.mul_(1.0)
         torch.cuda.synchronize()
 
-    assert models._time_gpu_work(call, torch.device("cuda"), 3) is None
+    assert realmodels.time_gpu_work(call, torch.device("cuda"), 3) is None
 
 
 class _SimulatedGpu:
@@ -227,13 +224,10 @@ class _SimulatedGpu:
         self.host = max(self.host, self.stream)
 
     def install(self, monkeypatch):
-        from benchmark import models
-
         monkeypatch.setattr(torch.cuda, "Event", self.Event)
         monkeypatch.setattr(torch.cuda, "_sleep", self.sleep)
-        monkeypatch.setattr(models, "time", type("Clock", (), {
+        monkeypatch.setattr(realmodels, "time", type("Clock", (), {
             "perf_counter": staticmethod(lambda: self.host / 1e3)}))
-        return models
 
 
 def test_the_gpu_time_sees_the_kernels_whatever_the_clock_did_since_the_calibration(
@@ -242,7 +236,7 @@ def test_the_gpu_time_sees_the_kernels_whatever_the_clock_did_since_the_calibrat
     ms sleep lasts 1: a call with 1.5 ms of host work must still be timed at its 0.1 ms of
     kernels (its sleep lengthened), never at the host's 1.5 ms."""
     gpu = _SimulatedGpu(cycles_per_ms=1000.0)
-    models = gpu.install(monkeypatch)
+    gpu.install(monkeypatch)
     calibrated = []
     real_sleep = gpu.sleep
 
@@ -257,13 +251,13 @@ def test_the_gpu_time_sees_the_kernels_whatever_the_clock_did_since_the_calibrat
         gpu.host_work(1.5)
         gpu.queue(0.1)
 
-    times = models._time_gpu_work(call, torch.device("cuda"), 4)
+    times = realmodels.time_gpu_work(call, torch.device("cuda"), 4)
     assert times == pytest.approx([0.1] * 4)
 
 
 def test_a_call_that_waits_for_the_stream_is_given_up_on_after_a_bounded_sleep(monkeypatch):
     gpu = _SimulatedGpu(cycles_per_ms=1000.0)
-    models = gpu.install(monkeypatch)
+    gpu.install(monkeypatch)
     sleeps = []
     real_sleep = gpu.sleep
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles),
@@ -274,12 +268,10 @@ def test_a_call_that_waits_for_the_stream_is_given_up_on_after_a_bounded_sleep(m
         gpu.synchronize()  # a .item(): the host waits for the stream, sleep included
         gpu.host_work(0.2)
 
-    assert models._time_gpu_work(call, torch.device("cuda"), 3) is None
+    assert realmodels.time_gpu_work(call, torch.device("cuda"), 3) is None
     # past the calibration's three sleeps, each try's sleep, doubled up to the bound
     assert sleeps[3:] == [ms * 1000 for ms in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
 
 
 def test_the_gpu_time_is_none_on_the_cpu():
-    from benchmark import models
-
-    assert models._time_gpu_work(lambda: None, torch.device("cpu"), 3) is None
+    assert realmodels.time_gpu_work(lambda: None, torch.device("cpu"), 3) is None

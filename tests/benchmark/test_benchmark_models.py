@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from benchmark import models  # noqa: E402
+from benchmark import models, realmodels  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,7 +103,7 @@ def _fake_workers(job, job_path):
 
 def test_a_crash_a_hang_and_a_missing_peer_are_rows_of_the_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(models, "worker_command", _fake_workers)
-    monkeypatch.setitem(models.PEER_MODULES, "liger", "surely_no_such_module_installed")
+    monkeypatch.setitem(realmodels.PEER_MODULES, "liger", "surely_no_such_module_installed")
     code = models.main(["--tiny", "--model-names", "llama3-8b", "--shapes", "1x8",
                         "--ways", "eager", "enable", "gemslib", "inductor", "liger",
                         "--timeout", "3", "--out", str(tmp_path)])
@@ -114,7 +114,7 @@ def test_a_crash_a_hang_and_a_missing_peer_are_rows_of_the_table(tmp_path, monke
     assert rows[("B1 S8", "enable")]["status"].startswith("crashed (exit 3)")
     assert "boom: a fake crash" in rows[("B1 S8", "enable")]["status"]
     assert rows[("B1 S8", "inductor")]["status"] == "timeout after 3 s"
-    assert rows[("B1 S8", "liger")]["status"] == models.NOT_INSTALLED
+    assert rows[("B1 S8", "liger")]["status"] == realmodels.NOT_INSTALLED
     gemslib_row = rows[("B1 S8", "gemslib")]
     assert gemslib_row["status"] == "ok" and gemslib_row["vs_eager"] == 2.0
     assert gemslib_row["rel_error"] is None  # the reference process crashed: no error figure
@@ -143,13 +143,13 @@ _PARENT_OF_A_HANGING_WORKER = """
 import sys
 import time
 from pathlib import Path
-from benchmark import models
+from benchmark import realmodels
 
 work = Path(sys.argv[1])
 hang = ("import os, sys, time; from pathlib import Path; "
         "Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(60)")
-models.run_job({"way": "hang"}, work, timeout=60, cold_cache=False,
-               command=lambda job, path: [sys.executable, "-c", hang, str(work / "pid")])
+realmodels.run_job({"way": "hang"}, work, timeout=60, cold_cache=False,
+                   command=lambda job, path: [sys.executable, "-c", hang, str(work / "pid")])
 """
 
 
@@ -178,7 +178,7 @@ def test_a_sigterm_to_the_runner_takes_its_worker_down_with_it(tmp_path):
 
 
 def test_without_a_gpu_only_tiny_runs(monkeypatch, capsys):
-    monkeypatch.setattr(models, "_has_gpu", lambda: False)
+    monkeypatch.setattr(realmodels, "has_gpu", lambda: False)
     assert models.main(["--model-names", "llama3-8b"]) == 1
     assert "--tiny" in capsys.readouterr().err
 
@@ -186,7 +186,7 @@ def test_without_a_gpu_only_tiny_runs(monkeypatch, capsys):
 def test_every_process_builds_the_same_model():
     """Seeded and built in float32 on the device, then cast: identical weights each time,
     the rotary tables left in float32 (as from_pretrained(dtype=bf16) leaves them)."""
-    spec = models.model_spec("qwen2-7b", tiny=True)
+    spec = realmodels.model_spec("qwen2-7b", tiny=True)
     first, second = (models.build_model(spec, "cpu", torch.bfloat16) for _ in range(2))
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
         assert torch.equal(a, b), name
@@ -195,8 +195,8 @@ def test_every_process_builds_the_same_model():
     assert first.model.rotary_emb.inv_freq.dtype == torch.float32
     reference = models.build_model(spec, "cpu", torch.float32)
     assert torch.equal(reference.lm_head.weight.to(torch.bfloat16), first.lm_head.weight)
-    ids = models.input_ids(spec, 2, 8, "cpu")
-    assert torch.equal(ids, models.input_ids(spec, 2, 8, "cpu"))
+    ids = realmodels.input_ids(spec, 2, 8, "cpu")
+    assert torch.equal(ids, realmodels.input_ids(spec, 2, 8, "cpu"))
 
 
 def test_the_floor_counts_llama_3_8b_s_matmuls_and_attention():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gemslib import __main__ as main_job
-from gemslib import demo
+from gemslib import cli, demo
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,8 +40,8 @@ def test_bad_arguments_are_usage_errors_that_name_the_argument(args, argument, e
 
 
 def test_argument_types_accept_what_they_should():
-    assert main_job.positive_int("7") == 7
-    assert main_job.size_pair("BxS")("2X16") == (2, 16)
+    assert cli.positive_int("7") == 7
+    assert cli.size_pair("BxS")("2X16") == (2, 16)
     args = demo.parse_args(["--layers", "3", "--prefill", "1x24", "--decode", "2x20"])
     assert (args.layers, args.prefill, args.decode) == (3, (1, 24), (2, 20))
     assert demo.parse_args([]).prefill is None  # the defaults depend on the device
@@ -54,7 +54,7 @@ def test_help_names_the_demo_command_in_plain_text():
     assert "python -m gemslib demo" in done.stdout and "--rows" in done.stdout
     assert "exit codes" in done.stdout
     assert "`" not in done.stdout, done.stdout
-    assert main_job.plain_help("``python -m x``: run `y`") == "python -m x: run y"
+    assert cli.plain_help("``python -m x``: run `y`") == "python -m x: run y"
 
 
 @pytest.mark.parametrize("command,options", [

@@ -1,4 +1,4 @@
-"""``python -m gemslib demo``: Llama-shaped layers four ways, checked against each other, and a
+"""``python -m gemslib demo``: Llama-shaped layers five ways, checked against each other, and a
 transformers Llama eager and through the gemslib backend."""
 
 import os

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gemslib
-from conftest import DEVICE
+from helpers import DEVICE
 from gemslib.passes.backend import passes_for
 from gemslib.passes import manager
 

@@ -13,18 +13,18 @@ import triton.language as tl
 import yaml
 
 from helpers import DEVICE
-from gemslib import registry, runtime, tune
+from gemslib import registry, runtime, tune, tune_search
 from gemslib.runtime import custom_op
 
 
 def test_every_kernel_has_one_tune_space_that_fits_it():
-    spaces = [space for _, space in tune.tune_spaces()]
+    spaces = [space for _, space in tune_search.tune_spaces()]
     names = [f"{space.kernel.op}.{space.kernel.name}" for space in spaces]
     assert sorted(names) == sorted(runtime.KERNELS) and len(set(names)) == len(names)
     for space in spaces:
         kernel = space.kernel
         assert space.candidates and space.buckets, kernel.name
-        configs = [tune.launch_config(raw) for raw in space.candidates]
+        configs = [tune_search.launch_config(raw) for raw in space.candidates]
         assert len(set(configs)) == len(configs), f"{kernel.name}: repeated candidates"
         for config in configs:  # every tunable given, launch options valid
             assert set(config.meta_dict) == kernel.tunables, (kernel.name, config)
@@ -79,8 +79,8 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
     results = [tune.tune_bucket("toy", space, index, torch.device(DEVICE), timer,
                                 progress=lines.append) for index in range(2)]
     for result in results:
-        assert result.best.config == tune.launch_config(space.candidates[2])
-        assert result.reference == tune.launch_config(space.candidates[0])
+        assert result.best.config == tune_search.launch_config(space.candidates[2])
+        assert result.reference == tune_search.launch_config(space.candidates[0])
         assert result.reference_ms == 3.0 and result.best.ms == 2.0
         why = {t.config.meta_dict["BLOCK"]: t.why for t in result.timings if t.ms is None}
         assert why[32].startswith("output 0: relative error"), why
@@ -108,7 +108,7 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
     assert data["tuned"] == tuned and loaded.device == "toy_gpu"
     buckets = loaded.ops["toy"]["toy_double"]
     assert [b.max for b in buckets] == [{"numel": 100}, None]
-    assert all(b.configs == (tune.launch_config(space.candidates[2]),) for b in buckets)
+    assert all(b.configs == (tune_search.launch_config(space.candidates[2]),) for b in buckets)
     # operators not tuned in the run keep the kept file's entries, autotune lists included
     assert set(loaded.ops) == set(kept.ops) | {"toy"}
     for op, kernels in kept.ops.items():
@@ -119,15 +119,15 @@ def test_tuner_takes_the_fastest_right_candidate_and_writes_a_file_that_loads(mo
 
 def test_a_candidate_within_the_noise_margin_does_not_replace_the_reference(monkeypatch):
     kernel, space, _, _ = _toy(monkeypatch)
-    times_ms = {16: 2.0 * (1 + tune.KEEP_MARGIN / 2), 64: 2.0}
+    times_ms = {16: 2.0 * (1 + tune_search.KEEP_MARGIN / 2), 64: 2.0}
 
     def timer(run):
         return times_ms[kernel.config_for((0,)).meta_dict["BLOCK"]]
     result = tune.tune_bucket("toy", space, 0, torch.device(DEVICE), timer, progress=print)
-    assert result.best.config == tune.launch_config(space.candidates[0])
-    times_ms[16] = 2.0 * (1 + tune.KEEP_MARGIN * 2)
+    assert result.best.config == tune_search.launch_config(space.candidates[0])
+    times_ms[16] = 2.0 * (1 + tune_search.KEEP_MARGIN * 2)
     result = tune.tune_bucket("toy", space, 0, torch.device(DEVICE), timer, progress=print)
-    assert result.best.config == tune.launch_config(space.candidates[2])
+    assert result.best.config == tune_search.launch_config(space.candidates[2])
 
 
 def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(monkeypatch):
@@ -135,11 +135,11 @@ def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(
     misplaced = registry.TuneSpace(kernel, space.candidates, (
         registry.TuneBucket({"numel": 100}, "n 500", problem(500)),
         registry.TuneBucket(None, "n 300", problem(300))))
-    with pytest.raises(tune.TuneError, match="n 500 .* lands in bucket 1, not 0"):
+    with pytest.raises(tune_search.TuneError, match="n 500 .* lands in bucket 1, not 0"):
         tune.tune_bucket("toy", misplaced, 0, torch.device(DEVICE), timer)
     idle = registry.TuneSpace(kernel, space.candidates, (
         registry.TuneBucket(None, "nothing", lambda device: lambda: torch.zeros(3)),))
-    with pytest.raises(tune.TuneError, match="does not launch it"):
+    with pytest.raises(tune_search.TuneError, match="does not launch it"):
         tune.tune_bucket("toy", idle, 0, torch.device(DEVICE), timer)
     wrong_only = registry.TuneSpace(kernel, ({"BLOCK": 32, "SHIFT": 1},),
                                     (registry.TuneBucket(None, "n 300", problem(300)),))
@@ -148,7 +148,7 @@ def test_tuner_refuses_a_problem_outside_its_bucket_or_not_launching_the_kernel(
     broken_only = registry.TuneSpace(kernel, ({"BLOCK": 24, "SHIFT": 0},),
                                      (registry.TuneBucket(None, "n 300", problem(300)),))
     assert tune.tune_bucket("toy", wrong_only, 0, torch.device(DEVICE), timer).best.ms == 1.0
-    with pytest.raises(tune.TuneError, match="the reference config .* does not run"):
+    with pytest.raises(tune_search.TuneError, match="the reference config .* does not run"):
         tune.tune_bucket("toy", broken_only, 0, torch.device(DEVICE), timer)
 
 
@@ -173,11 +173,11 @@ def test_a_run_writes_the_file_after_each_operator_and_reports_one_it_cannot_tun
     idle = registry.TuneSpace(kernel, space.candidates, (
         registry.TuneBucket(None, "nothing", lambda device: lambda: torch.zeros(3)),))
     spaces = [("toy", space), ("broken", idle)]
-    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    monkeypatch.setattr(tune_search, "tune_spaces", lambda ops=None: spaces)
     monkeypatch.setattr(tune, "gpu_available", lambda: True)
-    monkeypatch.setattr(tune, "environment", lambda: {"gpu": "Toy GPU", "torch": "2.x",
+    monkeypatch.setattr(tune_search, "environment", lambda: {"gpu": "Toy GPU", "torch": "2.x",
                                                       "triton": "3.6.0", "date": "today"})
-    monkeypatch.setattr(tune, "do_bench_ms", lambda quick: timer)
+    monkeypatch.setattr(tune_search, "do_bench_ms", lambda quick: timer)
     out = tmp_path / "toy.yaml"
     written = []
     real_load = runtime.load_tune_config
@@ -207,7 +207,7 @@ def test_a_compile_task_runs_its_candidate_on_every_bucket_of_its_space(monkeypa
               ("toy", registry.TuneSpace(kernel, space.candidates, (
                   registry.TuneBucket({"numel": 100}, "n 77", recording(77)),
                   registry.TuneBucket(None, "n 300", recording(300)))))]
-    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    monkeypatch.setattr(tune_search, "tune_spaces", lambda ops=None: spaces)
     assert tune._compile_candidate(None, 1, 2) == 2
     assert ran == [(77, 64), (300, 64)]
     ran.clear()
@@ -226,36 +226,38 @@ def test_a_compile_task_skips_a_problem_the_memory_cannot_hold(monkeypatch):
     spaces = [("toy", registry.TuneSpace(kernel, space.candidates, (
         registry.TuneBucket({"numel": 100}, "n 77", out_of_memory),
         registry.TuneBucket(None, "n 300", problem(300)))))]
-    monkeypatch.setattr(tune, "tune_spaces", lambda ops=None: spaces)
+    monkeypatch.setattr(tune_search, "tune_spaces", lambda ops=None: spaces)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     assert tune._compile_candidate(None, 0, 2) == 1
 
 
 def test_quick_runs_try_the_configs_in_use_and_the_first_candidates():
-    space = next(s for _, s in tune.tune_spaces(["rms_norm"]) if s.kernel.name == "rms_norm_fwd")
-    in_use = tune.launch_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16})
-    reference = tune.launch_config({"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8})
-    quick = tune.candidates_for(space, in_use, reference, quick=True)
+    search = tune_search
+    space = next(s for _, s in search.tune_spaces(["rms_norm"]) if s.kernel.name == "rms_norm_fwd")
+    in_use = search.launch_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16})
+    reference = search.launch_config({"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8})
+    quick = search.candidates_for(space, in_use, reference, quick=True)
     assert quick[:2] == [in_use, reference]
-    assert quick[2:] == [tune.launch_config(raw) for raw in space.candidates[:tune.QUICK_CANDIDATES]
-                         if tune.launch_config(raw) not in (in_use, reference)]
-    full = tune.candidates_for(space, in_use, reference, quick=False)
-    assert set(full) == {tune.launch_config(raw) for raw in space.candidates} | {in_use, reference}
-    outsider = tune.launch_config({"BLOCK_M": 3, "BLOCK_N": 16384, "num_warps": 16})
-    assert outsider in tune.candidates_for(space, outsider, reference, quick=False)  # in use
+    assert quick[2:] == [search.launch_config(raw)
+                         for raw in space.candidates[:search.QUICK_CANDIDATES]
+                         if search.launch_config(raw) not in (in_use, reference)]
+    full = search.candidates_for(space, in_use, reference, quick=False)
+    assert set(full) == {search.launch_config(raw) for raw in space.candidates} | {in_use, reference}
+    outsider = search.launch_config({"BLOCK_M": 3, "BLOCK_N": 16384, "num_warps": 16})
+    assert outsider in search.candidates_for(space, outsider, reference, quick=False)  # in use
 
 
 def test_disagreement_names_what_differs():
     want = torch.tensor([1.0, float("nan"), float("inf")])
-    assert tune.disagreement([want.clone()], [want]) is None
-    assert "NaN" in tune.disagreement([torch.tensor([1.0, 2.0, float("inf")])], [want])
-    assert "infinities" in tune.disagreement([torch.tensor([1.0, float("nan"), -float("inf")])],
-                                             [want])
-    assert "shape" in tune.disagreement([torch.ones(2)], [torch.ones(3)])
-    assert "2 outputs" in tune.disagreement([torch.ones(2), torch.ones(2)], [torch.ones(2)])
+    assert tune_search.disagreement([want.clone()], [want]) is None
+    assert "NaN" in tune_search.disagreement([torch.tensor([1.0, 2.0, float("inf")])], [want])
+    assert "infinities" in tune_search.disagreement(
+        [torch.tensor([1.0, float("nan"), -float("inf")])], [want])
+    assert "shape" in tune_search.disagreement([torch.ones(2)], [torch.ones(3)])
+    assert "2 outputs" in tune_search.disagreement([torch.ones(2), torch.ones(2)], [torch.ones(2)])
     close = torch.tensor([1.0, 2.0]).to(torch.bfloat16)
-    assert tune.disagreement([close * 1.01], [close]) is None  # 16-bit rounding
-    assert tune.disagreement([torch.tensor([1.0, 2.0]) * 1.01], [torch.tensor([1.0, 2.0])])
+    assert tune_search.disagreement([close * 1.01], [close]) is None  # 16-bit rounding
+    assert tune_search.disagreement([torch.tensor([1.0, 2.0]) * 1.01], [torch.tensor([1.0, 2.0])])
 
 
 def test_command_line_needs_a_gpu_and_known_operators(tmp_path):
@@ -285,9 +287,9 @@ def test_every_declared_problem_lands_in_its_own_bucket(monkeypatch):
     for name, like in (("randn", torch.empty), ("rand", torch.empty),
                        ("randn_like", torch.empty_like)):
         monkeypatch.setattr(torch, name, like)
-    for op, space in tune.tune_spaces():
+    for op, space in tune_search.tune_spaces():
         for index, bucket in enumerate(space.buckets):
-            shape = tune.problem_shape(space, bucket.make(torch.device(DEVICE)))
+            shape = tune_search.problem_shape(space, bucket.make(torch.device(DEVICE)))
             assert shape is not None, (op, space.kernel.name, bucket.label)
-            assert tune._bucket_index(space, shape) == index, (op, space.kernel.name,
+            assert tune_search.bucket_index(space, shape) == index, (op, space.kernel.name,
                                                                bucket.label, shape)

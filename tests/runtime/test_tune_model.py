@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import DEVICE
-from gemslib import runtime, tune, tune_model
+from gemslib import runtime, tune, tune_model, tune_search
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,7 +47,8 @@ def test_a_compiled_forward_records_each_kernel_shape_once_with_its_call(recorde
     for (name, shape), call in recorded.items():
         assert f"{call.kernel.op}.{call.kernel.name}" == name and call.shape == shape
         first, again = call.run(), call.run()
-        for a, b in zip(tune._tensors(first), tune._tensors(again)):
+        for a, b in zip(tune_search.output_tensors(first),
+                        tune_search.output_tensors(again)):
             assert torch.equal(a, b), name
 
 
@@ -66,12 +67,14 @@ def test_each_recorded_shape_gets_its_fastest_config_in_the_file(recorded, tmp_p
         timed = {t.config: t.ms for t in result.timings if t.ms is not None}
         kept = result.kept or result.reference
         expected = min(timed, key=timed.get)
-        if timed[kept] <= timed[expected] * (1 + tune.KEEP_MARGIN):
+        if timed[kept] <= timed[expected] * (1 + tune_search.KEEP_MARGIN):
             expected = kept
-        assert tune._bucket_config(written, kernel, result.shape) == expected, result.kernel
+        assert (tune_search.bucket_config(written, kernel, result.shape) == expected), \
+            result.kernel
     norm = runtime.KERNELS["rms_norm.rms_norm_fwd"]
     far = (1 << 20, 1 << 14)  # no recorded shape bounds it
-    assert tune._bucket_config(written, norm, far) == tune._bucket_config(in_use, norm, far)
+    assert (tune_search.bucket_config(written, norm, far)
+            == tune_search.bucket_config(in_use, norm, far))
 
 
 def test_a_model_is_a_table_name_or_a_config_json(tmp_path):
