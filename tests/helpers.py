@@ -1,11 +1,12 @@
 """What the tests share: the device they run on, the dtypes, fresh random inputs, poisoned
-outputs, the repository's root. Imported as ``helpers`` (pytest puts ``tests/`` on the path);
+outputs, the repository's root, the check that a module compiled with the backend is eager's. Imported as ``helpers`` (pytest puts ``tests/`` on the path);
 the conftest has already chosen the interpreter or the GPU by the time a test imports it."""
 
 from pathlib import Path
 
 import torch
 
+import gemslib
 from gemslib import runtime
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,3 +37,15 @@ def assert_device_side_assert(script: str, message: str) -> None:
     assert done.returncode != 0
     assert "device-side assert" in done.stderr, done.stderr[-2000:]
     assert message in done.stdout + done.stderr, done.stderr[-2000:]
+
+
+def assert_compiled_is_eager_s(module, x, fusions):
+    """The module compiled with the backend reports ``fusions`` and returns eager's results:
+    same dtypes and shapes, values within 16-bit rounding of the largest."""
+    with torch.no_grad():
+        expected = module(x)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    assert gemslib.fusion_report() == fusions, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())

@@ -1,0 +1,157 @@
+"""Graph rewrite: torch.compile(backend="gemslib") puts SDPA on gemslib's attention where
+its mask is proven causal or full (or, for one query row, a key mask decode_attention takes),
+and leaves every other SDPA to inductor."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gemslib
+from helpers import random_tensor
+
+
+class _MaskedAttention(torch.nn.Module):
+    """SDPA under a mask built from index comparisons, the way transformers builds its own:
+    key j visible to query i when ``j <= i + shift`` (and ``j > i + shift - window``), or
+    under ``compare`` instead of ``<=``."""
+
+    def __init__(self, shift=0, window=None, compare=torch.le, hidden=None):
+        super().__init__()
+        self.shift, self.window, self.compare, self.hidden = shift, window, compare, hidden
+
+    def forward(self, q, k, v):
+        keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
+        queries = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
+        visible = self.compare(keys, queries + self.shift)
+        if self.window is not None:
+            visible = visible & (keys > queries + self.shift - self.window)
+        if self.hidden is not None:  # an additive mask: 0 where visible
+            visible = torch.where(visible, 0.0, self.hidden).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+@pytest.mark.parametrize("seq_q, seq_kv, shift, window, compare, fused", [
+    (9, 9, 0, None, torch.le, True),        # causal
+    (9, 9, 0, 9, torch.le, True),           # a window wider than the sequence hides nothing
+    (9, 9, 0, 4, torch.le, False),          # a window that hides keys
+    (9, 9, 1, None, torch.lt, True),        # j < i + 1: causal written another way
+    (9, 9, 0, None, torch.lt, False),       # j < i: the diagonal hidden
+    (9, 9, 0, None, torch.ge, False),       # anti-causal
+    (1, 9, 8, None, torch.le, True),        # one query that sees every key (decode)
+    (3, 9, 6, None, torch.le, False),       # bottom-right causal: not the kernel's alignment
+])
+def test_sdpa_masks_that_are_proven_causal_or_full_are_fused(seq_q, seq_kv, shift, window,
+                                                             compare, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _MaskedAttention(shift, window, compare)
+    torch.manual_seed(0)
+    q = random_tensor((2, 4, seq_q, 16), torch.float32, scale=1.0)
+    k, v = (random_tensor((2, 4, seq_kv, 16), torch.float32, scale=1.0) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    finite = expected.isfinite()  # a row that sees no key is NaN either way
+    assert torch.equal(finite, got.isfinite())
+    assert torch.allclose(got[finite], expected[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden, fused", [(float("-inf"), True), (-3.4028234663852886e38, True),
+                                           (-65536.0, True), (-1e4, False)])
+def test_additive_causal_masks_hide_with_minus_inf_or_the_lowest_number(hidden, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _MaskedAttention(hidden=hidden)
+    q, k, v = (random_tensor((1, 2, 7, 16), torch.float32, scale=1.0) for _ in range(3))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+class _PaddedMaskAttention(torch.nn.Module):
+    """SDPA under transformers' additive causal mask with its key axis padded and sliced, as
+    the efficient backend's graph holds it: padded to a multiple of 16 and cut back to its
+    length (the same mask), or padded by one hidden key in front and cut at the end (a mask
+    shifted one key right: query i sees keys 1 to i + 1). The shifted view
+    starts at its storage's start: a view one element in would be misaligned for the
+    efficient kernel, which crashes on it in eager torch."""
+
+    def __init__(self, shifted):
+        super().__init__()
+        self.shifted = shifted
+
+    def forward(self, q, k, v):
+        keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
+        queries = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
+        mask = torch.where(keys <= queries, 0.0, float("-inf"))
+        if self.shifted:
+            mask = F.pad(mask, (1, 0), value=float("-inf"))[..., :-1]
+        else:
+            mask = F.pad(mask, (0, -k.shape[2] % 16))[..., :k.shape[2]]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("shifted, fused", [(False, True), (True, False)])
+def test_a_mask_padded_and_cut_back_is_read_through(shifted, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _PaddedMaskAttention(shifted)
+    compiled = torch.compile(module, backend="gemslib", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for seq in (7, 12):  # symbolic lengths: the mask is read from its index arithmetic
+            q, k, v = (random_tensor((1, 2, seq, 16), torch.float32, scale=1.0)
+                       for _ in range(3))
+            expected, got = module(q, k, v), compiled(q, k, v)
+            finite = expected.isfinite()
+            assert torch.equal(finite, got.isfinite())
+            assert torch.allclose(got[finite], expected[finite], atol=1e-5)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+
+
+@pytest.mark.parametrize("mask_shape, additive, fused", [
+    ((3, 1, 1, 40), False, True),    # a static cache's visible positions, per sequence
+    ((1, 1, 1, 40), False, True),    # one mask for the batch
+    ((3, 1, 1, 40), True, True),     # where(mask, 0, -inf)
+    ((3, 4, 1, 40), False, False),   # a mask per head: not decode_attention's
+])
+def test_one_query_row_under_a_boolean_key_mask_runs_decode_attention(mask_shape, additive,
+                                                                      fused):
+    """A decode step against a whole static cache under a boolean mask that is a graph input
+    (values unknown when compiling): decode_attention with that mask as its key mask, for a
+    mask of the visible positions per sequence or for the batch; the first sequence sees no
+    key at all (0, as SDPA gives)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+
+    def step(q, k, v, mask):
+        if additive:
+            mask = torch.where(mask, 0.0, float("-inf"))
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                              v.repeat_interleave(2, 1), attn_mask=mask)
+
+    q = random_tensor((3, 4, 1, 16), torch.float32, scale=1.0)
+    k, v = (random_tensor((3, 2, 40, 16), torch.float32, scale=1.0) for _ in range(2))
+    mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(3)) < 0.4
+    if mask_shape[0] == 3:
+        mask[0] = False
+    mask = mask.to(q.device)
+    with torch.no_grad():
+        expected = step(q, k, v, mask)
+        got = torch.compile(step, backend="gemslib", fullgraph=True)(q, k, v, mask)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q, k, v = (random_tensor((1, 2, 5, 8), torch.float32, scale=1.0) for _ in range(3))
+    bias = random_tensor((5, 5), torch.float32, scale=1.0)
+    with torch.no_grad():
+        got = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, bias),
+                            backend="gemslib", fullgraph=True)(q, k, v)
+    assert "attention" not in gemslib.fusion_report()
+    assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, bias), atol=1e-5)

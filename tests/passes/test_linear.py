@@ -1,0 +1,222 @@
+"""Graph rewrites of projections: merged_linear (a model's q/k/v and gate/up projections of
+one input in one GEMM, parameters merged once, not kept twice), linear_swiglu (a merged
+gate/up projection and silu_and_mul) and rms_norm_linear_silu (rms_norm -> linear -> silu)."""
+
+import pytest
+import torch
+
+import gemslib
+from helpers import DEVICE, ON_GPU
+from gemslib.fused import merged_linear as ml
+from gemslib.fused import rms_norm_linear_silu as norm_linear_silu_ops
+from gemslib.fused import rms_norm_swiglu as swiglu_ops
+from gemslib.passes import linear as linear_passes
+
+
+# --------------------------------------------------------------------------------------------
+# merged_linear: projections of one input merged
+# --------------------------------------------------------------------------------------------
+
+
+class _Projections(torch.nn.Module):
+    """Forms of projections around the ones a decoder layer has."""
+
+    def __init__(self, width=16, dtype=torch.float32):
+        super().__init__()
+        def linear(n, bias=False, dt=dtype):
+            return torch.nn.Linear(width, n, bias=bias, device=DEVICE, dtype=dt)
+        self.a, self.b = linear(8), linear(8)                  # of x: merged
+        self.c = linear(8, bias=True)                          # of x with a bias: alone
+        self.d, self.e = linear(6), linear(6)                  # of y: merged, apart from a, b
+        self.gate, self.up = linear(12), linear(12)            # of y: GELU, not silu_and_mul
+        self.f, self.g = linear(10), linear(10)                # of z: silu of the second half
+
+    def forward(self, x, y, z):
+        F = torch.nn.functional
+        return (self.a(x), self.b(x), self.c(x), self.d(y) * self.e(y),
+                F.gelu(self.gate(y)) * self.up(y), self.f(z) * F.silu(self.g(z)))
+
+
+def test_rewrite_merges_only_projections_of_one_input_alike():
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _Projections().eval()
+    torch.manual_seed(1)
+    x, y, z = (torch.randn(3, 5, 16, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        expected = module(x, y, z)
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
+    # a+b of x; d, e, gate and up of y (one group); f+g of z; c (a bias) stays alone
+    assert gemslib.fusion_report() == {"merged_linear": 3}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
+    assert ml.end_to_end([module.a.weight, module.b.weight]) is not None
+    group = [module.d.weight, module.e.weight, module.gate.weight, module.up.weight]
+    group.sort(key=lambda w: w.storage_offset())  # merged in the graph's order
+    assert ml.end_to_end(group) is not None
+
+
+def test_merged_parameters_are_one_copy_and_a_replaced_one_is_used():
+    """After the compile each merged parameter is a view of one buffer the size of them all
+    (nothing kept twice); a parameter replaced afterwards is what the compiled model uses."""
+    torch._dynamo.reset()
+    module = _Projections().eval()
+    x, y, z = (torch.randn(2, 16, device=DEVICE) for _ in range(3))
+    compiled = torch.compile(module, backend="gemslib", fullgraph=True)
+    with torch.no_grad():
+        compiled(x, y, z)
+    storage = module.a.weight.untyped_storage()
+    assert module.b.weight.untyped_storage().data_ptr() == storage.data_ptr()
+    assert storage.nbytes() == module.a.weight.nbytes + module.b.weight.nbytes
+    with torch.no_grad():
+        module.b.weight = torch.nn.Parameter(torch.randn_like(module.b.weight))
+        module.d.weight.mul_(2)  # in place: the merged buffer sees it
+        expected = module(x, y, z)
+        results = compiled(x, y, z)
+    for got, want in zip(results, expected):
+        assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
+
+
+def test_tensors_that_are_not_parameters_merge_into_storages_of_their_own():
+    """A tensor subclass's inner tensors (a DTensor's shards) are plain tensors: merged, each
+    keeps a storage of its own over its rows of one buffer (dynamo cannot fakeify subclass
+    tensors whose inner tensors share a storage), and they still read as end to end."""
+    a, b = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
+    expected = torch.cat([a, b])
+    assert linear_passes.merge_once([a, b])
+    buffer = getattr(a, ml.MERGED_ROWS)
+    assert getattr(b, ml.MERGED_ROWS) is buffer and buffer.nbytes == a.nbytes + b.nbytes
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert b.data_ptr() == a.data_ptr() + a.nbytes
+    assert torch.equal(ml.end_to_end([a, b]), expected)
+    b.data = torch.randn_like(b)  # moved out: no longer end to end
+    assert ml.end_to_end([a, b]) is None
+
+
+def test_a_merged_parameter_moved_out_of_its_buffer_is_left_alone_by_a_new_compile():
+    """A merged parameter whose ``.data`` was pointed elsewhere (its partners still in the
+    old buffer): a later compile cannot merge the group again without copying a parameter
+    another group may hold, so it computes those projections one by one, correctly."""
+    torch._dynamo.reset()
+    module = _Projections().eval()
+    x, y, z = (torch.randn(2, 16, device=DEVICE) for _ in range(3))
+    with torch.no_grad():
+        torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
+        module.b.weight.data = torch.randn_like(module.b.weight)
+        expected = module(x, y, z)
+        torch._dynamo.reset()
+        gemslib.reset_fusion_report()
+        results = torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
+    assert gemslib.fusion_report() == {"merged_linear": 2}, gemslib.fusion_report()
+    for got, want in zip(results, expected):
+        assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_site_without_real_parameters_is_left_alone():
+    """The passes installed in a plain inductor config have no real parameters to merge:
+    the projections stay separate GEMMs (merging them at every call would copy the weights)."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _Projections().eval()
+    x = torch.randn(2, 16, device=DEVICE)
+    with torch.no_grad(), torch._inductor.config.patch(
+            post_grad_custom_post_pass=gemslib.passes.PASSES):
+        torch.compile(module, fullgraph=True)(x, x, x)
+    assert "merged_linear" not in gemslib.fusion_report()
+    assert ml.end_to_end([module.a.weight, module.b.weight]) is None
+
+
+# --------------------------------------------------------------------------------------------
+# linear_swiglu: a merged gate/up projection and silu_and_mul
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_llama(dtype, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEVICE, dtype).eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
+def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens, monkeypatch):
+    """backend="gemslib": each layer's merged gate/up projection and silu_and_mul become one
+    linear_swiglu at the Hopper path's MIN_ROWS or more (the (add_)rms_norm before it stays;
+    the tiny model's product is let through however few its tiles), none below; logits within
+    the dtype's rounding of eager's, and eager unchanged after."""
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(dtype)
+    ids = torch.randint(0, 96, tokens, device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+        again = model(ids).logits.float()
+    fusions = gemslib.fusion_report()
+    fused = tokens[0] * tokens[1] >= swiglu_ops._rms_norm_linear_silu_hopper.MIN_ROWS
+    assert fusions.get("linear_swiglu", 0) == (2 if fused else 0), fusions
+    assert fusions["silu_and_mul"] == 2 and fusions["merged_linear"] == 4 and \
+        fusions["add_rms_norm"] == 4, fusions
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(again, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm_linear_silu: silu of a projection of an rms_norm
+# --------------------------------------------------------------------------------------------
+
+
+class _NormLinearSilu(torch.nn.Module):
+    """silu(linear(rms_norm(x))) as a model writes it (transformers' RMSNorm), and, with
+    ``also_normed``, the normalised rows used a second time."""
+
+    def __init__(self, k=64, n=96, bias=False, also_normed=False, dtype=torch.float32):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(k, eps=1e-5)
+        self.proj = torch.nn.Linear(k, n, bias=bias)
+        self.also_normed = also_normed
+        torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+        self.to(DEVICE, dtype)
+
+    def forward(self, x):
+        normed = self.norm(x)
+        out = torch.nn.functional.silu(self.proj(normed))
+        return (out, normed * 2) if self.also_normed else out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,bias,also_normed,fused", [
+    (128, False, False, True), (130, True, False, True), (22, False, False, False),
+    (128, False, True, False)], ids=["128-rows", "bias", "22-rows", "normed-used-twice"])
+def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, also_normed, fused,
+                                                           monkeypatch):
+    """backend="gemslib": rms_norm -> linear -> silu becomes one rms_norm_linear_silu where the
+    fused path takes it (the Hopper path's rows and up; the tiny product let through however
+    few its tiles) and the normalised rows feed nothing else; the result within the dtype's
+    rounding of eager's."""
+    monkeypatch.setattr(norm_linear_silu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _NormLinearSilu(bias=bias, also_normed=also_normed, dtype=dtype).eval()
+    x = torch.randn(2, rows // 2, 64, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        expected = module(x)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+    fusions = gemslib.fusion_report()
+    assert fusions.get("rms_norm_linear_silu", 0) == int(fused), fusions
+    assert fusions.get("rms_norm") == 1, fusions
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, expected))):
+        error = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert error <= tolerance, f"max error {error:.2e}"

@@ -1,0 +1,326 @@
+"""Graph passes of the rotary: transformers' rotary (rotate_half or the interleaved form)
+becomes apply_rotary, look-alikes are left alone, and a decode step's rotary with its static
+cache's update becomes rotary_into_cache."""
+
+import functools
+import re
+
+import pytest
+import torch
+
+import gemslib
+from helpers import DEVICE, random_tensor
+from gemslib.passes import rotary as rotary_passes
+
+
+# --------------------------------------------------------------------------------------------
+# Graph pattern: torch.compile(backend="gemslib") turns transformers' rotary into the op
+# --------------------------------------------------------------------------------------------
+
+_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),           # q, k, v projection biases
+           "mistral": ("MistralConfig", "MistralForCausalLM", {})}
+
+
+def _tiny_model(kind, dtype, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config_class, model_class, extra = _MODELS[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).to(DEVICE, dtype).eval()
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("llama", torch.float16),
+                                        ("qwen2", torch.float16), ("mistral", torch.float32)])
+def test_every_layer_s_rotary_becomes_one_launch(kind, dtype):
+    """The rotary of q and k of every decoder layer is replaced (one op for both), and the
+    logits stay eager's within the dtype's rounding."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    layers = 2
+    model = _tiny_model(kind, dtype, layers)
+    ids = torch.randint(0, 96, (2, 11), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+    assert gemslib.fusion_report().get("rotary") == layers, gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit (tolerance {tolerance})"
+
+
+def _rotate_half(x, dim=-1, split=None, form="model"):
+    """Indexed as transformers writes it (``x[..., :half]``): the graph then holds the same
+    slice bounds as the pattern's trace."""
+    split = x.shape[dim] // 2 if split is None else split
+    lead = (...,) if dim == -1 else (slice(None),) * dim
+    x1, x2 = x[(*lead, slice(None, split))], x[(*lead, slice(split, None))]
+    if form == "model":
+        return torch.cat((-x2, x1), dim=dim)
+    if form == "first half negated":       # (-x1, x2): the pattern's structure, other slices
+        return torch.cat((-x1, x2), dim=dim)
+    if form == "sign on the other half":   # (x2, -x1): the inverse rotation
+        return torch.cat((x2, -x1), dim=dim)
+    raise ValueError(form)
+
+
+def _rope_unsqueezed(q, k, cos, sin, **rotate):
+    """transformers' rotary after its cos.unsqueeze(1): cos and sin (B or 1, 1, S, D)."""
+    return (q * cos + _rotate_half(q, **rotate) * sin, k * cos + _rotate_half(k, **rotate) * sin)
+
+
+def _rope(q, k, cos, sin, **rotate):
+    return _rope_unsqueezed(q, k, cos.unsqueeze(1), sin.unsqueeze(1), **rotate)
+
+
+def _look_alikes(q, k, cos, sin, wide_cos, wide_sin):
+    """q (B, 4, S, D), k (B, 2, S, D), cos and sin (B, S, D) whose halves differ."""
+    half = q.shape[-1] // 2
+    partial_q, partial_k = _rope(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
+    return {
+        # computed exactly by the op: replaced
+        "halves that differ": _rope(q, k, cos, sin),
+        "partial rotary": (torch.cat((partial_q, q[..., half:]), -1),
+                           torch.cat((partial_k, k[..., half:]), -1)),
+        # another computation: left alone
+        "first half negated": _rope(q, k, cos, sin, form="first half negated"),
+        "sign on the other half": _rope(q, k, cos, sin, form="sign on the other half"),
+        "another split": _rope(q, k, cos, sin, split=half - 3),
+        "over dim 2": _rope(q, k, cos, sin, dim=2),
+        "fp32 cos and sin": _rope(q, k, wide_cos, wide_sin),           # an fp32 result
+        "one angle for all tokens": (q * cos[:, None, :1] + _rotate_half(q) * sin[:, None, :1],
+                                     k * cos[:, None, :1] + _rotate_half(k) * sin[:, None, :1]),
+    }
+
+
+def test_look_alike_rotaries_are_left_alone_or_computed_exactly():
+    """Only the forms the op computes exactly (a table whose halves differ; a rotary over the
+    first half of D, the rest passed through) are replaced; every result stays eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    dtype = torch.float16
+    q = random_tensor((2, 4, 6, 16), dtype, scale=1.0)
+    k = random_tensor((2, 2, 6, 16), dtype, scale=1.0)
+    angles = torch.rand(2, 6, 16, device=DEVICE) * 6.3     # no duplicated halves
+    wide_cos, wide_sin = angles.cos(), angles.sin()
+    cos, sin = wide_cos.to(dtype), wide_sin.to(dtype)
+    with torch.no_grad():
+        expected = _look_alikes(q, k, cos, sin, wide_cos, wide_sin)
+        results = torch.compile(_look_alikes, backend="gemslib", fullgraph=True)(
+            q, k, cos, sin, wide_cos, wide_sin)
+    assert gemslib.fusion_report() == {"rotary": 2}, gemslib.fusion_report()
+    for name, want in expected.items():
+        for got, wanted in zip(results[name], want):
+            assert got.dtype == wanted.dtype and got.shape == wanted.shape, name
+            error = ((got.float() - wanted.float()).abs().max() / wanted.float().abs().max()).item()
+            assert error <= 2e-3, f"{name}: max error {error:.2e}"
+
+
+def test_a_training_graph_of_rotary_keeps_its_gradients():
+    """With gradients on, the forward graph's rotary is replaced; the backward (inductor's,
+    from the joint graph) gives eager's gradients."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_model("llama", torch.float32, layers=1)
+    ids = torch.randint(0, 96, (2, 7), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.compile(model, backend="gemslib")(ids).logits.square().mean().backward()
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
+
+
+def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
+    """The pattern's check on the whole trace of the rotary of q and k (``rotate``: the form
+    of rotate_half), as if the matcher had matched it: what the check proves on its own,
+    whatever the matcher's re-trace compares before it (``rotations``: the rotate_half
+    pattern's check, or the interleaved one's)."""
+    from types import SimpleNamespace
+
+    from torch._inductor.pattern_matcher import fwd_only
+
+    def traced(q, k, cos, sin):
+        return _rope_unsqueezed(q, q if k_is_q else k, cos, sin, **rotate)
+
+    graph = fwd_only(traced, [q, k, cos, sin]).graph
+    inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
+                            nodes=[node for node in graph.nodes if node.op == "call_function"])
+    return rotary_passes._is_rotary(match, {"half": rotary_passes._half_rotations,
+                                            "pairs": rotary_passes._pair_rotations}[rotations])
+
+
+def test_the_check_alone_refuses_every_other_computation():
+    half = torch.float16
+    q, k = random_tensor((2, 4, 6, 16), half), random_tensor((2, 2, 6, 16), half)
+    cos, sin = random_tensor((2, 1, 6, 16), half), random_tensor((1, 1, 6, 16), half)
+    assert _check_on_trace(q, k, cos, sin)
+    assert _check_on_trace(q.float(), k.float(), cos.float(), sin.float())
+    assert not _check_on_trace(q, k, cos, sin, rotations="pairs")  # not the interleaved form
+    for form in ({"form": "first half negated"}, {"form": "sign on the other half"},
+                 {"split": 5}, {"dim": 2}):
+        assert not _check_on_trace(q, k, cos, sin, **form), form
+    # tables that do not broadcast as (B or 1, 1, S, D) over heads only, or of another dtype
+    wider = random_tensor((3, 1, 6, 16), half)
+    for q_, k_, cos_ in ((q, k, cos[:, :, :1]),                  # one angle for every token
+                         (q[:, :2], k, random_tensor((2, 2, 6, 16), half)),  # per head
+                         (q, k, cos.float()),                     # fp32: an fp32 result
+                         (q[:1], k[:1], wider)):                  # a batch q does not have
+        assert not _check_on_trace(q_, k_, cos_, sin), tuple(cos_.shape)
+    assert not _check_on_trace(q, k.float(), cos, sin)        # q and k of two dtypes
+    assert not _check_on_trace(q, k, cos, sin, k_is_q=True)   # one tensor matched twice
+
+
+# --------------------------------------------------------------------------------------------
+# Graph rewrite: a decode step's rotary and its static cache's update -> rotary_into_cache
+# --------------------------------------------------------------------------------------------
+
+
+def _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask, form="static cache"):
+    """A decode step as transformers' static cache writes it: q, k (B, H, S, D) rotated by a
+    per-token table (B, S, D), k and v written into (B, H, L, D) caches at rows ``positions``
+    (in place: graph inputs copied back), and attention over the caches under a mask.
+    ``form``: the step itself, or a look-alike the rewrite must leave alone."""
+    q_rot, k_rot = _rope(q, k, cos, sin)
+    k_cache[:, :, positions] = k_rot
+    v_cache[:, :, positions if form != "v at other rows" else positions.flip(0)] = v
+    if form == "k written with accumulation":
+        k_cache.index_put_((torch.arange(k.shape[0], device=k.device)[:, None, None],
+                            torch.arange(k.shape[1], device=k.device)[None, :, None],
+                            positions[None, None, :]), k_rot, accumulate=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q_rot, k_cache, v_cache,
+                                                           attn_mask=mask)
+    if form == "rotated k read again":
+        return out, k_rot.sum()
+    return out
+
+
+_CACHE_STEP_FORMS = {"static cache": 1, "v at other rows": 0, "rotated k read again": 0,
+                     "k written with accumulation": 0}
+
+
+@pytest.mark.parametrize("form", sorted(_CACHE_STEP_FORMS))
+def test_a_static_cache_update_goes_into_the_rotary_launch(form):
+    """Only a rotated k read by nothing but its cache's update, paired with v's update at the
+    same rows that the same attention reads, becomes rotary_into_cache; every form gives
+    eager's outputs and caches, and the fused form updates the caches in place (inductor
+    reinplaced it: no copy of a cache, and the op runs on the graph's cache inputs)."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    ReinplaceCounters.clear()
+    dtype = torch.float32
+    q, k, v = (random_tensor((2, 2, 3, 16), dtype, scale=1.0) for _ in range(3))
+    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    caches = [random_tensor((2, 2, 9, 16), dtype) for _ in range(2)]
+    positions = torch.tensor([4, 2, 7], device=DEVICE)
+    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
+    mask[..., 0] = True
+    expected_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        expected = _cache_step(q, k, v, cos, sin, *expected_caches, positions, mask, form)
+        compiled = torch.compile(functools.partial(_cache_step, form=form), backend="gemslib",
+                                 fullgraph=True)
+        got, (code,) = run_and_get_code(compiled, q, k, v, cos, sin, *caches, positions, mask)
+    fused = _CACHE_STEP_FORMS[form]
+    assert gemslib.fusion_report().get("rotary_into_cache", 0) == fused, gemslib.fusion_report()
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    for got_tensor, want in zip(torch.utils._pytree.tree_leaves(got),
+                                torch.utils._pytree.tree_leaves(expected)):
+        torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
+    for cache, want in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
+    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
+    assert len(on_inputs) == fused, code
+    assert ReinplaceCounters.get_total_missed_bytes() == 0
+
+
+def test_the_cache_write_rewrite_can_be_switched_off(monkeypatch):
+    """GEMSLIB_ROTARY_INTO_CACHE=0 (the default of the option, read when a graph compiles)
+    leaves the static cache's update to inductor: the rotary is still gemslib's, the results
+    still eager's."""
+    monkeypatch.setenv("GEMSLIB_ROTARY_INTO_CACHE", "0")
+    _check_cache_write_left_to_inductor()
+
+
+def test_the_cache_write_rewrite_is_switched_off_by_its_option():
+    _check_cache_write_left_to_inductor({"gemslib.rotary_into_cache": False})
+
+
+def _check_cache_write_left_to_inductor(options=None):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q, k, v = (random_tensor((2, 2, 1, 16), torch.float32, scale=1.0) for _ in range(3))
+    angles = torch.rand(2, 1, 16, device=DEVICE) * 6.3
+    caches = [random_tensor((2, 2, 5, 16), torch.float32) for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    positions, mask = torch.tensor([3], device=DEVICE), torch.ones(2, 1, 1, 5, dtype=torch.bool,
+                                                                   device=DEVICE)
+    args = (q, k, v, angles.cos(), angles.sin())
+    with torch.no_grad():
+        expected = _cache_step(*args, *expected_caches, positions, mask)
+        got = torch.compile(_cache_step, backend="gemslib", fullgraph=True, options=options)(
+            *args, *caches, positions, mask)
+    assert gemslib.fusion_report() == {"rotary": 1, "attention": 1}, gemslib.fusion_report()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for cache, want in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# The interleaved rotary (GLM's, Helium's): the pairs' form
+# --------------------------------------------------------------------------------------------
+
+
+def _pair_rotation(x, negate_odd=True, pair_dim=-1):
+    first, second = (-x[..., 1::2], x[..., ::2]) if negate_odd else (-x[..., ::2], x[..., 1::2])
+    return torch.stack((first, second), dim=pair_dim).flatten(-2)
+
+
+class _InterleavedRotary(torch.nn.Module):
+    """GLM's / Helium's rotary (the interleaved rotate_half, the table's first half repeated
+    per pair), on q and k (B, H, S, D), with and without the pass-through features of a
+    partial rotary; and look-alikes: the other pair element negated (the inverse rotation),
+    the pairs stacked on another dim (another layout)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        rotation = {"inverse": lambda x: _pair_rotation(x, negate_odd=False),
+                    "other_layout": lambda x: _pair_rotation(x, pair_dim=-2)}.get(
+                        self.form, _pair_rotation)
+        if self.form == "partial":
+            rotated = cos.shape[-1] // 2
+            cos, sin = cos[..., :rotated], sin[..., :rotated]
+            (q, q_pass), (k, k_pass) = q.split([rotated, rotated], -1), k.split([rotated, rotated], -1)
+            return (torch.cat([q * cos + rotation(q) * sin, q_pass], -1),
+                    torch.cat([k * cos + rotation(k) * sin, k_pass], -1))
+        return q * cos + rotation(q) * sin, k * cos + rotation(k) * sin
+
+
+@pytest.mark.parametrize("form, fused", [
+    ("full", True), ("partial", True), ("inverse", False), ("other_layout", False)])
+def test_interleaved_rotary_runs_rotary(form, fused):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _InterleavedRotary(form)
+    q, k = (torch.randn(2, heads, 5, 16, device=DEVICE) for heads in (4, 2))
+    cos, sin = (torch.randn(1, 5, 16, device=DEVICE) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report() == ({"rotary": 1} if fused else {}), gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, atol=1e-5)
