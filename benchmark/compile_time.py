@@ -92,10 +92,14 @@ def measure(model_name: str, batch: int, seq: int, layers: int | None, tiny: boo
     for backend in backends:
         job = {"model": model_name, "batch": batch, "seq": seq, "layers": layers,
                "tiny": tiny, "backend": backend}
+        results[backend] = {}
         with tempfile.TemporaryDirectory(prefix=f"gemslib_compile_{backend}_") as cache:
-            results[backend] = {warmth: _run_worker(job, Path(cache),
-                                                    out / f"compile_time_{backend}.log")
-                                for warmth in WARMTHS}
+            for warmth in WARMTHS:
+                result = _run_worker(job, Path(cache), out / f"compile_time_{backend}.log")
+                results[backend][warmth] = result
+                # each process's figures as they come, so a run cut short keeps them
+                print(f"{backend} {warmth}: {json.dumps(result)}", flush=True)
+                (out / "compile_time.json").write_text(json.dumps(results, indent=2))
     return results
 
 

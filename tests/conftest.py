@@ -48,6 +48,10 @@ def _fresh_state():
     gemslib.disable()
     yield
     gemslib.disable()
+    if ON_GPU:
+        # the suite runs a process per core on one card: memory a finished test's process
+        # keeps reserved is memory the other processes' tests cannot have
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture
