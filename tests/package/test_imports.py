@@ -8,7 +8,7 @@ its own submodules, and a submodule that took names from its package's ``__init_
 close a circle. Imports of third-party modules are ignored; so is ``tests/``.
 
 That importing gemslib initialises no CUDA context and compiles nothing is checked in
-tests/test_registry.py.
+tests/runtime/test_registry.py.
 """
 from __future__ import annotations
 
