@@ -18,7 +18,17 @@ replay off), torch eager (for work eager does in two kernels, both: their sum), 
 under FlagGems' ``use_gems()``, and Liger-Kernel's functional API, the last two where
 importable. The ratios are against torch eager's (the bar: at most 1.5x). Under
 the table, a planned silu piece by piece (its allocation, the compiled launcher alone): the
-floor of a call made from Python. Writes ``<out>/host.json`` and ``<out>/host.md``.
+floor of a call made from Python.
+
+A second table measures one launch inside a compiled graph (:func:`run_graphs`): a stack of
+layers, each a small projection (cuBLAS for every way) followed by one form that both
+backends make one kernel of (an RMSNorm, a residual add and RMSNorm, a SwiGLU activation),
+compiled by inductor and by gemslib, beside the same stack without the form. What a layer adds
+to the graph's host time over the projections alone is the host time of the form's launch:
+inductor's generated Triton launch, or gemslib's operator through its ``graph`` overload
+(``gemslib``; ``gemslib-python`` with the native replay off; ``gemslib-default`` with the
+default overloads, as graphs called them before the graph overloads existed). The bar: gemslib
+at most 1.5x inductor. Writes ``<out>/host.json`` and ``<out>/host.md``.
 """
 
 from __future__ import annotations
@@ -259,6 +269,124 @@ def run(calls: int, device, warmup: int = 50) -> dict:
     return results
 
 
+GRAPH_WAYS = ("inductor", "gemslib", "gemslib-python", "gemslib-default")
+GRAPH_FORMS = ("rms_norm", "add_rms_norm", "silu_and_mul")
+GRAPH_LAYERS, GRAPH_ROWS, GRAPH_WIDTH = 16, 16, 1024
+
+
+def _graph_stack(form: str | None, device):
+    """``GRAPH_LAYERS`` layers of (projection, ``form``) on (GRAPH_ROWS, GRAPH_WIDTH) bf16
+    rows: the projection alone where ``form`` is None. The norms are written as transformers'
+    Llama writes them."""
+    import torch
+    import torch.nn.functional as F
+
+    def rms_norm(x, weight):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * h.to(x.dtype)
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            out = 2 * GRAPH_WIDTH if form == "silu_and_mul" else GRAPH_WIDTH
+            self.projections = torch.nn.ModuleList(
+                torch.nn.Linear(GRAPH_WIDTH, out, bias=False) for _ in range(GRAPH_LAYERS))
+            self.norms = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.rand(GRAPH_WIDTH) + 0.5) for _ in range(GRAPH_LAYERS))
+
+        def forward(self, h):
+            residual = h
+            for projection, norm in zip(self.projections, self.norms):
+                h = projection(h)
+                if form == "rms_norm":
+                    h = rms_norm(h, norm)
+                elif form == "add_rms_norm":
+                    residual = residual + h
+                    h = rms_norm(residual, norm)
+                elif form == "silu_and_mul":
+                    gate, up = h.chunk(2, dim=-1)
+                    h = F.silu(gate) * up
+            return h
+
+    return Stack().to(device=device, dtype=torch.bfloat16).eval()
+
+
+def _graph_way(way: str):
+    """(the backend, the context the compile and the calls run in) of a compiled-graph way."""
+    from gemslib import runtime
+
+    if way == "inductor":
+        return "inductor", contextlib.nullcontext
+    if way == "gemslib-python":
+        return "gemslib", runtime.NATIVE_REPLAY.switched_off
+    if way == "gemslib-default":
+        return "gemslib", runtime.GRAPH_OVERLOADS.switched_off
+    return "gemslib", contextlib.nullcontext
+
+
+def run_graphs(calls: int, device, warmup: int = 50, forms=GRAPH_FORMS,
+               ways=GRAPH_WAYS) -> dict:
+    """Per form: each way's host us per call of the stack with and without the form, and the
+    difference per layer (the form's launch), with the ratio to inductor's."""
+    import torch
+
+    import gemslib
+
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(1, GRAPH_ROWS, GRAPH_WIDTH, device=device, dtype=torch.bfloat16)
+    results = {}
+    for form in forms:
+        row = {}
+        for way in ways:
+            backend, scope = _graph_way(way)
+            per_call = {}
+            try:
+                with scope(), torch.no_grad():
+                    for with_form in (False, True):
+                        torch._dynamo.reset()
+                        gemslib.reset_fusion_report()
+                        model = torch.compile(_graph_stack(form if with_form else None, device),
+                                              backend=backend)
+                        per_call[with_form] = host_us(lambda: model(x), calls, synchronize,
+                                                      warmup)
+                row[way] = {"stack": per_call[True], "projections": per_call[False],
+                            "per_launch": (per_call[True] - per_call[False]) / GRAPH_LAYERS,
+                            "fusions": gemslib.fusion_report() if backend == "gemslib" else {}}
+            except Exception as err:  # reported, not fatal
+                row[way] = f"{type(err).__name__}: {str(err)[:120]}"
+        base = row.get("inductor")
+        for way, value in row.items():
+            if isinstance(value, dict) and isinstance(base, dict):
+                value["ratio"] = value["per_launch"] / base["per_launch"]
+        results[form] = row
+        print(f"{form:<16}" + "".join(
+            f"{way} {value['per_launch']:6.1f}  " if isinstance(value, dict) else f"{way} -  "
+            for way, value in row.items()), flush=True)
+    return results
+
+
+def format_graph_markdown(results: dict) -> str:
+    lines = [f"## One launch inside a compiled graph ({GRAPH_LAYERS} layers of a "
+             f"{GRAPH_ROWS}x{GRAPH_WIDTH} projection and the form; us of host per launch)", "",
+             "| form | " + " | ".join(GRAPH_WAYS) + " | gemslib / inductor |",
+             "| --- |" + " ---: |" * (len(GRAPH_WAYS) + 1)]
+    for form, row in results.items():
+        cells = [f"{row[way]['per_launch']:.1f}" if isinstance(row.get(way), dict) else
+                 ("failed" if way in row else "-") for way in GRAPH_WAYS]
+        ratio = row["gemslib"].get("ratio") if isinstance(row.get("gemslib"), dict) else None
+        lines.append(f"| {form} | " + " | ".join(cells) + " | " +
+                     (f"{ratio:.2f}x" if ratio is not None else "-") + " |")
+    lines += ["", "Whole stacks (us per call, projections alone / with the form) and the "
+              "fusions gemslib counted:"]
+    for form, row in results.items():
+        lines.append(f"- {form}: " + "; ".join(
+            f"{way} {value['projections']:.1f} / {value['stack']:.1f}"
+            + (f" {value['fusions']}" if value["fusions"] else "")
+            if isinstance(value, dict) else f"{way} {value}" for way, value in row.items()))
+    return "\n".join(lines) + "\n"
+
+
 def floor_pieces(calls: int, device) -> dict[str, float | str]:
     """What a planned ``gemslib.silu`` of 16x4096 is made of, each piece timed alone beside
     the whole call and torch's: the output's allocation and the compiled launcher's own call
@@ -332,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="calls timed back to back per figure (default: 2000)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", metavar="DIR",
                         help="where host.json and host.md go (default: benchmark/results)")
+    parser.add_argument("--graphs-only", action="store_true",
+                        help="only the compiled-graph table (one launch inside a graph)")
     args = parser.parse_args(argv)
     import torch
 
@@ -345,17 +475,20 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}; "
               f"{args.calls} calls per figure; microseconds of host time per call; "
               f"native replay {native.status()}.")
-    results = run(args.calls, device)
-    try:
-        floor = floor_pieces(args.calls, device)
-    except Exception as err:  # a measurement of internals: reported, never fatal
-        floor = {"compiled launcher alone": f"{type(err).__name__}: {str(err)[:120]}"}
+    graphs = run_graphs(args.calls, device)
+    results, floor = {}, {}
+    if not args.graphs_only:
+        results = run(args.calls, device)
+        try:
+            floor = floor_pieces(args.calls, device)
+        except Exception as err:  # a measurement of internals: reported, never fatal
+            floor = {"compiled launcher alone": f"{type(err).__name__}: {str(err)[:120]}"}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host.json").write_text(json.dumps({"header": header, "results": results,
-                                                    "floor": floor}, indent=1))
+                                                    "graphs": graphs, "floor": floor}, indent=1))
     markdown = format_markdown(results, header) + "\nsilu 16x4096, piece by piece (us): " + \
         ", ".join(f"{name} {value:.1f}" if isinstance(value, float) else f"{name}: {value}"
-                  for name, value in floor.items()) + "\n"
+                  for name, value in floor.items()) + "\n\n" + format_graph_markdown(graphs)
     (args.out / "host.md").write_text(markdown)
     print(markdown)
     return 0

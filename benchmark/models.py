@@ -61,7 +61,8 @@ from pathlib import Path
 
 from benchmark import realmodels
 from benchmark.realmodels import fmt, input_ids, model_spec, shape_key
-from gemslib.models import MODELS, SEED, ModelSpec, build_model, hf_config  # noqa: F401 (re-exported)
+from gemslib.models import (FAMILIES, MODELS, SEED, ModelSpec, build_model,  # noqa: F401
+                            hf_config)  # (re-exported)
 
 
 # ---- the models (gemslib.models) and the ways ----

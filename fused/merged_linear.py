@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from gemslib import runtime
 from gemslib.registry import SelfCheck
 
 
@@ -79,9 +80,8 @@ def _merged_linear_fake(x, weights, biases):
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
-_merged_linear_op = torch.library.custom_op("gemslib::merged_linear", _merged_linear_impl,
-                                            mutates_args=())
-_merged_linear_op.register_fake(_merged_linear_fake)
+_merged_linear_op = runtime.CustomOp("merged_linear", _merged_linear_impl,
+                                     fake=_merged_linear_fake)
 
 
 def merged_linear_reference(x, weights, biases):

@@ -419,10 +419,9 @@ def _linear_swiglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor]) ->
     return _launch(x, None, weight, 0.0, normalize=False)
 
 
-_linear_swiglu_op = torch.library.custom_op("gemslib::linear_swiglu", _linear_swiglu_impl,
-                                            mutates_args=())
-_linear_swiglu_op.register_fake(
-    lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
+_linear_swiglu_op = runtime.CustomOp(
+    "linear_swiglu", _linear_swiglu_impl,
+    fake=lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
 
 
 

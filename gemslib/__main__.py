@@ -44,8 +44,8 @@ def describe_environment() -> list[str]:
         props = torch.cuda.get_device_properties(0)
         lines.append(f"backend: GPU {props.name} ({runtime.device_name()}), "
                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
-    source = "$" + runtime.CONFIG_ENV if os.environ.get(runtime.CONFIG_ENV) else "shipped"
-    lines.append(f"tune config: {runtime.config_path()} ({source})")
+    path, why = runtime.config_choice()
+    lines.append(f"tune config: {path} ({why})")
     from gemslib.runtime import native
 
     lines.append(f"native replay of repeated calls: {native.status()}")

@@ -21,7 +21,7 @@ class ModelSpec:
     """One model family at one size. ``layers`` is how many decoder layers the benchmark builds
     (fewer than the real model's: the layers repeat, and the time per layer is what compares)."""
     title: str
-    family: str           # "llama", "qwen2" or "mistral": the transformers classes
+    family: str           # a key of FAMILIES: the transformers classes
     hidden: int
     intermediate: int
     heads: int
@@ -53,6 +53,33 @@ MODELS = {
     "mistral-7b": ModelSpec("Mistral-7B", "mistral", hidden=4096, intermediate=14336, heads=32,
                             kv_heads=8, head_dim=128, vocab=32000, rope_theta=1000000.0,
                             eps=1e-5, layers=8, max_positions=32768),
+    # families and sizes beyond the three above: a small model (head dim 64, host-bound at
+    # short prompts), q/k norms (Qwen3), merged q/k/v and gate/up weights with head dim 96
+    # (Phi-3), GELU and (1 + w) norms with head dim 256 (Gemma)
+    "llama3.2-1b": ModelSpec("Llama-3.2-1B", "llama", hidden=2048, intermediate=8192,
+                             heads=32, kv_heads=8, head_dim=64, vocab=128256,
+                             rope_theta=500000.0, eps=1e-5, layers=16, max_positions=8192),
+    "qwen3-8b": ModelSpec("Qwen3-8B", "qwen3", hidden=4096, intermediate=12288, heads=32,
+                          kv_heads=8, head_dim=128, vocab=151936, rope_theta=1000000.0,
+                          eps=1e-6, layers=8, max_positions=40960),
+    "phi3-mini": ModelSpec("Phi-3-mini", "phi3", hidden=3072, intermediate=8192, heads=32,
+                           kv_heads=32, head_dim=96, vocab=32064, rope_theta=10000.0,
+                           eps=1e-5, layers=8, max_positions=4096),
+    "gemma-7b": ModelSpec("Gemma-7B", "gemma", hidden=3072, intermediate=24576, heads=16,
+                          kv_heads=16, head_dim=256, vocab=256000, rope_theta=10000.0,
+                          eps=1e-6, layers=6, max_positions=8192),
+}
+
+# family -> (transformers config class, model class, config arguments of the family's own):
+# sliding windows off (a window turns the causal SDPA into an explicit mask)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": False}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None,
+                                               "eos_token_id": None}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
 }
 
 def hf_config(spec: ModelSpec):
@@ -65,13 +92,10 @@ def hf_config(spec: ModelSpec):
                   head_dim=spec.head_dim, rms_norm_eps=spec.eps, rope_theta=spec.rope_theta,
                   max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
                   attn_implementation="sdpa")
-    if spec.family == "llama":
-        return transformers.LlamaConfig(**common)
-    if spec.family == "qwen2":
-        return transformers.Qwen2Config(**common, use_sliding_window=False)
-    if spec.family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=None)
-    raise ValueError(f"unknown model family {spec.family!r}")
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
+    config_class, _, own = FAMILIES[spec.family]
+    return getattr(transformers, config_class)(**common, **own)
 
 
 def build_model(spec: ModelSpec, device, dtype):
@@ -80,12 +104,10 @@ def build_model(spec: ModelSpec, device, dtype):
     import torch
     import transformers
 
-    classes = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-               "mistral": transformers.MistralForCausalLM}
     config = hf_config(spec)
     torch.manual_seed(SEED)
     with torch.device(device):
-        model = classes[spec.family](config)
+        model = getattr(transformers, FAMILIES[spec.family][1])(config)
     # the parameters only: the rotary inv_freq buffers stay float32, as from_pretrained(dtype=)
     # leaves them (model.to(dtype) would round them, and the angles at position 4096 with them)
     buffers = dict(model.named_buffers())

@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                "written), or an operator could not be tuned (reported); 2 bad arguments")
     parser.add_argument("--ops", nargs="+", help="operators to tune (default: all)")
     parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
+    parser.add_argument("--user", action="store_true",
+                        help="write <device>.yaml into gemslib's cache on this machine "
+                             "($GEMSLIB_CACHE_DIR/tune_configs), where gemslib picks it up")
     parser.add_argument("--quick", action="store_true",
                         help=f"per bucket only the configs in use and the first "
                              f"{tune_search.QUICK_CANDIDATES} candidates, shorter timings")
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2,
                         help="with --model: decoder layers built (default 2; they repeat)")
     args = parser.parse_args(argv)
+    if args.user and args.out is not None:
+        parser.error("--user and --out: --user writes into gemslib's cache, --out elsewhere")
     if args.model is not None:
         if args.ops:
             parser.error("--ops and --model: --model tunes the kernels the model launches")
@@ -267,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     device_name = runtime.device_name()
     out = args.out or Path(f"{device_name}.yaml")
+    if args.user:
+        out = runtime.user_configs_dir() / f"{device_name}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
     tuned = {**tune_search.environment(), "quick": args.quick}
     print(f"tuning {len(spaces)} kernels ({sum(len(s.buckets) for _, s in spaces)} buckets) on "
           f"{tuned['gpu']}, torch {tuned['torch']}, Triton {tuned['triton']}", flush=True)
@@ -298,8 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(summary(results)))
     for op, why in failed.items():
         print(f"  {op:<22} NOT TUNED, keeps the entries of the file in use: {why}")
-    print(f"wrote {out} in {tuned['seconds']} s; use it with GEMSLIB_TUNE_CONFIG={out}, or ship "
-          f"it as tune_configs/{device_name}.yaml", flush=True)
+    if args.user:
+        print(f"wrote {out} in {tuned['seconds']} s; gemslib uses it on this machine from now on",
+              flush=True)
+    else:
+        print(f"wrote {out} in {tuned['seconds']} s; use it with GEMSLIB_TUNE_CONFIG={out}, "
+              f"put it in {runtime.user_configs_dir()}, or ship it as "
+              f"tune_configs/{device_name}.yaml", flush=True)
     return 1 if failed else 0
 
 

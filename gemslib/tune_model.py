@@ -163,6 +163,9 @@ def main(args) -> int:
         return 2
     device_name = runtime.device_name()
     out = args.out or Path(f"{device_name}-{Path(args.model).stem}.yaml")
+    if getattr(args, "user", False):
+        out = runtime.user_configs_dir() / f"{device_name}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
     tuned = {"model": args.model, **tune_search.environment(), "quick": args.quick,
              "shapes": [f"{b}x{s}" for b, s in args.shapes], "layers": args.layers}
     print(f"tuning for {title} ({args.layers} layers) on {tuned['gpu']}, torch "
@@ -179,6 +182,7 @@ def main(args) -> int:
         print(f"  {result.kernel:<22} {result.bucket.label}: {kept_ms / result.best.ms:.2f}x")
     for label, why in skipped.items():
         print(f"  {label}: not tuned ({why})")
-    print(f"wrote {out} in {tuned['seconds']} s; use it with GEMSLIB_TUNE_CONFIG={out}",
-          flush=True)
+    print(f"wrote {out} in {tuned['seconds']} s; " + (
+        "gemslib uses it on this machine from now on" if getattr(args, "user", False)
+        else f"use it with GEMSLIB_TUNE_CONFIG={out}"), flush=True)
     return 1 if any(why != "no tune space" for why in skipped.values()) else 0

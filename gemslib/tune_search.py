@@ -251,9 +251,17 @@ def bucket_lines(bucket: runtime.Bucket) -> list[str]:
     return lines
 
 
-def environment() -> dict[str, str]:
+def environment() -> dict[str, str | int | float]:
+    """The ``tuned:`` section's facts: the GPU and what decides which GPUs its file suits
+    (``runtime.Hardware``), the versions, the date."""
     import triton
 
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__,
+    from gemslib import runtime
+
+    hardware = runtime.current_hardware()
+    return {"gpu": torch.cuda.get_device_name(),
+            "capability": "{}.{}".format(*hardware.capability),
+            "multiprocessors": hardware.multiprocessors,
+            "memory_gib": round(hardware.memory_gib, 1),
+            "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

@@ -290,6 +290,8 @@ class GemslibPasses(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
+        from gemslib import runtime
+
         record = in_flight()
         if record is not None:
             record.ran = True
@@ -314,6 +316,8 @@ class GemslibPasses(CustomGraphPass):
         if replaced:
             _free_layouts(graph)
             log.debug("gemslib: %d sites replaced in one graph", replaced)
+        if runtime.GRAPH_OVERLOADS.on:
+            _call_graph_overloads(graph)
 
     def uuid(self) -> str:
         """A hash of what decides the graph the passes make: their source and the operators'
@@ -327,6 +331,7 @@ class GemslibPasses(CustomGraphPass):
         if record is not None:
             digest.update(record.state.encode())
         digest.update(repr(sorted(self.fusions())).encode())
+        digest.update(repr(runtime.GRAPH_OVERLOADS.on).encode())
         try:
             digest.update(runtime.config_path().read_bytes())
         except OSError:
@@ -373,6 +378,22 @@ def _free_layouts(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "gemslib":
             node.meta.pop("eager_input_vals", None)
+
+
+def _call_graph_overloads(graph: torch.fx.Graph) -> None:
+    """Every gemslib operator of the graph (put there by the passes, or by the model's own
+    calls) called through its ``graph`` overload: no autograd, planned calls replayed in C++
+    (see ``gemslib.runtime.custom_op.define_graph_overload``). Last, since the patterns and
+    rewrites match the default overloads."""
+    from gemslib.runtime.custom_op import GRAPH_OVERLOAD
+
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+                target.namespace == "gemslib" and target._overloadname == "default":
+            overload = getattr(target.overloadpacket, GRAPH_OVERLOAD, None)
+            if overload is not None:
+                node.target = overload
 
 
 PASSES = GemslibPasses()

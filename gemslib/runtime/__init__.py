@@ -22,19 +22,21 @@ This file re-exports what operator files, the registry, the tuner and tests use 
 ``runtime.<name>``.
 """
 
-from gemslib.runtime.configs import (CONFIG_ENV, SCHEMA_VERSION, Bucket, LaunchConfig,
-                                     TuneConfigError, TuneConfigFile, active_configs,
-                                     config_path, load_tune_config, parse_launch_config,
-                                     parse_tune_config, shipped_configs_dir, within)
+from gemslib.runtime.configs import (CONFIG_ENV, SCHEMA_VERSION, Bucket, Hardware,
+                                     LaunchConfig, TuneConfigError, TuneConfigFile,
+                                     active_configs, config_choice, config_path,
+                                     current_hardware, load_tune_config, parse_launch_config,
+                                     parse_tune_config, shipped_configs_dir, user_configs_dir,
+                                     within)
 from gemslib.runtime.cuda import (captured, cdiv, current_stream_handle, device_name,
                                   multiprocessor_count, next_power_of_2, normalize_device_name,
                                   split_scratch)
 from gemslib.runtime.custom_op import (INTERPRETER_BF16_DOT, KERNEL_DTYPES, CustomOp,
                                        dot_kernel_runs, kernel_runs, on_kernel_device,
                                        wants_custom_op)
-from gemslib.runtime.env import (DEPENDENT_LAUNCH, DIRECT_LAUNCH, INTERPRETER, NATIVE_REPLAY,
-                                 KernelPath, dependent_launch_here, device_type, dispatch_key,
-                                 env_flag, quiet_interpreter)
+from gemslib.runtime.env import (DEPENDENT_LAUNCH, DIRECT_LAUNCH, GRAPH_OVERLOADS, INTERPRETER,
+                                 NATIVE_REPLAY, KernelPath, dependent_launch_here, device_type,
+                                 dispatch_key, env_flag, quiet_interpreter)
 from gemslib.runtime.launch import KeptKernel, launch_compiled, specialization_key, tensor_key
 from gemslib.runtime.plans import (CallPlans, call_plan_counts, clear_call_plans,
                                    launched_outside_plans, native_replay_allowed, native_spec)
@@ -42,14 +44,16 @@ from gemslib.runtime.recording import RecordedCall, recording_calls
 from gemslib.runtime.tuned import KERNELS, TunedKernel, reload_configs
 
 __all__ = [
-    "CONFIG_ENV", "SCHEMA_VERSION", "Bucket", "LaunchConfig", "TuneConfigError",
-    "TuneConfigFile", "active_configs", "config_path", "load_tune_config",
-    "parse_launch_config", "parse_tune_config", "shipped_configs_dir", "within",
+    "CONFIG_ENV", "SCHEMA_VERSION", "Bucket", "Hardware", "LaunchConfig", "TuneConfigError",
+    "TuneConfigFile", "active_configs", "config_choice", "config_path", "current_hardware",
+    "load_tune_config", "parse_launch_config", "parse_tune_config", "shipped_configs_dir",
+    "user_configs_dir", "within",
     "captured", "cdiv", "current_stream_handle", "device_name", "multiprocessor_count",
     "next_power_of_2", "normalize_device_name", "split_scratch",
     "INTERPRETER_BF16_DOT", "KERNEL_DTYPES", "CustomOp", "dot_kernel_runs", "kernel_runs",
     "on_kernel_device", "wants_custom_op",
-    "DEPENDENT_LAUNCH", "DIRECT_LAUNCH", "INTERPRETER", "NATIVE_REPLAY", "KernelPath",
+    "DEPENDENT_LAUNCH", "DIRECT_LAUNCH", "GRAPH_OVERLOADS", "INTERPRETER", "NATIVE_REPLAY",
+    "KernelPath",
     "dependent_launch_here", "device_type", "dispatch_key", "env_flag", "quiet_interpreter",
     "KeptKernel", "launch_compiled", "specialization_key", "tensor_key",
     "CallPlans", "call_plan_counts", "clear_call_plans", "launched_outside_plans",

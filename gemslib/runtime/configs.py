@@ -1,11 +1,14 @@
 """The tune-config files: their schema (``tune_configs/README.md``), validation, and which
-file is in use. ``GEMSLIB_TUNE_CONFIG=path`` picks a file explicitly; otherwise the
-device's ``<name>.yaml``, else ``default.yaml``. A malformed file raises
-:class:`TuneConfigError` naming the file and the key."""
+file is in use (:func:`config_choice`): ``GEMSLIB_TUNE_CONFIG=path`` explicitly; else the
+device's ``<name>.yaml`` tuned on this machine (``python -m gemslib.tune --user``, in gemslib's
+cache), else shipped; else the shipped file of the nearest GPU of the same compute capability;
+else ``default.yaml``. A malformed file raises :class:`TuneConfigError` naming the file and
+the key."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -14,8 +17,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from gemslib.runtime import env
 from gemslib.runtime.cuda import device_name
 
+log = logging.getLogger("gemslib.runtime")
 
 CONFIG_ENV = "GEMSLIB_TUNE_CONFIG"
 SCHEMA_VERSION = 1
@@ -185,13 +190,118 @@ _config_lock = threading.Lock()
 _active: tuple[TuneConfigFile, TuneConfigFile] | None = None
 
 
-def config_path() -> Path:
-    """The file in use: ``$GEMSLIB_TUNE_CONFIG``, else ``<device>.yaml``, else ``default.yaml``."""
+_choice: tuple[tuple, tuple[Path, str]] | None = None  # (what decided it, (file, why))
+
+
+def user_configs_dir() -> Path:
+    """Where ``python -m gemslib.tune --user`` writes a GPU's file and gemslib looks for it
+    first: ``<gemslib's cache>/tune_configs`` (``$GEMSLIB_CACHE_DIR``, or ~/.cache/gemslib)."""
+    return env.cache_dir() / "tune_configs"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What decides which tuned file fits a GPU best, as a file's ``tuned:`` section records
+    it: (major, minor) compute capability, multiprocessors, GiB of memory."""
+    capability: tuple[int, int]
+    multiprocessors: int
+    memory_gib: float
+
+    @classmethod
+    def of_tuned(cls, tuned: Any) -> "Hardware | None":
+        """From a file's ``tuned:`` mapping (``capability: '9.0'``, ``multiprocessors``,
+        ``memory_gib``); None where it does not say."""
+        try:
+            major, minor = (int(part) for part in str(tuned["capability"]).split("."))
+            return cls((major, minor), int(tuned["multiprocessors"]), float(tuned["memory_gib"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def distance(self, other: "Hardware") -> tuple[float, float]:
+        """How far ``other`` is, for files of one capability: the relative difference in
+        multiprocessors (what the grids fill), then in memory (its size follows its kind and
+        bandwidth: HBM3 80 GB, HBM3e 141 GB)."""
+        return (abs(self.multiprocessors - other.multiprocessors) / self.multiprocessors,
+                abs(self.memory_gib - other.memory_gib) / self.memory_gib)
+
+
+def current_hardware() -> Hardware | None:
+    """The current GPU's :class:`Hardware`, or None under the interpreter or without a GPU."""
+    import torch
+
+    if env.INTERPRETER or not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Hardware((props.major, props.minor), props.multi_processor_count,
+                    props.total_memory / 2**30)
+
+
+def _shipped_hardware() -> dict[Path, Hardware]:
+    """Each shipped GPU file's hardware, as its ``tuned:`` section records it."""
+    found = {}
+    for path in sorted(shipped_configs_dir().glob("*.yaml")):
+        if path.name == "default.yaml":
+            continue
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        hardware = Hardware.of_tuned(data.get("tuned")) if isinstance(data, dict) else None
+        if hardware is not None:
+            found[path] = hardware
+    return found
+
+
+def config_choice() -> tuple[Path, str]:
+    """(the file in use, why that one), decided once per device and environment:
+
+    1. ``$GEMSLIB_TUNE_CONFIG``;
+    2. ``<device>.yaml`` in :func:`user_configs_dir` (tuned on this machine);
+    3. ``<device>.yaml`` shipped in ``tune_configs/``;
+    4. the shipped file of the same compute capability whose GPU is nearest
+       (:meth:`Hardware.distance`): an H100 PCIe or an H800 takes the H100's, say;
+    5. ``default.yaml``, which says how to tune this GPU.
+    """
+    global _choice
     explicit = os.environ.get(CONFIG_ENV)
+    name = device_name()
+    decided_by = (explicit, name, os.environ.get("GEMSLIB_CACHE_DIR"))
+    if _choice is not None and _choice[0] == decided_by:
+        return _choice[1]
+    choice = _choose(explicit, name)
+    if _choice is None or _choice[1] != choice:
+        log.info("gemslib: tune config %s (%s)", choice[0], choice[1])
+    _choice = (decided_by, choice)
+    return choice
+
+
+def _choose(explicit: str | None, name: str) -> tuple[Path, str]:
     if explicit:
-        return Path(explicit)
-    candidate = shipped_configs_dir() / f"{device_name()}.yaml"
-    return candidate if candidate.is_file() else shipped_configs_dir() / "default.yaml"
+        return Path(explicit), f"${CONFIG_ENV}"
+    own = user_configs_dir() / f"{name}.yaml"
+    if own.is_file():
+        return own, f"tuned on this machine for {name}"
+    shipped = shipped_configs_dir() / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped, f"shipped for {name}"
+    default = shipped_configs_dir() / "default.yaml"
+    hardware = current_hardware()
+    if hardware is None:
+        return default, f"untuned defaults ({name})"
+    same_kind = {path: other for path, other in _shipped_hardware().items()
+                 if other.capability == hardware.capability}
+    tune_hint = f"`python -m gemslib.tune --user` tunes this GPU into {user_configs_dir()}"
+    sm = "sm_{}{}".format(*hardware.capability)
+    if not same_kind:
+        return default, f"untuned defaults: no tuned file for {name} nor any {sm} GPU; {tune_hint}"
+    nearest = min(same_kind, key=lambda path: hardware.distance(same_kind[path]))
+    return nearest, (f"no file for {name}: the nearest tuned {sm} GPU's ({nearest.stem}); "
+                     f"{tune_hint}")
+
+
+def config_path() -> Path:
+    """The file in use (see :func:`config_choice`)."""
+    return config_choice()[0]
 
 
 def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
@@ -207,7 +317,8 @@ def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
 
 
 def forget_loaded() -> None:
-    """Forget the loaded files: the next :func:`active_configs` reads them again."""
-    global _active
+    """Forget the loaded files and the choice: the next :func:`active_configs` makes it and
+    reads them again."""
+    global _active, _choice
     with _config_lock:
-        _active = None
+        _active = _choice = None

@@ -1,5 +1,6 @@
 """Whether a kernel takes a call (the predicates every operator asks first), and
-:class:`CustomOp`: one operator of ``torch.ops.gemslib`` with its eager autograd Function."""
+:class:`CustomOp`: one operator of ``torch.ops.gemslib`` with its eager autograd Function and
+its ``graph`` overload, the form compiled graphs launch it in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from gemslib.runtime import env
+from gemslib.runtime import env, native
+from gemslib.runtime.plans import CallPlans, native_replay_allowed
 from gemslib.runtime.recording import recordable
 
 
@@ -79,6 +81,10 @@ class CustomOp:
     Unless ``differentiable_backward`` (the backward is built from differentiable calls), an
     eager backward with ``create_graph=True`` raises instead of giving second derivatives that
     silently miss this operation.
+
+    Each operator also has the overload ``torch.ops.gemslib.<name>.graph`` (see
+    :func:`define_graph_overload`): the same computation without autograd, planned per
+    signature and replayed in C++, which gemslib's graph passes put in compiled graphs.
     """
 
     def __init__(self, name: str, impl: Callable, fake: Callable, *,
@@ -90,6 +96,8 @@ class CustomOp:
                                           recordable(name, impl, bool(mutates_args)),
                                           mutates_args=mutates_args)
         self.op.register_fake(fake)
+        self.graph_op = define_graph_overload(name, recordable(name, impl, bool(mutates_args)),
+                                              fake, mutates_args=mutates_args)
         self.eager_function: type[torch.autograd.Function] | None = None
         if backward is None:
             return
@@ -148,3 +156,54 @@ def _eager_function(name: str, forward: Callable, setup_context: Callable, backw
 
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward_and_setup), "backward": staticmethod(backward)})
+
+
+# --------------------------------------------------------------------------------------------
+# The graph overload: what a compiled graph calls
+# --------------------------------------------------------------------------------------------
+
+GRAPH_OVERLOAD = "graph"
+_graph_library: torch.library.Library | None = None
+_native_registrations: dict[str, object] = {}  # "gemslib::<name>.graph" -> its replay kernel
+
+
+def define_graph_overload(name: str, run: Callable, fake: Callable, *,
+                          mutates_args: Sequence[str] = ()) -> torch._ops.OpOverload:
+    """Define ``gemslib::<name>.graph``, ``run`` (tensors in, tensors out) as a compiled graph
+    calls it, and return it.
+
+    Inductor's generated code calls each custom op of a graph through the dispatcher, once per
+    run of the graph; what that call costs on the host is paid at every step that is not
+    replayed from a CUDA graph. The default overload pays for its autograd kernel (Python,
+    even under no_grad) and for ``run``'s own checks and choices; this overload has no
+    autograd (gemslib's passes run after autograd has been split off, so nothing of a graph
+    needs it) and its calls are planned per signature (:class:`CallPlans`, after autograd):
+    from the third call of a signature on, a call is its allocations and launches, and for a
+    functional operator, where :mod:`.native` is on, it is replayed by a C++ kernel registered
+    after autograd without entering Python at all. Calls a plan cannot serve (lists of
+    tensors, a torch fallback, a recording tuner) run ``run`` itself."""
+    global _graph_library
+    if _graph_library is None:
+        _graph_library = torch.library.Library("gemslib", "FRAGMENT")
+    schema = torch.library.infer_schema(run, mutates_args=mutates_args)
+    _graph_library.define(f"{name}.{GRAPH_OVERLOAD}{schema}")
+    qualified = f"gemslib::{name}.{GRAPH_OVERLOAD}"
+    plans = CallPlans(qualified, below_autograd=True)
+    replayed_natively = not mutates_args  # the C++ kernel bumps no version counters
+
+    def kernel(*args):
+        key, planned = plans.replayed(*args)
+        if planned is not None:
+            return planned
+        result = plans.plan(key, args, lambda: run(*args))
+        if replayed_natively and key is not None and qualified not in _native_registrations:
+            table = plans.native_table()
+            _native_registrations[qualified] = None if table is None else \
+                native.module().register_replay(qualified, table, native_replay_allowed)
+        return result
+
+    kernel.__name__ = f"gemslib_{name}_{GRAPH_OVERLOAD}"
+    _graph_library.impl(f"{name}.{GRAPH_OVERLOAD}", kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualified, fake, lib=_graph_library)
+    namespace = torch.ops.gemslib
+    return getattr(getattr(namespace, name), GRAPH_OVERLOAD)

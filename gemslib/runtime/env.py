@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,15 @@ def env_flag(name: str, default: bool = False) -> bool:
 # Triton decides at decoration time whether @triton.jit builds interpreted functions, so the
 # mode is frozen when gemslib is imported, exactly like the kernels themselves.
 INTERPRETER: bool = env_flag("TRITON_INTERPRET")
+
+
+def cache_dir() -> Path:
+    """gemslib's own cache on this machine (the built native module, GPU files tuned here):
+    ``$GEMSLIB_CACHE_DIR``, or ``$XDG_CACHE_HOME/gemslib`` (default ``~/.cache/gemslib``)."""
+    explicit = os.environ.get("GEMSLIB_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gemslib"
 
 
 def device_type() -> str:
@@ -82,6 +92,9 @@ DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straig
                            "compiled kernel, past Triton's argument binding")
 NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ "
                            "(gemslib.runtime.native), not by their generated Python")
+GRAPH_OVERLOADS = KernelPath("every operator", "compiled graphs call the operators' graph "
+                             "overloads (no autograd, planned), not their default ones")
+GRAPH_OVERLOADS._switched_off = int(not env_flag("GEMSLIB_GRAPH_OVERLOADS", default=True))
 # Programmatic dependent launch (sm_90 and later): a kernel built for it (TunedKernel's
 # ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
 # and waits in griddepcontrol.wait before touching memory, which hides the gap between small

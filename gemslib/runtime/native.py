@@ -47,12 +47,7 @@ _lock = threading.Lock()
 _state: dict = {}  # "module": the loaded module or None, "error": why it is not there
 
 
-def cache_dir() -> Path:
-    """Where built modules are kept (``GEMSLIB_CACHE_DIR``, or ``~/.cache/gemslib``)."""
-    explicit = os.environ.get("GEMSLIB_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gemslib"
+cache_dir = env.cache_dir  # where built modules are kept
 
 
 def _cuda_header_dir() -> Path | None:

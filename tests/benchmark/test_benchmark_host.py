@@ -74,3 +74,19 @@ def test_every_case_is_a_valid_call_of_its_way():
             assert DEVICE != "cuda", name
         with host._scope("enable")():
             ways["enable"]()
+
+
+def test_a_launch_in_a_compiled_graph_is_the_stack_less_its_projections(monkeypatch):
+    """The compiled-graph table compiles each stack with and without the form per way, takes
+    the difference per layer as the form's launch, fuses the form under gemslib, and sets each
+    way against inductor's (the times mean nothing on the CPU)."""
+    monkeypatch.setattr(host, "GRAPH_LAYERS", 1)
+    results = host.run_graphs(calls=2, device=torch.device("cpu"), warmup=1,
+                              forms=("rms_norm",), ways=("inductor", "gemslib"))
+    row = results["rms_norm"]
+    for way in ("inductor", "gemslib"):
+        assert row[way]["per_launch"] == row[way]["stack"] - row[way]["projections"]
+    assert row["gemslib"]["fusions"] == {"rms_norm": 1} and row["inductor"]["fusions"] == {}
+    assert row["gemslib"]["ratio"] == row["gemslib"]["per_launch"] / row["inductor"]["per_launch"]
+    markdown = host.format_graph_markdown(results)
+    assert "| rms_norm | " in markdown and "| - | - |" in markdown  # ways not run: dashes

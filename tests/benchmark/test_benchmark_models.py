@@ -199,6 +199,25 @@ def test_every_process_builds_the_same_model():
     assert torch.equal(ids, realmodels.input_ids(spec, 2, 8, "cpu"))
 
 
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_every_model_of_the_table_builds_its_family(name):
+    """Each entry's config is its family's (its transformers classes, its head dim), and its
+    tiny form builds and runs a forward."""
+    import transformers
+
+    spec = models.MODELS[name]
+    config = models.hf_config(spec)
+    config_class, model_class, _ = models.FAMILIES[spec.family]
+    assert type(config) is getattr(transformers, config_class)
+    assert config.hidden_size // config.num_attention_heads == spec.head_dim or \
+        config.head_dim == spec.head_dim
+    tiny = models.build_model(realmodels.model_spec(name, tiny=True), "cpu", torch.float32)
+    assert type(tiny) is getattr(transformers, model_class)
+    with torch.no_grad():
+        logits = tiny(realmodels.input_ids(spec.tiny(), 1, 5, "cpu")).logits
+    assert logits.shape == (1, 5, spec.tiny().vocab) and torch.isfinite(logits).all()
+
+
 def test_the_floor_counts_llama_3_8b_s_matmuls_and_attention():
     spec = models.MODELS["llama3-8b"]
     per_layer = 2 * 4096 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 14336)

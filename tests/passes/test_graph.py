@@ -246,7 +246,7 @@ def test_the_merged_projection_feeds_rotary_and_attention_without_copies():
     with torch.no_grad():
         _, (code, *_) = run_and_get_code(torch.compile(model, backend="gemslib", fullgraph=True),
                                          ids)
-    calls = {op: next(line for line in code.splitlines() if f"gemslib.{op}.default(" in line)
+    calls = {op: next(line for line in code.splitlines() if f"gemslib.{op}.graph(" in line)
              for op in ("merged_linear", "rotary", "attention")}
     width = 64 + 2 * 32  # q, then k and v of two 16-wide heads
     row_views = re.findall(r"reinterpret_tensor\((buf\d+), \([\d, ]+\), \((\d+), (\d+), (\d+), 1\)",
@@ -257,6 +257,32 @@ def test_the_merged_projection_feeds_rotary_and_attention_without_copies():
     value = re.findall(r"reinterpret_tensor\((buf\d+), \(1, 2, 16, 16\), \((\d+), 16, (\d+), 1\), 96\)",
                        calls["attention"])
     assert value and int(value[0][2]) == width, calls["attention"]  # v, head-major view
+
+
+@pytest.mark.parametrize("overloads_on", [True, False])
+def test_a_compiled_graph_calls_every_gemslib_op_through_its_graph_overload(overloads_on):
+    """Every gemslib op of the compiled model (the passes' and the model's own calls alike) is
+    called through its ``graph`` overload (no autograd kernel, planned calls replayed natively);
+    with ``runtime.GRAPH_OVERLOADS`` switched off, through its default one. Either way the
+    logits are the eager model's."""
+    from contextlib import nullcontext
+
+    from torch._inductor.utils import run_and_get_code
+
+    from gemslib import runtime
+
+    torch._dynamo.reset()
+    model = _tiny_llama(torch.float32, layers=1)
+    ids = torch.randint(0, 96, (1, 16), device=DEVICE)
+    scope = nullcontext() if overloads_on else runtime.GRAPH_OVERLOADS.switched_off()
+    with torch.no_grad(), scope:
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits, (code, *_) = run_and_get_code(compiled, ids)
+        expected = model(ids).logits
+    torch.testing.assert_close(logits.logits, expected, atol=1e-4, rtol=1e-4)
+    calls = re.findall(r"torch\.ops\.gemslib\.(\w+)\.(\w+)\(", code)
+    assert {op for op, _ in calls} >= {"merged_linear", "rotary", "attention", "rms_norm_forward"}
+    assert {overload for _, overload in calls} == {"graph" if overloads_on else "default"}, calls
 
 
 @pytest.mark.parametrize("options, padding", [(None, False), ({"shape_padding": True}, True)])

@@ -64,12 +64,14 @@ def test_shipped_configs_cover_every_kernel_with_matching_tunables(filename):
 
 
 def test_config_file_follows_the_device_name():
-    path = runtime.config_path()
+    path, why = runtime.config_choice()
+    own = runtime.shipped_configs_dir() / f"{runtime.device_name()}.yaml"
     if runtime.INTERPRETER:
         assert path.name == "default.yaml"
-    else:
-        own = runtime.shipped_configs_dir() / f"{runtime.device_name()}.yaml"
-        assert path == (own if own.is_file() else runtime.shipped_configs_dir() / "default.yaml")
+    elif own.is_file() and not (runtime.user_configs_dir() / own.name).is_file():
+        assert path == own
+    else:  # tuned here, the nearest of its architecture, or the defaults: said which
+        assert "tuned on this machine" in why or "python -m gemslib.tune --user" in why
 
 
 def test_environment_variable_selects_the_file_and_buckets_apply(config_file):
@@ -609,6 +611,28 @@ def test_an_override_plans_its_calls_below_autograd(off_the_interpreter):
     assert op.own_paths == 2 and len(op.fake.direct) == 3
     assert op.fake.direct[-1][1][0] == outs[-1].data_ptr()
     assert activation.calls["aten::test_runtime_fake"] == 4
+
+
+def test_a_graph_overload_plans_its_calls_below_autograd(off_the_interpreter):
+    """An operator's ``graph`` overload (what compiled graphs call) has no autograd kernel and
+    plans its calls through the dispatcher like an override: from the third call of a
+    signature on, a call is its allocation and its launch, with the new call's pointers."""
+    from gemslib.runtime.custom_op import define_graph_overload
+
+    op = _PlannedOp("graph_overload")
+
+    def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+        return op._own_path(x, factor)
+
+    overload = define_graph_overload("test_runtime_graph_probe", scaled,
+                                     lambda x, factor: torch.empty_like(x))
+    assert overload._schema.overload_name == "graph"
+    xs = [torch.randn(32, requires_grad=True) for _ in range(4)]
+    outs = [overload(x, 2.0) for x in xs]
+    assert op.own_paths == 2 and len(op.fake.direct) == 3
+    assert op.fake.direct[-1][1][:1] == (outs[-1].data_ptr(),)
+    overload(torch.randn(48), 2.0)  # another signature: its own path again
+    assert op.own_paths == 3
 
 
 def test_repeated_calls_of_every_planned_operator_stay_right():
