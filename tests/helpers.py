@@ -1,5 +1,7 @@
 """What the tests share: the device they run on, the dtypes, fresh random inputs, poisoned
-outputs, the repository's root, the check that a module compiled with the backend is eager's. Imported as ``helpers`` (pytest puts ``tests/`` on the path);
+outputs, the repository's root, the check that a module compiled with the backend is eager's,
+opcheck of both overloads of an operator. Imported as ``helpers`` (pytest puts ``tests/`` on
+the path);
 the conftest has already chosen the interpreter or the GPU by the time a test imports it."""
 
 from pathlib import Path
@@ -23,6 +25,18 @@ def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
 def poisoned(shape, dtype, device=DEVICE):
     """An output buffer full of NaN, so an element the kernel does not write shows up."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def opcheck_overloads(op: torch._ops.OpOverloadPacket, args, **kwargs) -> None:
+    """``torch.library.opcheck`` of the operator's default overload (autograd included) and
+    of its ``graph`` overload, which has no autograd: schema, fake tensors and AOT dispatch on
+    the arguments detached."""
+    torch.library.opcheck(op.default, args, **kwargs)
+    detached = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, args)
+    wanted = kwargs.pop("test_utils", ("test_schema", "test_faketensor",
+                                       "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(op.graph, detached, test_utils=tuple(
+        test for test in wanted if test != "test_autograd_registration"), **kwargs)
 
 
 def assert_device_side_assert(script: str, message: str) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import gemslib
-from helpers import ON_GPU, random_tensor
+from helpers import ON_GPU, random_tensor, opcheck_overloads
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference, tolerance
 from gemslib.fused import attention as attention_ops
@@ -612,12 +612,12 @@ def test_sdpa_backward_overrides_return_torchs_gradient_layouts(backend, dtype, 
 def test_custom_ops_pass_opcheck():
     q = random_tensor((1, 4, 9, 16), torch.float32)
     k = random_tensor((1, 2, 11, 16), torch.float32)
-    torch.library.opcheck(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    opcheck_overloads(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
     grad_q = q.detach().clone().requires_grad_()
-    torch.library.opcheck(torch.ops.gemslib.attention, (grad_q, k, k, False, 0.25))
+    opcheck_overloads(torch.ops.gemslib.attention, (grad_q, k, k, False, 0.25))
     out, lse = attention_ops._attention_impl(q, k, k, True, 0.25)
-    torch.library.opcheck(torch.ops.gemslib.attention_backward,
-                          (torch.randn_like(out), q, k, k, out, lse, None, True, 0.25))
+    opcheck_overloads(torch.ops.gemslib.attention_backward,
+                      (torch.randn_like(out), q, k, k, out, lse, None, True, 0.25))
 
 
 def test_traces_under_torch_compile_fullgraph():

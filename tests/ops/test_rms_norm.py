@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gemslib
-from helpers import DEVICE, DTYPES, ON_GPU, random_tensor
+from helpers import DEVICE, DTYPES, ON_GPU, random_tensor, opcheck_overloads
 from gemslib import registry
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rms_norm as rms_ops
@@ -302,21 +302,21 @@ def test_float64_and_mixed_dtypes_fall_back_to_torch():
 def test_custom_ops_pass_opcheck(with_weight):
     x = random_tensor((4, 3, 40), torch.float32).requires_grad_()
     weight = random_tensor((40,), torch.float32).requires_grad_() if with_weight else None
-    torch.library.opcheck(torch.ops.gemslib.rms_norm_forward, (x, weight, 1e-5))
+    opcheck_overloads(torch.ops.gemslib.rms_norm_forward, (x, weight, 1e-5))
     residual = random_tensor((4, 3, 40), torch.float32).requires_grad_()
-    torch.library.opcheck(torch.ops.gemslib.add_rms_norm, (x, residual, weight, 1e-6))
+    opcheck_overloads(torch.ops.gemslib.add_rms_norm, (x, residual, weight, 1e-6))
     out, rstd = torch.ops.gemslib.rms_norm_forward(x.detach(), weight.detach() if with_weight else None, 1e-5)
     grad = random_tensor((4, 3, 40), torch.float32)
-    torch.library.opcheck(torch.ops.gemslib.rms_norm_backward,
-                          (grad, x.detach(), weight.detach() if with_weight else None, rstd))
+    opcheck_overloads(torch.ops.gemslib.rms_norm_backward,
+                      (grad, x.detach(), weight.detach() if with_weight else None, rstd))
     # the graph passes' forms with eps a graph input (a 0-d CPU tensor): forward only
     eps = torch.tensor(1e-5, dtype=torch.float64)
     x, residual = x.detach(), residual.detach()
     weight = weight.detach() if with_weight else None
-    torch.library.opcheck(torch.ops.gemslib.rms_norm_eps_input, (x, weight, eps),
-                          test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.gemslib.add_rms_norm_eps_input, (x, residual, weight, eps),
-                          test_utils=("test_schema", "test_faketensor"))
+    opcheck_overloads(torch.ops.gemslib.rms_norm_eps_input, (x, weight, eps),
+                      test_utils=("test_schema", "test_faketensor"))
+    opcheck_overloads(torch.ops.gemslib.add_rms_norm_eps_input, (x, residual, weight, eps),
+                      test_utils=("test_schema", "test_faketensor"))
     expected = torch.ops.gemslib.rms_norm_forward(x, weight, 1e-5)[0]
     assert torch.equal(torch.ops.gemslib.rms_norm_eps_input(x, weight, eps), expected)
 

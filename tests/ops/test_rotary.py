@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import gemslib
-from helpers import DEVICE, DTYPES, ON_GPU, assert_device_side_assert, random_tensor
+from helpers import (DEVICE, DTYPES, ON_GPU, assert_device_side_assert, opcheck_overloads,
+                     random_tensor)
 from gemslib import runtime
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rotary as rotary_ops
@@ -137,9 +138,9 @@ def test_custom_op_passes_opcheck():
     # reference are the tests' above)
     q, k, cos, sin, positions = _inputs((2, 2, 4, 16), 2, 6, "batch", torch.float32)
     for interleaved in (False, True):
-        torch.library.opcheck(torch.ops.gemslib.rotary,
-                              (q.requires_grad_(), k.requires_grad_(), cos, sin, positions,
-                               interleaved, False))
+        opcheck_overloads(torch.ops.gemslib.rotary,
+                          (q.requires_grad_(), k.requires_grad_(), cos, sin, positions,
+                           interleaved, False))
 
 
 def test_traces_under_torch_compile_fullgraph():
@@ -390,9 +391,9 @@ def test_full_table_custom_op_passes_opcheck():
     for table_batch in ("B", 1):
         q, k, cos, sin = _full_table_inputs((2, 2, 4, 16), 2, 12, table_batch, torch.float32)
         for interleaved in (False, True):
-            torch.library.opcheck(torch.ops.gemslib.rotary,
-                                  (q.requires_grad_(), k.requires_grad_(), cos, sin, None,
-                                   interleaved, False))
+            opcheck_overloads(torch.ops.gemslib.rotary,
+                              (q.requires_grad_(), k.requires_grad_(), cos, sin, None,
+                               interleaved, False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,8 +474,8 @@ def test_rotary_into_cache_passes_opcheck():
     for interleaved in (False, True):
         args = _cache_inputs(2, 2, 4, 2, 16, 16, 5, "B", torch.float32)
         q, k, v, cos, sin, positions, k_cache, v_cache = args
-        torch.library.opcheck(torch.ops.gemslib.rotary_into_cache,
-                              (q, k, v, cos, sin, interleaved, positions, k_cache, v_cache))
+        opcheck_overloads(torch.ops.gemslib.rotary_into_cache,
+                          (q, k, v, cos, sin, interleaved, positions, k_cache, v_cache))
 
 
 def test_rotary_into_cache_bad_input_names_the_argument():
