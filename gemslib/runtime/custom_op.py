@@ -165,6 +165,7 @@ def _eager_function(name: str, forward: Callable, setup_context: Callable, backw
 GRAPH_OVERLOAD = "graph"
 _graph_library: torch.library.Library | None = None
 _native_registrations: dict[str, object] = {}  # "gemslib::<name>.graph" -> its replay kernel
+GRAPH_PLANS: dict[str, CallPlans] = {}  # "gemslib::<name>.graph" -> its calls' plans
 
 
 def define_graph_overload(name: str, run: Callable, fake: Callable, *,
@@ -188,19 +189,20 @@ def define_graph_overload(name: str, run: Callable, fake: Callable, *,
     schema = torch.library.infer_schema(run, mutates_args=mutates_args)
     _graph_library.define(f"{name}.{GRAPH_OVERLOAD}{schema}")
     qualified = f"gemslib::{name}.{GRAPH_OVERLOAD}"
-    plans = CallPlans(qualified, below_autograd=True)
+    plans = GRAPH_PLANS[qualified] = CallPlans(qualified, below_autograd=True)
     replayed_natively = not mutates_args  # the C++ kernel bumps no version counters
 
     def kernel(*args):
         key, planned = plans.replayed(*args)
         if planned is not None:
             return planned
-        result = plans.plan(key, args, lambda: run(*args))
         if replayed_natively and key is not None and qualified not in _native_registrations:
+            # before the call that plans: its plan is then kept under the key the C++ kernel
+            # makes from the dispatcher's stack
             table = plans.native_table()
             _native_registrations[qualified] = None if table is None else \
                 native.module().register_replay(qualified, table, native_replay_allowed)
-        return result
+        return plans.plan(key, args, lambda: run(*args))
 
     kernel.__name__ = f"gemslib_{name}_{GRAPH_OVERLOAD}"
     _graph_library.impl(f"{name}.{GRAPH_OVERLOAD}", kernel, "CompositeExplicitAutograd")

@@ -193,6 +193,45 @@ def test_repeated_calls_replay_natively_where_the_native_path_is_on():
         assert registry._override_plans[aten]._native.replays >= 2, aten
 
 
+def test_a_compiled_graph_s_calls_replay_natively_and_stay_right():
+    """The gemslib ops of a compiled graph (its graph overloads) plan their calls and, on a
+    GPU, replay them from the kernel after autograd, each run giving its own input's result;
+    in the interpreter they are not planned (nothing to replay) and compute the same."""
+    from gemslib.runtime.custom_op import GRAPH_PLANS
+
+    torch._dynamo.reset()
+    f16 = torch.float16
+    weight = random_tensor((256,), f16)
+
+    def norm_and_gate(x, residual):
+        total = residual + x
+        h = total.float()
+        normed = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(f16)
+        gate, up = torch.cat([normed, x], -1).chunk(2, -1)
+        return F.silu(gate) * up, normed, total
+
+    compiled = torch.compile(norm_and_gate, backend="gemslib")
+    gemslib.reset_fusion_report()
+    plans = GRAPH_PLANS["gemslib::add_rms_norm.graph"]
+    replays = plans._native.replays if plans._native is not None else 0
+    with torch.no_grad():
+        for _ in range(5):
+            x, residual = random_tensor((1, 5, 256), f16), random_tensor((1, 5, 256), f16)
+            out, normed, total = compiled(x, residual)
+            expected_normed, expected_total = rms_norm_ops.add_rms_norm_reference(
+                x.double(), residual.double(), weight.double(), 1e-5)
+            assert_close_to_reference(total, expected_total, f16)
+            assert_close_to_reference(normed, expected_normed, f16, 256)
+            assert_close_to_reference(out, silu_ops.silu_reference(normed.double()) * x.double(),
+                                      f16)
+    assert gemslib.fusion_report() == {"add_rms_norm": 1, "silu_and_mul": 1}
+    if ON_GPU:
+        assert plans._native.replays - replays >= 2
+        assert GRAPH_PLANS["gemslib::silu_and_mul.graph"]._native.replays >= 2
+    else:
+        assert runtime.call_plan_counts().get("gemslib::add_rms_norm.graph") is None
+
+
 def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_passed_on(built):
     """register_replay's kernel keys a call from the dispatcher's stack: one it has no plan for
     goes on to the backend's kernel, and a plan that kernel keeps (Table.add) is kept under
