@@ -462,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where host.json and host.md go (default: benchmark/results)")
     parser.add_argument("--graphs-only", action="store_true",
                         help="only the compiled-graph table (one launch inside a graph)")
+    parser.add_argument("--graph-ways", nargs="+", choices=GRAPH_WAYS, default=list(GRAPH_WAYS),
+                        metavar="WAY", help=f"the compiled-graph table's ways, of "
+                                            f"{', '.join(GRAPH_WAYS)} (default: all)")
     args = parser.parse_args(argv)
     import torch
 
@@ -475,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__}; "
               f"{args.calls} calls per figure; microseconds of host time per call; "
               f"native replay {native.status()}.")
-    graphs = run_graphs(args.calls, device)
+    graphs = run_graphs(args.calls, device, ways=args.graph_ways)
     results, floor = {}, {}
     if not args.graphs_only:
         results = run(args.calls, device)
