@@ -491,7 +491,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "graphs": graphs, "floor": floor}, indent=1))
     markdown = format_markdown(results, header) + "\nsilu 16x4096, piece by piece (us): " + \
         ", ".join(f"{name} {value:.1f}" if isinstance(value, float) else f"{name}: {value}"
-                  for name, value in floor.items()) + "\n\n" + format_graph_markdown(graphs)
+                  for name, value in floor.items()) + "\n\n" if results else \
+        f"# Host cost per launch inside compiled graphs\n\n{header}\n\n"
+    markdown += format_graph_markdown(graphs)
     (args.out / "host.md").write_text(markdown)
     print(markdown)
     return 0
