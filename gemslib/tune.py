@@ -126,6 +126,10 @@ def render_yaml(results: list[tune_search.BucketResult], kept: runtime.TuneConfi
                 lines.append(f"    {kernel}:")
                 for bucket in buckets:
                     lines += tune_search.bucket_lines(bucket)
+    if kept is not None:  # the verdicts (python -m gemslib.tune --verdicts) stay
+        from gemslib.tune_verdicts import render_verdicts
+
+        lines += render_verdicts(kept.verdicts)
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                "written), or an operator could not be tuned (reported); 2 bad arguments")
     parser.add_argument("--ops", nargs="+", help="operators to tune (default: all)")
     parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
+    parser.add_argument("--verdicts", action="store_true",
+                        help="instead: time each fusion of the graph passes against inductor's "
+                             "path at the models' widths and write where each is used (the "
+                             "file in use's configs kept)")
     parser.add_argument("--user", action="store_true",
                         help="write <device>.yaml into gemslib's cache on this machine "
                              "($GEMSLIB_CACHE_DIR/tune_configs), where gemslib picks it up")
@@ -249,6 +257,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.user and args.out is not None:
         parser.error("--user and --out: --user writes into gemslib's cache, --out elsewhere")
+    if args.verdicts:
+        if args.ops or args.model is not None:
+            parser.error("--verdicts times the fusions: without --ops or --model")
+        if not gpu_available():
+            print("python -m gemslib.tune: needs a CUDA GPU and there is no CUDA GPU here; "
+                  "nothing was written.", file=sys.stderr)
+            return NO_GPU_EXIT
+        from gemslib import tune_verdicts
+
+        name = runtime.device_name()
+        out = runtime.user_configs_dir() / f"{name}.yaml" if args.user else \
+            args.out or Path(f"{name}.yaml")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return tune_verdicts.main(out, args.quick)
     if args.model is not None:
         if args.ops:
             parser.error("--ops and --model: --model tunes the kernels the model launches")

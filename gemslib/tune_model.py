@@ -150,6 +150,9 @@ def render_yaml(results: list[tune_search.BucketResult], device: str, tuned: dic
                     lines.append(f"      - max: {tune_search.bound_flow(result.bucket.max)}")
                     lines.append(f"        config: {tune_search.config_flow(best.config)}{note}")
                 lines += tune_search.bucket_lines(bucket)
+    from gemslib.tune_verdicts import render_verdicts
+
+    lines += render_verdicts(runtime.active_configs()[0].verdicts)  # they stay
     return "\n".join(lines) + "\n"
 
 

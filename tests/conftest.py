@@ -11,6 +11,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import textwrap
 
 # inductor's caches in a folder of this session's own: a graph cached by older code (the
 # passes' uuid is a hash of the source, but not of everything a test may patch) never serves
@@ -57,3 +58,19 @@ def _fresh_state():
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    """Write a YAML document, point GEMSLIB_TUNE_CONFIG at it, and reload; undone afterwards."""
+
+    def write(text: str):
+        path = tmp_path / "custom.yaml"
+        path.write_text(textwrap.dedent(text))
+        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        runtime.reload_configs()
+        return path
+
+    yield write
+    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
+    runtime.reload_configs()

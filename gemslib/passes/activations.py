@@ -9,7 +9,7 @@ import torch
 
 from gemslib import runtime
 from gemslib.ops import silu as _silu_ops  # noqa: F401  (defines torch.ops.gemslib.silu_and_mul)
-from gemslib.passes.base import GraphRewrite
+from gemslib.passes.base import GraphRewrite, verdict_allows
 from gemslib.passes.forms import call_node, silu_source, slice_bounds
 
 _aten = torch.ops.aten
@@ -83,7 +83,8 @@ def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
                 continue
             whole, start, end = gate[0], gate[1], up[2]
             if whole.meta["val"].dtype not in runtime.KERNEL_DTYPES or \
-                    mul.meta["val"].dtype != whole.meta["val"].dtype:
+                    mul.meta["val"].dtype != whole.meta["val"].dtype or \
+                    not verdict_allows("silu_and_mul", mul.meta["val"]):
                 continue
             with graph.inserting_before(mul):
                 if (start, end) != (0, whole.meta["val"].shape[-1]):

@@ -59,6 +59,29 @@ class GraphRewrite:
     after_patterns: bool = False
 
 
+def rows_and_cols(value: Any) -> dict[str, int] | None:
+    """``{"rows": .., "cols": ..}`` of a (FakeTensor) value whose sizes are all static: the
+    last dim, and the product of the others. None for symbolic sizes or a 0-d value."""
+    shape = getattr(value, "shape", None)
+    if not shape or not all(isinstance(size, int) for size in shape):
+        return None
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return {"rows": rows, "cols": shape[-1]}
+
+
+def verdict_allows(fusion: str, value: Any) -> bool:
+    """Whether the tune config in use lets ``fusion`` replace a site whose main input is
+    ``value`` (a FakeTensor): its ``verdicts`` say which path the tuner measured faster per
+    rows-and-columns bucket (``python -m gemslib.tune --verdicts``). Symbolic sizes, and
+    fusions without verdicts, keep gemslib's path."""
+    from gemslib import runtime
+
+    shape = rows_and_cols(value)
+    return shape is None or runtime.fusion_verdict(fusion, shape) == "gemslib"
+
+
 @dataclass
 class CompileRecord:
     """One backend compile: ``inputs`` are the real values its graph's placeholders stand for

@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from gemslib.passes.base import CompileRecord, GraphPattern, GraphRewrite, in_flight
+from gemslib.passes.base import (CompileRecord, GraphPattern, GraphRewrite, in_flight,
+                                 verdict_allows)
 
 log = logging.getLogger("gemslib.passes")
 
@@ -126,12 +127,26 @@ def _counted(pattern: GraphPattern) -> Callable[[Any], bool]:
         except Exception as err:  # a site the check cannot read is not proven equal
             log.debug("gemslib %s: check failed on %s: %s", pattern.fusion, match.nodes[-1], err)
             accepted = False
+        if accepted and not verdict_allows(pattern.fusion, _main_input(match)):
+            log.debug("gemslib %s: left to inductor, faster there at %s (the tune config's "
+                      "verdict)", pattern.fusion, match.nodes[-1])
+            accepted = False
         if accepted:
             count(pattern.fusion)
             log.debug("gemslib %s: replacing %s", pattern.fusion,
                       ", ".join(node.name for node in match.nodes))
         return accepted
     return check
+
+
+def _main_input(match) -> Any:
+    """The value a matched site's shape is read from: its ``x`` (the norms), else its first
+    tensor input (rotary's q)."""
+    nodes = [match.kwargs["x"]] if "x" in match.kwargs else list(match.kwargs.values())
+    for node in nodes:
+        if isinstance(node, torch.fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
+            return node.meta["val"]
+    return None
 
 
 @functools.cache

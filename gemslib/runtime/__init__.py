@@ -25,7 +25,9 @@ This file re-exports what operator files, the registry, the tuner and tests use 
 from gemslib.runtime.configs import (CONFIG_ENV, SCHEMA_VERSION, Bucket, Hardware,
                                      LaunchConfig, TuneConfigError, TuneConfigFile,
                                      active_configs, config_choice, config_path,
-                                     current_hardware, load_tune_config, parse_launch_config,
+                                     current_hardware, fusion_verdict, ignoring_verdicts,
+                                     load_tune_config,
+                                     parse_launch_config,
                                      parse_tune_config, shipped_configs_dir, user_configs_dir,
                                      within)
 from gemslib.runtime.cuda import (captured, cdiv, current_stream_handle, device_name,
@@ -46,6 +48,7 @@ from gemslib.runtime.tuned import KERNELS, TunedKernel, reload_configs
 __all__ = [
     "CONFIG_ENV", "SCHEMA_VERSION", "Bucket", "Hardware", "LaunchConfig", "TuneConfigError",
     "TuneConfigFile", "active_configs", "config_choice", "config_path", "current_hardware",
+    "fusion_verdict", "ignoring_verdicts",
     "load_tune_config", "parse_launch_config", "parse_tune_config", "shipped_configs_dir",
     "user_configs_dir", "within",
     "captured", "cdiv", "current_stream_handle", "device_name", "multiprocessor_count",

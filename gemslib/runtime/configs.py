@@ -7,6 +7,8 @@ the key."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -73,6 +75,40 @@ class TuneConfigFile:
     path: Path
     device: str
     ops: Mapping[str, Mapping[str, tuple[Bucket, ...]]]
+    # fusion -> ((max or None, "gemslib" or "inductor"), ...): which path was measured faster
+    verdicts: Mapping[str, tuple[tuple[Mapping[str, int] | None, str], ...]] = \
+        dataclasses.field(default_factory=dict)
+
+
+VERDICT_PATHS = ("gemslib", "inductor")
+
+
+def _parse_verdicts(path: Path, raw: Any) -> dict[str, tuple]:
+    """``verdicts: {fusion: [{max: {rows: .., cols: ..}, use: gemslib|inductor}, ...]}``: per
+    fusion of the graph passes, buckets tried in order like a kernel's, the last without max."""
+    if not isinstance(raw, dict):
+        raise _fail(path, "verdicts", f"expected a mapping of fusions, got {raw!r}")
+    verdicts = {}
+    for fusion, buckets in raw.items():
+        where = f"verdicts.{fusion}"
+        if not isinstance(buckets, list) or not buckets:
+            raise _fail(path, where, "expected a non-empty list of buckets")
+        parsed = []
+        for i, bucket in enumerate(buckets):
+            here = f"{where}[{i}]"
+            if not isinstance(bucket, dict) or set(bucket) - {"max", "use"} or "use" not in bucket:
+                raise _fail(path, here, f"expected {{max: {{...}}, use: gemslib|inductor}}, "
+                                        f"got {bucket!r}")
+            if bucket["use"] not in VERDICT_PATHS:
+                raise _fail(path, f"{here}.use", f"expected one of {', '.join(VERDICT_PATHS)}, "
+                                                 f"got {bucket['use']!r}")
+            bound = _parse_bound(path, f"{here}.max", bucket["max"]) if "max" in bucket else None
+            parsed.append((bound, bucket["use"]))
+        if parsed[-1][0] is not None:
+            raise _fail(path, f"{where}[{len(parsed) - 1}]",
+                        "the last bucket must have no 'max' so that every shape has a verdict")
+        verdicts[fusion] = tuple(parsed)
+    return verdicts
 
 
 def _fail(path: Path, where: str, message: str) -> TuneConfigError:
@@ -106,6 +142,13 @@ def parse_launch_config(path: Path, where: str, raw: Any) -> LaunchConfig:
                         num_stages=raw.get("num_stages", 1))
 
 
+def _parse_bound(path: Path, where: str, raw: Any) -> dict[str, int]:
+    """A bucket's ``max``: shape key -> bound, each an integer >= 0 (0: a flag off)."""
+    if not isinstance(raw, dict) or not raw:
+        raise _fail(path, where, f"expected a mapping of shape keys, got {raw!r}")
+    return {k: _positive_int(path, f"{where}.{k}", v, minimum=0) for k, v in raw.items()}
+
+
 def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
     if not isinstance(raw, dict):
         raise _fail(path, where, f"expected a mapping with 'config' or 'autotune', got {raw!r}")
@@ -114,12 +157,7 @@ def _parse_bucket(path: Path, where: str, raw: Any) -> Bucket:
         raise _fail(path, where, f"unknown keys {sorted(unknown)} (allowed: max, config, autotune)")
     if ("config" in raw) == ("autotune" in raw):
         raise _fail(path, where, "needs exactly one of 'config' (fixed) or 'autotune' (candidates)")
-    bound = None
-    if "max" in raw:
-        if not isinstance(raw["max"], dict) or not raw["max"]:
-            raise _fail(path, f"{where}.max", f"expected a mapping of shape keys, got {raw['max']!r}")
-        bound = {k: _positive_int(path, f"{where}.max.{k}", v, minimum=0)  # 0: a flag off
-                 for k, v in raw["max"].items()}
+    bound = _parse_bound(path, f"{where}.max", raw["max"]) if "max" in raw else None
     if "config" in raw:
         configs = (parse_launch_config(path, f"{where}.config", raw["config"]),)
     else:
@@ -138,7 +176,7 @@ def parse_tune_config(path: Path, data: Any) -> TuneConfigFile:
     for key in ("schema", "device", "ops"):
         if key not in data:
             raise _fail(path, key, "missing")
-    unknown = set(data) - {"schema", "device", "source", "tuned", "ops"}
+    unknown = set(data) - {"schema", "device", "source", "tuned", "ops", "verdicts"}
     if unknown:
         raise _fail(path, "<top level>", f"unknown keys {sorted(unknown)}")
     if data["schema"] != SCHEMA_VERSION:
@@ -164,7 +202,8 @@ def parse_tune_config(path: Path, data: Any) -> TuneConfigFile:
                 raise _fail(path, f"{where}[{len(parsed) - 1}]",
                             "the last bucket must have no 'max' so that every shape has a config")
             ops[op][kernel] = parsed
-    return TuneConfigFile(path=path, device=data["device"], ops=ops)
+    verdicts = _parse_verdicts(path, data["verdicts"]) if "verdicts" in data else {}
+    return TuneConfigFile(path=path, device=data["device"], ops=ops, verdicts=verdicts)
 
 
 def load_tune_config(path: str | os.PathLike) -> TuneConfigFile:
@@ -314,6 +353,34 @@ def active_configs() -> tuple[TuneConfigFile, TuneConfigFile]:
             default = selected if selected.path == default_path else load_tune_config(default_path)
             _active = (selected, default)
         return _active
+
+
+_verdicts_ignored = 0  # ignoring_verdicts() blocks open
+
+
+@contextlib.contextmanager
+def ignoring_verdicts():
+    """Inside the block every fusion is used wherever it applies (the tuner measuring both
+    paths, whatever the file in use decided)."""
+    global _verdicts_ignored
+    _verdicts_ignored += 1
+    try:
+        yield
+    finally:
+        _verdicts_ignored -= 1
+
+
+def fusion_verdict(fusion: str, shape: Mapping[str, int]) -> str:
+    """``"gemslib"`` or ``"inductor"``: which path the file in use measured faster for
+    ``fusion`` at ``shape`` (its ``verdicts``; gemslib's where the file has none, or inside
+    :func:`ignoring_verdicts`). A bucket bounding a key the shape does not give does not
+    apply."""
+    if _verdicts_ignored:
+        return "gemslib"
+    for bound, use in active_configs()[0].verdicts.get(fusion, ()):
+        if bound is None or (set(bound) <= set(shape) and within(bound, shape)):
+            return use
+    return "gemslib"
 
 
 def forget_loaded() -> None:

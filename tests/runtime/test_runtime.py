@@ -1,6 +1,5 @@
 """Runtime: device naming, config files (shipped and malformed), bucket selection, overrides."""
 
-import textwrap
 from collections import Counter
 
 import pytest
@@ -18,22 +17,6 @@ from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import silu as silu_ops
 from gemslib.runtime import TuneConfigError, cuda, env, plans
 from gemslib.runtime.launch import MapOn
-
-
-@pytest.fixture
-def config_file(tmp_path, monkeypatch):
-    """Write a YAML document, point GEMSLIB_TUNE_CONFIG at it, and reload; undone afterwards."""
-
-    def write(text: str):
-        path = tmp_path / "custom.yaml"
-        path.write_text(textwrap.dedent(text))
-        monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
-        runtime.reload_configs()
-        return path
-
-    yield write
-    monkeypatch.delenv(runtime.CONFIG_ENV, raising=False)
-    runtime.reload_configs()
 
 
 @pytest.mark.parametrize("name,expected", [

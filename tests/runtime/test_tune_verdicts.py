@@ -1,0 +1,110 @@
+"""``python -m gemslib.tune --verdicts``: the timings' verdicts as buckets, the section written
+into the file in use's text and read back, the forms measured through both backends (with a
+made-up timer on the CPU)."""
+
+import pytest
+import torch
+
+from gemslib import runtime, tune_verdicts
+
+
+def test_runs_of_one_verdict_make_one_bucket_per_width():
+    ms = {(2048, 1): (1.0, 2.0), (2048, 16): (1.0, 2.0), (2048, 256): (3.0, 2.0),
+          (2048, 4096): (1.0, 2.0), (4096, 1): (1.0, 1.0), (4096, 4096): (2.05, 2.0)}
+    assert tune_verdicts.verdict_buckets(ms) == [
+        ({"rows": 16, "cols": 2048}, "gemslib"), ({"rows": 256, "cols": 2048}, "inductor"),
+        ({"cols": 2048}, "gemslib"), ({"rows": 1, "cols": 4096}, "gemslib"),
+        (None, "inductor")]
+
+
+def test_a_fusion_faster_everywhere_is_one_bucket():
+    ms = {(cols, rows): (1.0, 1.005) for cols in (896, 4096) for rows in (1, 64)}
+    assert tune_verdicts.verdict_buckets(ms) == [(None, "gemslib")]
+
+
+def test_written_verdicts_read_back_and_replace_the_old_ones(tmp_path):
+    default = (runtime.shipped_configs_dir() / "default.yaml").read_text()
+    first = {"rms_norm": [({"rows": 16, "cols": 2048}, "inductor"), (None, "gemslib")]}
+    path = tmp_path / "gpu.yaml"
+    path.write_text(tune_verdicts.with_verdicts(
+        default, tune_verdicts.render_verdicts(first, {"rms_norm": {(2048, 16): (1e-3, 2e-3)}})))
+    loaded = runtime.load_tune_config(path)
+    assert loaded.verdicts == {"rms_norm": (({"rows": 16, "cols": 2048}, "inductor"),
+                                            (None, "gemslib"))}
+    def configs(file):
+        return {(op, kernel): [(b.max, b.configs) for b in buckets]
+                for op, kernels in file.ops.items() for kernel, buckets in kernels.items()}
+
+    assert configs(loaded) == configs(runtime.load_tune_config(
+        runtime.shipped_configs_dir() / "default.yaml"))
+    second = {"silu_and_mul": [(None, "inductor")]}
+    path.write_text(tune_verdicts.with_verdicts(path.read_text(),
+                                                tune_verdicts.render_verdicts(second)))
+    assert runtime.load_tune_config(path).verdicts == {"silu_and_mul": ((None, "inductor"),)}
+
+
+def test_the_tuner_s_file_keeps_the_verdicts_of_the_file_in_use(config_file):
+    from gemslib import tune
+
+    path = config_file("""
+        schema: 1
+        device: test
+        ops:
+          silu:
+            silu_fwd:
+              - config: {BLOCK: 128, num_warps: 4}
+        verdicts:
+          rms_norm:
+            - max: {rows: 4}
+              use: inductor
+            - use: gemslib
+    """)
+    kept = runtime.load_tune_config(path)
+    text = tune.render_yaml([], kept, "test", {"gpu": "none"}, set())
+    assert "silu_fwd" in text
+    written = path.parent / "written.yaml"
+    written.write_text(text)
+    assert runtime.load_tune_config(written).verdicts == kept.verdicts
+
+
+@pytest.mark.parametrize("fusion", sorted(tune_verdicts.FORMS))
+def test_each_form_is_measured_through_both_backends_with_the_fusion_made(fusion, config_file):
+    """Every form compiles to its one fusion under gemslib, even where the file in use's
+    verdict leaves it to inductor, and each backend's compiled call is what gets timed."""
+    from helpers import DEVICE
+
+    config_file(f"""
+        schema: 1
+        device: test
+        ops: {{}}
+        verdicts:
+          {fusion}:
+            - use: inductor
+    """)
+    timed = []
+
+    def timer(call):
+        timed.append(call())
+        return float(len(timed))
+
+    # fp32: the interpreter's casts to bf16 truncate
+    ours, theirs = tune_verdicts.measure(fusion, 4, 32, timer, DEVICE, torch.float32)
+    assert (ours, theirs) == (1.0, 2.0)
+    first, second = (t if isinstance(t, torch.Tensor) else t[0] for t in timed)
+    torch.testing.assert_close(first, second, atol=1e-5, rtol=1e-5)
+
+
+def test_widths_are_the_models_sizes():
+    from gemslib.models import MODELS
+
+    assert tune_verdicts.widths("hidden") == sorted({s.hidden for s in MODELS.values()})
+    assert 8192 in tune_verdicts.widths("intermediate")
+
+
+@pytest.mark.parametrize("extra", [["--ops", "silu"], ["--model", "llama3-8b"]])
+def test_verdicts_take_neither_operators_nor_a_model(capsys, extra):
+    from gemslib import tune
+
+    with pytest.raises(SystemExit) as stop:
+        tune.main(["--verdicts", *extra])
+    assert stop.value.code == 2 and "--verdicts" in capsys.readouterr().err
