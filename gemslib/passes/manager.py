@@ -402,13 +402,25 @@ def _call_graph_overloads(graph: torch.fx.Graph) -> None:
     rewrites match the default overloads."""
     from gemslib.runtime.custom_op import GRAPH_OVERLOAD
 
+    def graph_overload(target):
+        if isinstance(target, torch._ops.OpOverload) and target.namespace == "gemslib" and \
+                target._overloadname == "default":
+            return getattr(target.overloadpacket, GRAPH_OVERLOAD, None)
+        return None
+
+    functionalized = (torch.ops.higher_order.auto_functionalized,
+                      getattr(torch.ops.higher_order, "auto_functionalized_v2", None))
     for node in graph.nodes:
-        target = node.target
-        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
-                target.namespace == "gemslib" and target._overloadname == "default":
-            overload = getattr(target.overloadpacket, GRAPH_OVERLOAD, None)
+        if node.op != "call_function":
+            continue
+        if node.target in functionalized and node.args:  # a mutating op, not yet reinplaced
+            overload = graph_overload(node.args[0])
             if overload is not None:
-                node.target = overload
+                node.args = (overload, *node.args[1:])
+            continue
+        overload = graph_overload(node.target)
+        if overload is not None:
+            node.target = overload
 
 
 PASSES = GemslibPasses()

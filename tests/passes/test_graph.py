@@ -132,7 +132,7 @@ def test_generate_with_transformers_compile_config():
     assert fusions["merged_linear"] == 4 and fusions["rotary"] == 2 and \
         fusions["silu_and_mul"] == 2 and fusions["add_rms_norm"] == 4 and \
         fusions["attention"] == 2 and fusions["rotary_into_cache"] == 2, fusions
-    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)",
+    on_inputs = re.findall(r"rotary_into_cache\.graph\([^\n]*, (arg\d+_1), (arg\d+_1)\)",
                            "\n".join(codes))
     assert len(on_inputs) == 2 and len({name for pair in on_inputs for name in pair}) == 4
     assert ReinplaceCounters.get_total_missed_bytes() == 0

@@ -237,7 +237,7 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
         torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
     for cache, want in zip(caches, expected_caches):
         torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
-    on_inputs = re.findall(r"rotary_into_cache\.default\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
+    on_inputs = re.findall(r"rotary_into_cache\.graph\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
     assert len(on_inputs) == fused, code
     assert ReinplaceCounters.get_total_missed_bytes() == 0
 
