@@ -181,9 +181,8 @@ def main(out: Path, quick: bool, progress=print) -> int:
         if timings:
             verdicts[fusion], notes[fusion] = verdict_buckets(timings), timings
     in_use = runtime.active_configs()[0]
-    merged = {**in_use.verdicts, **verdicts}
-    text = with_verdicts(in_use.path.read_text(), render_verdicts(
-        {fusion: merged[fusion] for fusion in merged}, notes))
+    text = with_verdicts(in_use.path.read_text(),
+                         render_verdicts({**in_use.verdicts, **verdicts}, notes))
     out.write_text(text)
     runtime.load_tune_config(out)  # what was written must load
     progress(f"wrote {out} (verdicts of {', '.join(verdicts) or 'nothing'}) in "
