@@ -165,6 +165,8 @@ def main(out: Path, quick: bool, progress=print) -> int:
     timer, device = tune_search.do_bench_ms(quick), torch.device(runtime.device_type())
     rows_list = ROWS[::2] if quick else ROWS
     verdicts, notes, failed = {}, {}, 0
+    in_use = runtime.active_configs()[0]
+    in_use_text, kept = in_use.path.read_text(), dict(in_use.verdicts)
     for fusion, (_, _, kind) in FORMS.items():
         timings = {}
         for cols in widths(kind):
@@ -180,11 +182,11 @@ def main(out: Path, quick: bool, progress=print) -> int:
                          f"{theirs * 1e3:.1f} us")
         if timings:
             verdicts[fusion], notes[fusion] = verdict_buckets(timings), timings
-    in_use = runtime.active_configs()[0]
-    text = with_verdicts(in_use.path.read_text(),
-                         render_verdicts({**in_use.verdicts, **verdicts}, notes))
-    out.write_text(text)
-    runtime.load_tune_config(out)  # what was written must load
-    progress(f"wrote {out} (verdicts of {', '.join(verdicts) or 'nothing'}) in "
-             f"{time.perf_counter() - started:.0f} s")
+            # written after each fusion, so a run cut short keeps what it finished
+            out.write_text(with_verdicts(in_use_text,
+                                         render_verdicts({**kept, **verdicts}, notes)))
+            runtime.load_tune_config(out)  # what was written must load
+    progress(f"wrote {out} (verdicts of {', '.join(verdicts)})" if verdicts else
+             f"nothing measured: {out} not written")
+    progress(f"in {time.perf_counter() - started:.0f} s")
     return 1 if failed else 0
