@@ -103,6 +103,7 @@ def render_yaml(results: list[tune_search.BucketResult], kept: runtime.TuneConfi
         by_kernel.setdefault((result.op, result.kernel), []).append(result)
     ops = list(dict.fromkeys([op for op, _ in by_kernel]
                              + [op for op in (kept.ops if kept else {}) if op not in tuned_ops]))
+    kept_blocks, kept_verdicts = tune_search.kept_text(kept) if kept is not None else ({}, [])
     for op in ops:
         lines.append(f"  {op}:")
         if op in tuned_ops:
@@ -120,17 +121,28 @@ def render_yaml(results: list[tune_search.BucketResult], kept: runtime.TuneConfi
                         lines.append(f"        config: {config}{note}")
                     else:
                         lines.append(f"      - config: {config}{note}")
-        else:
-            lines[-1] += f"  # not tuned in this run: the entries of {kept.path.name}"
-            for kernel, buckets in kept.ops[op].items():
-                lines.append(f"    {kernel}:")
-                for bucket in buckets:
-                    lines += tune_search.bucket_lines(bucket)
+        else:  # the kept file's own lines: its comments say where each config came from
+            header, *rest = kept_blocks[op]
+            if "#" not in header:
+                header += f"  # not tuned in this run: the entries of {kept.path.name}"
+            lines[-1:] = [header, *rest]
     if kept is not None:  # the verdicts (python -m gemslib.tune --verdicts) stay
-        from gemslib.tune_verdicts import render_verdicts
-
-        lines += render_verdicts(kept.verdicts)
+        lines += kept_verdicts
     return "\n".join(lines) + "\n"
+
+
+def earlier_tuned_ops(kept: runtime.TuneConfigFile | None, device: str) -> list[str]:
+    """The operators ``kept`` says were tuned, when it is this GPU's own file (a run with
+    ``--ops`` over an earlier run's file keeps what that run tuned): its ``tuned: ops``."""
+    if kept is None or kept.device != device:
+        return []
+    import yaml
+
+    try:
+        recorded = (yaml.safe_load(kept.path.read_text()).get("tuned") or {}).get("ops") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    return [op for op in recorded if isinstance(op, str)]
 
 
 def _compile_candidate(ops: list[str] | None, space_number: int, candidate: int) -> int:
@@ -302,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{tuned['gpu']}, torch {tuned['torch']}, Triton {tuned['triton']}", flush=True)
     timer, device = tune_search.do_bench_ms(args.quick), torch.device(runtime.device_type())
     kept = runtime.active_configs()[0]
+    earlier = earlier_tuned_ops(kept, device_name)
     results, failed = [], {}
     ops = list(dict.fromkeys(op for op, _ in spaces))
     pool = multiprocessing.get_context("spawn").Pool(args.jobs) if args.jobs > 1 else None
@@ -317,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned["seconds"] = round(time.perf_counter() - started)
         tuned["complete"] = number == len(ops) - 1
         done = {o for o in ops[:number + 1] if o not in failed}
-        tuned["ops"] = [o for o in ops if o in done]
+        tuned["ops"] = [o for o in dict.fromkeys(earlier + ops) if o in done or o in earlier]
         out.write_text(render_yaml(results, kept, device_name, tuned, done))
         runtime.load_tune_config(out)  # what was written must load
         if args.timings:

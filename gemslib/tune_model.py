@@ -150,9 +150,7 @@ def render_yaml(results: list[tune_search.BucketResult], device: str, tuned: dic
                     lines.append(f"      - max: {tune_search.bound_flow(result.bucket.max)}")
                     lines.append(f"        config: {tune_search.config_flow(best.config)}{note}")
                 lines += tune_search.bucket_lines(bucket)
-    from gemslib.tune_verdicts import render_verdicts
-
-    lines += render_verdicts(runtime.active_configs()[0].verdicts)  # they stay
+    lines += tune_search.kept_text(runtime.active_configs()[0])[1]  # the verdicts stay
     return "\n".join(lines) + "\n"
 
 

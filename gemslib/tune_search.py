@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+import yaml
 
 from gemslib import registry, runtime
 
@@ -249,6 +250,60 @@ def bucket_lines(bucket: runtime.Bucket) -> list[str]:
     else:
         lines.append(f"{head}config: {config_flow(bucket.configs[0])}")
     return lines
+
+
+def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]], list[str]]:
+    """A tune-config file's own lines, to carry into a file a tuner writes: (per operator, its
+    block under ``ops:``, from its header line on, comments included; the ``verdicts:``
+    section's lines, none if it has none). An operator's block or the verdicts that do not
+    read back as the loaded file's (a layout gemslib does not write) are rendered from the
+    loaded entries instead, without comments."""
+    lines = config_file.path.read_text().splitlines()
+    blocks: dict[str, list[str]] = {}
+    verdicts: list[str] = []
+    section, op = None, None
+    for line in lines:
+        if line and not line[0].isspace() and not line.startswith("#"):
+            section, op = line.split(":", 1)[0], None
+            if section == "verdicts":
+                verdicts.append(line)
+            continue
+        if section == "verdicts":
+            verdicts.append(line)
+        elif section == "ops":
+            if line.startswith("  ") and line[2:3].isalnum():
+                op = line.split(":", 1)[0].strip()
+                blocks[op] = []
+            if op is not None:
+                blocks[op].append(line)
+    for op, kernels in config_file.ops.items():
+        block = blocks.get(op)
+        if block is None or _reloaded_ops(config_file, block) != {op: kernels}:
+            blocks[op] = [f"  {op}:"] + [line for kernel, buckets in kernels.items()
+                                         for line in [f"    {kernel}:"] + [
+                                             b for bucket in buckets
+                                             for b in bucket_lines(bucket)]]
+    if _reloaded_verdicts(config_file, verdicts) != config_file.verdicts:
+        from gemslib.tune_verdicts import render_verdicts
+
+        verdicts = render_verdicts(config_file.verdicts)
+    return {op: blocks[op] for op in config_file.ops}, verdicts
+
+
+def _reloaded_ops(config_file: runtime.TuneConfigFile, block: list[str]):
+    try:
+        text = "\n".join(["schema: 1", "device: check", "ops:", *block]) + "\n"
+        return dict(runtime.parse_tune_config(config_file.path, yaml.safe_load(text)).ops)
+    except Exception:  # not a block that stands alone: rendered instead
+        return None
+
+
+def _reloaded_verdicts(config_file: runtime.TuneConfigFile, lines: list[str]):
+    try:
+        text = "\n".join(["schema: 1", "device: check", "ops: {}", *lines]) + "\n"
+        return dict(runtime.parse_tune_config(config_file.path, yaml.safe_load(text)).verdicts)
+    except Exception:
+        return None
 
 
 def environment() -> dict[str, str | int | float]:

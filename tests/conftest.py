@@ -20,6 +20,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gemslib-tests-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
+# the fusions wherever they apply, whichever GPU's file is in use: what the tests check is
+# the passes and the kernels, not where a GPU's verdicts send a shape (tests of verdicts write
+# their own file through ``config_file``, which honours them); processes tests start inherit it
+os.environ["GEMSLIB_VERDICTS"] = "0"
+
 import pytest  # noqa: E402  (after the cache decision: inductor reads it once)
 import torch  # noqa: E402
 
@@ -62,12 +67,14 @@ def device():
 
 @pytest.fixture
 def config_file(tmp_path, monkeypatch):
-    """Write a YAML document, point GEMSLIB_TUNE_CONFIG at it, and reload; undone afterwards."""
+    """Write a YAML document, point GEMSLIB_TUNE_CONFIG at it (its verdicts honoured), and
+    reload; undone afterwards."""
 
     def write(text: str):
         path = tmp_path / "custom.yaml"
         path.write_text(textwrap.dedent(text))
         monkeypatch.setenv(runtime.CONFIG_ENV, str(path))
+        monkeypatch.delenv(runtime.configs.VERDICTS_ENV, raising=False)  # its verdicts count
         runtime.reload_configs()
         return path
 

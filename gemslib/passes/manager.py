@@ -337,8 +337,9 @@ class GemslibPasses(CustomGraphPass):
     def uuid(self) -> str:
         """A hash of what decides the graph the passes make: their source and the operators'
         (a fusion's verdict may be an operator's), the fusions switched on, the tune config
-        (a verdict may read it), the device, and for the compile in flight the state of its
-        inputs that decides a fusion (``CompileRecord.state``)."""
+        (a verdict may read it) and whether its verdicts are set aside, the device, and for
+        the compile in flight the state of its inputs that decides a fusion
+        (``CompileRecord.state``)."""
         from gemslib import runtime
 
         digest = hashlib.sha256(_source_hash().encode())
@@ -347,6 +348,7 @@ class GemslibPasses(CustomGraphPass):
             digest.update(record.state.encode())
         digest.update(repr(sorted(self.fusions())).encode())
         digest.update(repr(runtime.GRAPH_OVERLOADS.on).encode())
+        digest.update(repr(runtime.verdicts_ignored()).encode())
         try:
             digest.update(runtime.config_path().read_bytes())
         except OSError:

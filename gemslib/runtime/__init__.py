@@ -26,9 +26,8 @@ from gemslib.runtime.configs import (CONFIG_ENV, SCHEMA_VERSION, Bucket, Hardwar
                                      LaunchConfig, TuneConfigError, TuneConfigFile,
                                      active_configs, config_choice, config_path,
                                      current_hardware, fusion_verdict, ignoring_verdicts,
-                                     load_tune_config,
-                                     parse_launch_config,
-                                     parse_tune_config, shipped_configs_dir, user_configs_dir,
+                                     load_tune_config, parse_launch_config, parse_tune_config,
+                                     shipped_configs_dir, user_configs_dir, verdicts_ignored,
                                      within)
 from gemslib.runtime.cuda import (captured, cdiv, current_stream_handle, device_name,
                                   multiprocessor_count, next_power_of_2, normalize_device_name,
@@ -48,7 +47,7 @@ from gemslib.runtime.tuned import KERNELS, TunedKernel, reload_configs
 __all__ = [
     "CONFIG_ENV", "SCHEMA_VERSION", "Bucket", "Hardware", "LaunchConfig", "TuneConfigError",
     "TuneConfigFile", "active_configs", "config_choice", "config_path", "current_hardware",
-    "fusion_verdict", "ignoring_verdicts",
+    "fusion_verdict", "ignoring_verdicts", "verdicts_ignored",
     "load_tune_config", "parse_launch_config", "parse_tune_config", "shipped_configs_dir",
     "user_configs_dir", "within",
     "captured", "cdiv", "current_stream_handle", "device_name", "multiprocessor_count",

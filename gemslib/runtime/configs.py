@@ -370,12 +370,21 @@ def ignoring_verdicts():
         _verdicts_ignored -= 1
 
 
+VERDICTS_ENV = "GEMSLIB_VERDICTS"  # "0": every fusion wherever it applies
+
+
+def verdicts_ignored() -> bool:
+    """Whether the file's verdicts are set aside: inside :func:`ignoring_verdicts`, or with
+    ``GEMSLIB_VERDICTS=0`` (read at each call: it decides compiles, not launches)."""
+    return bool(_verdicts_ignored) or os.environ.get(VERDICTS_ENV, "1").strip() == "0"
+
+
 def fusion_verdict(fusion: str, shape: Mapping[str, int]) -> str:
     """``"gemslib"`` or ``"inductor"``: which path the file in use measured faster for
-    ``fusion`` at ``shape`` (its ``verdicts``; gemslib's where the file has none, or inside
-    :func:`ignoring_verdicts`). A bucket bounding a key the shape does not give does not
+    ``fusion`` at ``shape`` (its ``verdicts``; gemslib's where the file has none, or where
+    :func:`verdicts_ignored`). A bucket bounding a key the shape does not give does not
     apply."""
-    if _verdicts_ignored:
+    if verdicts_ignored():
         return "gemslib"
     for bound, use in active_configs()[0].verdicts.get(fusion, ()):
         if bound is None or (set(bound) <= set(shape) and within(bound, shape)):

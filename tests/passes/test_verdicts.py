@@ -51,6 +51,23 @@ def test_a_fusion_is_left_to_inductor_where_its_verdict_says(config_file, small)
     assert _fusions(_norm, torch.randn(3, 4, 64, device=DEVICE), weight) == {"rms_norm": 1}
 
 
+def test_the_environment_sets_the_verdicts_aside_and_the_compile_is_named_by_it(
+        config_file, monkeypatch):
+    """GEMSLIB_VERDICTS=0 uses every fusion wherever it applies; the passes' uuid (part of
+    inductor's cache key) tells the two apart, so a cached graph of one never serves the
+    other."""
+    from gemslib.passes import PASSES
+
+    config_file(_VERDICTS.format(small="inductor"))
+    weight, x = torch.rand(64, device=DEVICE) + 0.5, torch.randn(2, 4, 64, device=DEVICE)
+    honoured = PASSES.uuid()
+    assert _fusions(_norm, x, weight) == {}
+    monkeypatch.setenv(runtime.configs.VERDICTS_ENV, "0")
+    assert runtime.fusion_verdict("rms_norm", {"rows": 8, "cols": 64}) == "gemslib"
+    assert PASSES.uuid() != honoured
+    assert _fusions(_norm, x, weight) == {"rms_norm": 1}
+
+
 def test_a_rewrite_reads_its_verdict_too(config_file):
     config_file(_VERDICTS.format(small="gemslib"))
 

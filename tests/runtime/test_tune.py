@@ -293,3 +293,73 @@ def test_every_declared_problem_lands_in_its_own_bucket(monkeypatch):
             assert shape is not None, (op, space.kernel.name, bucket.label)
             assert tune_search.bucket_index(space, shape) == index, (op, space.kernel.name,
                                                                bucket.label, shape)
+
+
+KEPT_FILE = """\
+# an earlier run's file
+schema: 1
+device: toy_gpu
+tuned:
+  gpu: 'Toy GPU'
+  ops: ['silu', 'gone_op']
+ops:
+  silu:
+    silu_fwd:
+      - max: {numel: 4096}
+        config: {BLOCK: 256, num_warps: 2}  # n 4096: 3.0 us, default.yaml's 4.0 us
+      - config: {BLOCK: 1024, num_warps: 4}  # n 65536: 9.0 us, default.yaml's 9.5 us
+  rms_norm:  # not tuned in this run: the entries of other_gpu.yaml
+    rms_norm_fwd:
+      - config: {BLOCK_M: 1, BLOCK_N: 4096, num_warps: 8}
+verdicts:
+  rms_norm:
+    # gemslib / inductor us at cols x rows: 4096x1 6.0/6.2
+    - max: {rows: 4}
+      use: inductor
+    - use: gemslib
+"""
+
+
+def test_a_run_over_an_earlier_file_keeps_its_lines_and_what_it_tuned(tmp_path):
+    """Operators a run leaves out keep the file in use's lines, comments included (what each
+    config was timed at, which file it came from), its verdicts keep their timings, and when
+    it is this GPU's own file, ``tuned: ops`` keeps the operators it had tuned."""
+    path = tmp_path / "toy_gpu.yaml"
+    path.write_text(KEPT_FILE)
+    kept = runtime.load_tune_config(path)
+    text = tune.render_yaml([], kept, "toy_gpu", {"gpu": "Toy GPU"}, set())
+    assert "config: {BLOCK: 256, num_warps: 2}  # n 4096: 3.0 us, default.yaml's 4.0 us\n" in text
+    assert "  silu:  # not tuned in this run: the entries of toy_gpu.yaml\n" in text
+    assert "  rms_norm:  # not tuned in this run: the entries of other_gpu.yaml\n" in text
+    assert "    # gemslib / inductor us at cols x rows: 4096x1 6.0/6.2\n" in text
+    written = tmp_path / "written.yaml"
+    written.write_text(text)
+    reloaded = runtime.load_tune_config(written)
+    assert entries(reloaded) == entries(kept) and reloaded.verdicts == kept.verdicts
+    assert tune.earlier_tuned_ops(kept, "toy_gpu") == ["silu", "gone_op"]
+    assert tune.earlier_tuned_ops(kept, "another_gpu") == []
+
+
+def test_a_kept_block_that_does_not_stand_alone_is_rendered_from_its_entries(tmp_path):
+    """A layout gemslib does not write (here an anchor its block refers to from outside)
+    still keeps every entry: rendered from the loaded file, without its comments."""
+    path = tmp_path / "toy_gpu.yaml"
+    path.write_text(KEPT_FILE.replace(
+        "      - config: {BLOCK: 1024, num_warps: 4}  # n 65536",
+        "      - config: *big  # n 65536").replace(
+        "tuned:\n", "tuned:\n  big: &big {BLOCK: 1024, num_warps: 4}\n"))
+    kept = runtime.load_tune_config(path)
+    blocks, verdicts = tune_search.kept_text(kept)
+    assert "*big" not in "\n".join(blocks["silu"]) and "# n 4096" not in "\n".join(blocks["silu"])
+    text = tune.render_yaml([], kept, "toy_gpu", {"gpu": "Toy GPU"}, set())
+    written = tmp_path / "written.yaml"
+    written.write_text(text)
+    assert entries(runtime.load_tune_config(written)) == entries(kept)
+    assert "4096x1 6.0/6.2" in "\n".join(verdicts)
+
+
+def entries(config_file: runtime.TuneConfigFile) -> dict:
+    """A loaded file's buckets without where each was read from."""
+    return {op: {kernel: [(b.max, b.configs, b.autotune) for b in buckets]
+                 for kernel, buckets in kernels.items()}
+            for op, kernels in config_file.ops.items()}
