@@ -14,7 +14,7 @@ import datetime
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 import yaml
@@ -252,6 +252,28 @@ def bucket_lines(bucket: runtime.Bucket) -> list[str]:
     return lines
 
 
+def render_verdicts(verdicts: Mapping[str, Iterable[tuple[Mapping[str, int] | None, str]]],
+                    notes: Mapping[str, Mapping[tuple[int, int], tuple[float, float]]] = {}
+                    ) -> list[str]:
+    """The ``verdicts:`` section's lines (none without verdicts); ``notes`` (per fusion, the
+    timings) go in a comment under each fusion."""
+    if not verdicts:
+        return []
+    lines = ["verdicts:"]
+    for fusion, buckets in verdicts.items():
+        lines.append(f"  {fusion}:")
+        timings = notes.get(fusion)
+        if timings:
+            lines.append("    # gemslib / inductor us at cols x rows: " + ", ".join(
+                f"{cols}x{rows} {ours * 1e3:.1f}/{theirs * 1e3:.1f}"
+                for (cols, rows), (ours, theirs) in sorted(timings.items())))
+        for bound, use in buckets:
+            head = "    - " + (("max: {" + ", ".join(f"{k}: {v}" for k, v in bound.items())
+                                + "}\n      ") if bound is not None else "")
+            lines.append(f"{head}use: {use}")
+    return lines
+
+
 def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]], list[str]]:
     """A tune-config file's own lines, to carry into a file a tuner writes: (per operator, its
     block under ``ops:``, from its header line on, comments included; the ``verdicts:``
@@ -284,8 +306,6 @@ def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]]
                                              b for bucket in buckets
                                              for b in bucket_lines(bucket)]]
     if _reloaded_verdicts(config_file, verdicts) != config_file.verdicts:
-        from gemslib.tune_verdicts import render_verdicts
-
         verdicts = render_verdicts(config_file.verdicts)
     return {op: blocks[op] for op in config_file.ops}, verdicts
 

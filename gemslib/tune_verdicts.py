@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -129,28 +129,6 @@ def _merged(buckets):
     return out
 
 
-def render_verdicts(verdicts: Mapping[str, Iterable[tuple[Mapping[str, int] | None, str]]],
-                    notes: Mapping[str, Mapping[tuple[int, int], tuple[float, float]]] = {}
-                    ) -> list[str]:
-    """The ``verdicts:`` section's lines (none without verdicts); ``notes`` (per fusion, the
-    timings) go in a comment under each fusion."""
-    if not verdicts:
-        return []
-    lines = ["verdicts:"]
-    for fusion, buckets in verdicts.items():
-        lines.append(f"  {fusion}:")
-        timings = notes.get(fusion)
-        if timings:
-            lines.append("    # gemslib / inductor us at cols x rows: " + ", ".join(
-                f"{cols}x{rows} {ours * 1e3:.1f}/{theirs * 1e3:.1f}"
-                for (cols, rows), (ours, theirs) in sorted(timings.items())))
-        for bound, use in buckets:
-            head = "    - " + (("max: {" + ", ".join(f"{k}: {v}" for k, v in bound.items())
-                                + "}\n      ") if bound is not None else "")
-            lines.append(f"{head}use: {use}")
-    return lines
-
-
 def with_verdicts(text: str, lines: list[str]) -> str:
     """A tune-config file's text with its ``verdicts:`` section (the last, as gemslib writes
     them) replaced by ``lines``."""
@@ -184,7 +162,7 @@ def main(out: Path, quick: bool, progress=print) -> int:
             verdicts[fusion], notes[fusion] = verdict_buckets(timings), timings
             # written after each fusion, so a run cut short keeps what it finished
             out.write_text(with_verdicts(in_use_text,
-                                         render_verdicts({**kept, **verdicts}, notes)))
+                                         tune_search.render_verdicts({**kept, **verdicts}, notes)))
             runtime.load_tune_config(out)  # what was written must load
     progress(f"wrote {out} (verdicts of {', '.join(verdicts)})" if verdicts else
              f"nothing measured: {out} not written")

@@ -5,7 +5,7 @@ made-up timer on the CPU)."""
 import pytest
 import torch
 
-from gemslib import runtime, tune_verdicts
+from gemslib import runtime, tune_search, tune_verdicts
 
 
 def test_runs_of_one_verdict_make_one_bucket_per_width():
@@ -27,7 +27,7 @@ def test_written_verdicts_read_back_and_replace_the_old_ones(tmp_path):
     first = {"rms_norm": [({"rows": 16, "cols": 2048}, "inductor"), (None, "gemslib")]}
     path = tmp_path / "gpu.yaml"
     path.write_text(tune_verdicts.with_verdicts(
-        default, tune_verdicts.render_verdicts(first, {"rms_norm": {(2048, 16): (1e-3, 2e-3)}})))
+        default, tune_search.render_verdicts(first, {"rms_norm": {(2048, 16): (1e-3, 2e-3)}})))
     loaded = runtime.load_tune_config(path)
     assert loaded.verdicts == {"rms_norm": (({"rows": 16, "cols": 2048}, "inductor"),
                                             (None, "gemslib"))}
@@ -39,7 +39,7 @@ def test_written_verdicts_read_back_and_replace_the_old_ones(tmp_path):
         runtime.shipped_configs_dir() / "default.yaml"))
     second = {"silu_and_mul": [(None, "inductor")]}
     path.write_text(tune_verdicts.with_verdicts(path.read_text(),
-                                                tune_verdicts.render_verdicts(second)))
+                                                tune_search.render_verdicts(second)))
     assert runtime.load_tune_config(path).verdicts == {"silu_and_mul": ((None, "inductor"),)}
 
 
