@@ -618,6 +618,26 @@ def test_a_graph_overload_plans_its_calls_below_autograd(off_the_interpreter):
     assert op.own_paths == 3
 
 
+def test_a_graph_overload_over_a_list_of_tensors_runs_its_own_path_each_call():
+    """A list of tensors has no plan key: such an overload calls its function directly,
+    every call, with no plans kept for it, and gives each call's own result."""
+    from gemslib.runtime.custom_op import GRAPH_PLANS, define_graph_overload
+
+    calls = []
+
+    def summed(x: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(len(parts))
+        return x + sum(parts)
+
+    overload = define_graph_overload("test_runtime_list_probe", summed,
+                                     lambda x, parts: torch.empty_like(x))
+    assert "gemslib::test_runtime_list_probe.graph" not in GRAPH_PLANS
+    for n in (1, 2, 2, 2):
+        x, parts = torch.randn(8), [torch.randn(8) for _ in range(n)]
+        torch.testing.assert_close(overload(x, parts), x + sum(parts))
+    assert calls == [1, 2, 2, 2]
+
+
 def test_repeated_calls_of_every_planned_operator_stay_right():
     """Each operator called again and again on fresh inputs of one signature (on a GPU the
     later calls replay their plan) gives each input's own result."""
