@@ -129,12 +129,15 @@ def disagreement(actual, expected) -> str | None:
     return None
 
 
-def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
-    """A timer of a problem's GPU time in ms: one call captured in a CUDA graph and its
-    replays timed by ``triton.testing.do_bench`` (L2 flushed before each). Timed directly, a
-    decode-sized kernel measures the host instead: a forced config's launch costs more host
-    time than the flush before it takes on the GPU. A problem that cannot be captured is
-    timed directly."""
+def do_bench_ms(quick: bool, calls: int = 1) -> Callable[[Callable], float]:
+    """A timer of a problem's GPU time in ms: ``calls`` calls captured in one CUDA graph and
+    its replays timed by ``triton.testing.do_bench`` (L2 flushed before each), over
+    ``calls``. Timed directly, a decode-sized kernel measures the host instead: a forced
+    config's launch costs more host time than the flush before it takes on the GPU. One call
+    a replay still carries the replay's own start (~5 us on an H100, as much as a 1-row
+    kernel): several calls a replay leave mostly the kernels' time, each after the first
+    with its input in L2, as in a model where the kernel before wrote it. A problem that
+    cannot be captured is timed directly."""
     import triton.testing
 
     # 50 ms of repetitions: ~1000 runs of a 50 us kernel, ~20 of a 2.5 ms one
@@ -142,11 +145,11 @@ def do_bench_ms(quick: bool) -> Callable[[Callable], float]:
 
     def timer(fn: Callable[[], object]) -> float:
         try:  # one warm-up call compiles, and leaves nothing for the capture to compile
-            graph, _ = runtime.captured(fn, warmup_calls=1)
+            graph, _ = runtime.captured(lambda: [fn() for _ in range(calls)], warmup_calls=1)
         except Exception:  # e.g. a host synchronisation: not capturable
             return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
         return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep,
-                                       return_mode="median")
+                                       return_mode="median") / calls
 
     return timer
 

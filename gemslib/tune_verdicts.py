@@ -6,7 +6,8 @@ A fusion replaces a form a model writes (an RMSNorm, a residual add and RMSNorm,
 activation) by one gemslib kernel; inductor, without it, generates its own kernel for the same
 form. Which is faster depends on the GPU and the shape, so for each such fusion this times both
 on the GPU (each a compiled function of the form alone, ``backend="gemslib"`` and
-``backend="inductor"``, one call replayed from a CUDA graph: GPU time, no host) at every
+``backend="inductor"``, CALLS_PER_REPLAY calls replayed from one CUDA graph: GPU time a
+call, no host) at every
 width of the models of ``gemslib.models`` and at row counts from one token to a long prompt,
 and writes the outcome as the file's ``verdicts``: per fusion, buckets of ``rows`` and
 ``cols`` (the form's last dim: the hidden size for the norms, the intermediate size for the
@@ -28,6 +29,9 @@ from gemslib import runtime, tune_search
 
 ROWS = (1, 16, 64, 256, 1024, 4096, 16384)
 MARGIN = 1.01  # gemslib's time may be this much of inductor's and still be used
+# calls timed in one CUDA-graph replay: with one, a 1-row form's 5.5-6.2 us on either side
+# was the replay's start, and noise decided its verdict (docs/notes/tuning.md)
+CALLS_PER_REPLAY = 16
 
 
 def _norm(x, weight):
@@ -140,7 +144,8 @@ def main(out: Path, quick: bool, progress=print) -> int:
     """Measure every fusion of :data:`FORMS`, and write the file in use with these verdicts
     to ``out``. Returns 0, or 1 where a fusion could not be measured (left out)."""
     started = time.perf_counter()
-    timer, device = tune_search.do_bench_ms(quick), torch.device(runtime.device_type())
+    timer = tune_search.do_bench_ms(quick, calls=CALLS_PER_REPLAY)
+    device = torch.device(runtime.device_type())
     rows_list = ROWS[::2] if quick else ROWS
     verdicts, notes, failed = {}, {}, 0
     in_use = runtime.active_configs()[0]

@@ -703,8 +703,13 @@ TUNING = (
                                  (1, 2048), (2, 2048), (4, 2048), (1, 4096), (2, 4096),
                                  (4, 4096), (1, 8192), (2, 8192), (1, 16384))
                     for w in (4, 8, 16)),
+              # a short prompt's rows apart from a long one's: at 64-1024 rows the tiles of a
+              # 4096-row problem lost to inductor's kernel on the H100 (docs/notes/tuning.md)
               _buckets((({"cols": 128}, 65536, 128), ({"cols": 512}, 65536, 512),
-                        ({"cols": 2048}, 16384, 2048), ({"cols": 4096, "rows": 8192}, 4096, 4096),
+                        ({"cols": 2048, "rows": 1024}, 1024, 2048),
+                        ({"cols": 2048}, 16384, 2048), ({"cols": 4096, "rows": 64}, 64, 4096),
+                        ({"cols": 4096, "rows": 1024}, 1024, 4096),
+                        ({"cols": 4096, "rows": 8192}, 4096, 4096),
                         ({"cols": 4096}, 65536, 4096), ({"cols": 6144}, 8192, 5120),
                         ({"cols": 8192}, 16384, 8192), ({"cols": 16384}, 2048, 12288),
                         (None, 512, 65536)), backward=False)),

@@ -363,3 +363,33 @@ def entries(config_file: runtime.TuneConfigFile) -> dict:
     return {op: {kernel: [(b.max, b.configs, b.autotune) for b in buckets]
                  for kernel, buckets in kernels.items()}
             for op, kernels in config_file.ops.items()}
+
+
+def test_the_graph_timer_times_its_calls_in_one_replay_and_divides(monkeypatch):
+    """``do_bench_ms(quick, calls=n)``: n calls captured in one graph, whose replay is timed
+    and divided by n; a problem that cannot be captured is timed call by call."""
+    import triton.testing
+
+    captured_calls = []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    def capture(fn, warmup_calls):
+        fn()  # the warm-up
+        captured_calls.append(len(fn()))
+        return Graph(), None
+
+    monkeypatch.setattr(runtime, "captured", capture)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 8.0)
+    ran = []
+    assert tune_search.do_bench_ms(True, calls=4)(lambda: ran.append(1)) == 2.0
+    assert captured_calls == [4] and len(ran) == 8
+    assert tune_search.do_bench_ms(True)(lambda: None) == 8.0
+
+    def refuse(fn, warmup_calls):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runtime, "captured", refuse)
+    assert tune_search.do_bench_ms(True, calls=4)(lambda: None) == 8.0
