@@ -1,4 +1,6 @@
-"""rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems.
+"""rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems;
+rms_norm with Gemma's ``(1 + weight)`` (``weight_offset=1``) against Gemma's own form, eager and
+compiled, Liger-Kernel's offset norm and FlashInfer's gemma_rmsnorm.
 
     python -m benchmark --ops rms_norm add_rms_norm [--forward-only]
 
@@ -17,6 +19,8 @@ from benchmark.harness import Case, compiled, optional_peer, outputs_close
 
 QUICK_RMS_NORM = [(65536, 4096), (4096, 4096), (8192, 5120)]
 EXTRA_RMS_NORM = [(1, 4096), (16384, 8192), (2048, 12288), (512, 65536)]
+QUICK_GEMMA_RMS_NORM = [(4096, 3072)]  # Gemma-7B's width
+EXTRA_GEMMA_RMS_NORM = [(1, 3072), (16384, 3584)]
 QUICK_ADD_RMS_NORM = [(16384, 8192)]
 EXTRA_ADD_RMS_NORM = [(4096, 4096), (1, 8192)]
 # the Case names cases() yields (python -m benchmark --ops selects among them)
@@ -27,6 +31,12 @@ EPS = 1e-6
 
 def _eager_rms_norm(x, weight):
     return F.rms_norm(x, (x.shape[-1],), weight, EPS)
+
+
+def _gemma_rms_norm(x, weight):
+    from gemslib.passes.forms import gemma_rms_norm
+
+    return gemma_rms_norm(x, weight, EPS)
 
 
 def _eager_add_rms_norm(x, residual, weight):
@@ -71,6 +81,23 @@ def cases(quick: bool = False, backward: bool = False):
                 impls["FlagGems"] = _grads(lambda a, w: flag_gems.rms_norm(a, [cols], w, EPS), *leaves)
             yield Case("rms_norm_backward", f"{rows}x{cols}", "bf16", 3 * x.numel() * size, impls)
             del leaves
+        del x
+
+    flashinfer = optional_peer("flashinfer")
+    for rows, cols in QUICK_GEMMA_RMS_NORM + ([] if quick else EXTRA_GEMMA_RMS_NORM):
+        x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
+        weight = torch.randn(cols, device="cuda", dtype=DTYPE) * 0.3
+        impls = {"gemslib": lambda: gemslib.rms_norm(x, weight, EPS, weight_offset=1.0),
+                 "torch eager": lambda: _gemma_rms_norm(x, weight),
+                 "torch.compile": (lambda f: lambda: f(x, weight))(compiled(_gemma_rms_norm))}
+        if liger:
+            impls["Liger-Kernel"] = lambda: liger.LigerRMSNormFunction.apply(
+                x, weight, EPS, 1.0, "gemma", False)
+        if flashinfer:
+            impls["FlashInfer"] = lambda: flashinfer.norm.gemma_rmsnorm(x, weight, EPS)
+        yield Case("rms_norm", f"{rows}x{cols} (1 + w)", "bf16", 2 * x.numel() * size, impls,
+                   outputs_agree=outputs_close(impls["gemslib"],
+                                               lambda: _gemma_rms_norm(x.float(), weight.float())))
         del x
 
     for rows, cols in QUICK_ADD_RMS_NORM + ([] if quick else EXTRA_ADD_RMS_NORM):

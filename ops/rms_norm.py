@@ -1,10 +1,13 @@
 """RMSNorm over the last dim, optionally fused with a residual add; forward and backward.
 
     rstd      = 1 / sqrt(mean(x**2) + eps)            per row (fp32)
-    rms_norm  = x * rstd * weight                      x (..., N), weight (N,) or None
+    rms_norm  = x * rstd * (weight_offset + weight)    x (..., N), weight (N,) or None
     add_rms_norm(x, residual) = (rms_norm(x + residual), x + residual)
 
-    backward, with x_hat = x * rstd and g = grad * weight:
+weight_offset is 0 for most models and 1 for Gemma's ``x_hat * (1 + weight)`` (its weights
+are stored as offsets from one); the scale is applied in fp32, before the one rounding.
+
+    backward, with x_hat = x * rstd and g = grad * (weight_offset + weight):
     dx        = rstd * (g - x_hat * mean(g * x_hat))   per row
     dweight   = sum over rows of grad * x_hat          (fp32 partial sums per program, no atomics)
 
@@ -39,7 +42,7 @@ def _rms_norm_fwd_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rstd_ptr,
     n_rows, n_cols,
     stride_x_row, stride_residual_row, stride_out_row, stride_residual_out_row,
-    eps,
+    eps, weight_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -64,7 +67,8 @@ def _rms_norm_fwd_kernel(
         b_x = tl.load(p_x + o_n, mask=m_x, other=0.0).to(tl.float32)
         # the weight is issued with x's load, not after the reduction: off the critical path
         if weight_ptr is not None:
-            b_weight = tl.load(weight_ptr + o_n, mask=o_n < n_cols, other=0.0).to(tl.float32)
+            b_weight = tl.load(weight_ptr + o_n, mask=o_n < n_cols,
+                               other=0.0).to(tl.float32) + weight_offset
         if residual_ptr is not None:
             b_x += tl.load(p_residual + o_n, mask=m_x, other=0.0).to(tl.float32)
             tl.store(p_residual_out + o_n, b_x.to(residual_out_ptr.dtype.element_ty), mask=m_x)
@@ -100,7 +104,8 @@ def _rms_norm_fwd_kernel(
                               eviction_policy="evict_first").to(tl.float32)
             b_out = b_x * b_rstd[:, None]
             if weight_ptr is not None:
-                b_out *= tl.load(weight_ptr + o_n, mask=o_n < n_cols, other=0.0).to(tl.float32)
+                b_out *= tl.load(weight_ptr + o_n, mask=o_n < n_cols,
+                                 other=0.0).to(tl.float32) + weight_offset
             tl.store(p_out + o_n, b_out.to(out_ptr.dtype.element_ty), mask=m_x)
     if rstd_ptr is not None:
         tl.store(rstd_ptr + o_row, b_rstd, mask=m_row)
@@ -112,6 +117,7 @@ def _rms_norm_bwd_kernel(
     grad_ptr, x_ptr, weight_ptr, rstd_ptr, grad_extra_ptr, dx_ptr, dweight_partial_ptr,
     n_rows, n_cols, rows_per_program,
     stride_grad_row, stride_x_row, stride_grad_extra_row, stride_dx_row,
+    weight_offset,
     BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """Rows [i_m * rows_per_program, ...) one at a time; this program's share of dweight goes
@@ -134,7 +140,8 @@ def _rms_norm_bwd_kernel(
         o_n = tl.arange(0, BLOCK_N)
         m_n = o_n < n_cols
         if weight_ptr is not None:
-            b_weight = tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+            b_weight = tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32) \
+                + weight_offset
         b_dweight = tl.zeros([BLOCK_N], dtype=tl.float32)
         for _ in range(row_start, row_end):
             b_x = tl.load(p_x + o_n, mask=m_n, other=0.0).to(tl.float32)
@@ -174,7 +181,8 @@ def _rms_norm_bwd_kernel(
                 b_x = tl.load(p_x + o_n, mask=m_n, other=0.0).to(tl.float32)
                 b_g = tl.load(p_grad + o_n, mask=m_n, other=0.0).to(tl.float32)
                 if weight_ptr is not None:
-                    b_g *= tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+                    b_g *= tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32) \
+                        + weight_offset
                 b_dot += b_g * b_x
             b_mean_g_xhat = tl.sum(b_dot, axis=0) * b_rstd / n_cols
             n_blocks = tl.cdiv(n_cols, BLOCK_N)
@@ -186,7 +194,8 @@ def _rms_norm_bwd_kernel(
                 b_grad = tl.load(p_grad + o_n, mask=m_n, other=0.0).to(tl.float32)
                 b_g = b_grad
                 if weight_ptr is not None:
-                    b_g = b_grad * tl.load(weight_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+                    b_g = b_grad * (tl.load(weight_ptr + o_n, mask=m_n,
+                                            other=0.0).to(tl.float32) + weight_offset)
                     b_partial = tl.load(p_partial + o_n, mask=m_n, other=0.0)
                     tl.store(p_partial + o_n, b_partial + b_grad * b_xhat, mask=m_n)
                 b_dx = b_rstd * (b_g - b_xhat * b_mean_g_xhat)
@@ -213,7 +222,8 @@ RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_ker
 # --------------------------------------------------------------------------------------------
 
 
-def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool):
+def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool,
+                    weight_offset: float = 0.0):
     """Writes ``out`` (and ``residual_out``); returns rstd (rows,) fp32 or None."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else math.prod(x.shape[:-1])
@@ -234,13 +244,13 @@ def _launch_forward(x, residual, weight, eps, out, residual_out, want_rstd: bool
         x_rows, residual_rows, weight, out_rows, residual_out_rows, rstd,
         n_rows, n_cols,
         x_stride, residual_stride, out_stride, residual_out_stride,
-        eps,
+        eps, weight_offset,
         shape=(n_rows, n_cols),
         restore=[t for t in (x, residual) if t is not None] if in_place else ())
     return rstd
 
 
-def _launch_backward(grad, x, weight, rstd, grad_extra=None):
+def _launch_backward(grad, x, weight, rstd, grad_extra=None, weight_offset: float = 0.0):
     """(dx, dweight or None) for ``rms_norm(x, weight)`` given the forward's rstd; dx includes
     ``grad_extra`` when given."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -263,6 +273,7 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None):
         n_rows, n_cols, rows_per_program,
         grad_rows.stride(0), x_rows.stride(0),
         extra_rows.stride(0) if extra_rows is not None else 0, dx_rows.stride(0),
+        weight_offset,
         shape=(n_rows, n_cols))
     dweight = partial.sum(dim=0).to(weight.dtype) if weight is not None else None
     return dx, dweight
@@ -273,14 +284,14 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None):
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_reference(x, weight=None, eps=1e-6):
+def rms_norm_reference(x, weight=None, eps=1e-6, weight_offset=0.0):
     normed = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return normed * weight if weight is not None else normed
+    return normed * (weight + weight_offset) if weight is not None else normed
 
 
-def add_rms_norm_reference(x, residual, weight=None, eps=1e-6):
+def add_rms_norm_reference(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
     total = x + residual
-    return rms_norm_reference(total, weight, eps), total
+    return rms_norm_reference(total, weight, eps, weight_offset), total
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,17 +319,25 @@ def _check_inputs(function: str, x, weight, residual=None):
         checks.float_tensor(function, "weight", weight, expected="floating-point")
 
 
-def _upcast_reference(fn, *tensors, eps):
+def _upcast_reference(fn, *tensors, eps, weight_offset=0.0):
     """Torch's own arithmetic for what the kernels do not take (float64, other devices):
     float64 stays float64, anything else is computed in fp32, like the kernels."""
     work = [t if t is None or t.dtype == torch.float64 else t.float() for t in tensors]
-    return fn(*work, eps=eps)
+    return fn(*work, eps=eps, weight_offset=weight_offset)
 
 
-def _forward(x, weight, eps, want_rstd):
+def _check_weight_offset(function: str, weight, weight_offset) -> float:
+    weight_offset = checks.as_float(function, "weight_offset", weight_offset)
+    if weight is None and weight_offset != 0.0:
+        raise ValueError(f"{function}: weight_offset scales by (weight_offset + weight) and "
+                         f"needs a weight; got weight=None with weight_offset={weight_offset}")
+    return weight_offset
+
+
+def _forward(x, weight, eps, want_rstd, weight_offset=0.0):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = _launch_forward(x, None, weight.contiguous() if weight is not None else None, eps,
-                           out, None, want_rstd)
+                           out, None, want_rstd, weight_offset)
     return out, rstd
 
 
@@ -330,8 +349,10 @@ _RMS_NORM_CALLS = runtime.CallPlans("rms_norm")
 _ADD_RMS_NORM_CALLS = runtime.CallPlans("add_rms_norm")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """``x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last dim of ``x`` (..., N).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2, -1) + eps) * (weight_offset + weight)`` over the last dim of
+    ``x`` (..., N).
 
     weight: (N,) or None. Statistics in fp32; the result has x's dtype and shape (contiguous).
     Differentiable (dx and dweight).
@@ -342,41 +363,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
             another dtype) are computed by torch, in fp32 (fp64 for fp64).
         weight: (N,) floating tensor on x's device, or None (no scale).
         eps: added to mean(x**2) before the square root; a float or 0-d tensor.
+        weight_offset: added to the weight (in fp32) before it scales: 1.0 for Gemma's
+            ``(1 + weight)``; needs a weight.
 
     Returns:
         (..., N) contiguous tensor of x's dtype.
 
     Raises:
-        TypeError: x or weight is not a floating-point tensor, or eps is not a real number.
-        ValueError: x is 0-d, or weight is not (N,) or on another device.
+        TypeError: x or weight is not a floating-point tensor, or eps or weight_offset is not
+            a real number.
+        ValueError: x is 0-d, weight is not (N,) or on another device, or weight_offset is
+            not 0 without a weight.
     """
-    args = (x, weight, eps)  # as given: a plan is found by the arguments of the calls it serves
+    args = (x, weight, eps, weight_offset)  # as given: a plan is found by the calls' arguments
     key, planned = _RMS_NORM_CALLS.replayed(*args)
     if planned is not None:
         return planned
     _check_inputs("gemslib.rms_norm", x, weight)
     eps = checks.as_float("gemslib.rms_norm", "eps", eps)
+    weight_offset = _check_weight_offset("gemslib.rms_norm", weight, weight_offset)
     if runtime.wants_custom_op(x, weight):
-        return _rms_norm_forward_op(x, weight, eps)[0]
+        return _rms_norm_forward_op(x, weight, eps, weight_offset)[0]
     if not _kernel_takes(x, weight):
-        return _upcast_reference(rms_norm_reference, x, weight, eps=eps).to(x.dtype)
-    return _RMS_NORM_CALLS.plan(key, args, lambda: _forward(x, weight, eps, want_rstd=False)[0])
+        return _upcast_reference(rms_norm_reference, x, weight, eps=eps,
+                                 weight_offset=weight_offset).to(x.dtype)
+    return _RMS_NORM_CALLS.plan(key, args, lambda: _forward(x, weight, eps, want_rstd=False,
+                                                            weight_offset=weight_offset)[0])
 
 
-def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
+def _add_rms_norm(x, residual, weight, eps, out=None, residual_out=None, weight_offset=0.0):
     """Kernel (or torch for what it does not take) without autograd; ``out``/``residual_out``
     may be ``x``/``residual`` (in place)."""
     if not _kernel_takes(x, residual, weight):
-        normed, total = _upcast_reference(add_rms_norm_reference, x, residual, weight, eps=eps)
+        normed, total = _upcast_reference(add_rms_norm_reference, x, residual, weight, eps=eps,
+                                          weight_offset=weight_offset)
     elif out is not None and not all(t.stride(-1) == 1 and layout.viewable_as_rows(t) for t in (out, residual_out)):
-        normed, total = _add_rms_norm(x, residual, weight, eps)  # layouts the kernel cannot write
+        # layouts the kernel cannot write
+        normed, total = _add_rms_norm(x, residual, weight, eps, weight_offset=weight_offset)
     else:
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if residual_out is None:
             residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         _launch_forward(x, residual, weight.contiguous() if weight is not None else None, eps,
-                        out, residual_out, want_rstd=False)
+                        out, residual_out, want_rstd=False, weight_offset=weight_offset)
         return out, residual_out
     if out is None:
         return normed.to(x.dtype), total.to(x.dtype)
@@ -406,7 +436,8 @@ def _check_in_place_aliasing(function: str, x, residual, weight):
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, inplace: bool = False, weight_offset: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual, weight), x + residual)`` in one pass over the data.
 
     x, residual: (..., N) of one dtype; weight (N,) or None. With ``inplace=True`` (as LLM
@@ -422,6 +453,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         weight: (N,) floating tensor on x's device, or None (no scale).
         eps: added to mean(sum**2) before the square root; a float or 0-d tensor.
         inplace: write the normalised rows into x and the sum into residual.
+        weight_offset: as for ``rms_norm`` (1.0 for Gemma's ``(1 + weight)``).
 
     Returns:
         (normed, total), both (..., N) of x's dtype: ``normed = rms_norm(total, weight, eps)``,
@@ -431,111 +463,120 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
         TypeError: x, residual or weight is not a (floating-point) tensor, or eps or inplace
             has the wrong type.
         ValueError: x is 0-d, residual differs from x in shape, dtype or device, weight is not
-            (N,) or on another device; in place, x and residual share memory.
+            (N,) or on another device, weight_offset is not 0 without a weight; in place, x
+            and residual share memory.
         RuntimeError: ``inplace=True`` with x or residual requiring grad.
     """
-    args = (x, residual, weight, eps)  # as given (see rms_norm)
+    args = (x, residual, weight, eps, weight_offset)  # as given (see rms_norm)
     key, planned = _ADD_RMS_NORM_CALLS.replayed(*args) if inplace is False else (None, None)
     if planned is not None:
         return planned
     _check_inputs("gemslib.add_rms_norm", x, weight, residual)
     eps = checks.as_float("gemslib.add_rms_norm", "eps", eps)
     inplace = checks.as_bool("gemslib.add_rms_norm", "inplace", inplace)
+    weight_offset = _check_weight_offset("gemslib.add_rms_norm", weight, weight_offset)
     if inplace:
         if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
             raise RuntimeError("gemslib.add_rms_norm: inplace=True cannot be used on tensors "
                                "that require grad")
         weight = _check_in_place_aliasing("gemslib.add_rms_norm", x, residual, weight)
-        return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual)
+        return _add_rms_norm(x, residual, weight, eps, out=x, residual_out=residual,
+                             weight_offset=weight_offset)
     if runtime.wants_custom_op(x, residual, weight):
-        return _add_rms_norm_op(x, residual, weight, eps)
-    return _ADD_RMS_NORM_CALLS.plan(key, args, lambda: _add_rms_norm(x, residual, weight, eps))
+        return _add_rms_norm_op(x, residual, weight, eps, weight_offset)
+    return _ADD_RMS_NORM_CALLS.plan(key, args, lambda: _add_rms_norm(
+        x, residual, weight, eps, weight_offset=weight_offset))
 
 
-def _forward_with_rstd(x, weight, eps):
+def _forward_with_rstd(x, weight, eps, weight_offset=0.0):
     if not _kernel_takes(x, weight):
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(dim=-1) + eps).reshape(-1)
-        out = _upcast_reference(rms_norm_reference, x, weight, eps=eps)
+        out = _upcast_reference(rms_norm_reference, x, weight, eps=eps,
+                                weight_offset=weight_offset)
         return out.to(x.dtype).contiguous(), rstd
-    return _forward(x, weight, eps, want_rstd=True)
+    return _forward(x, weight, eps, want_rstd=True, weight_offset=weight_offset)
 
 
-def _backward(grad, x, weight, rstd, grad_extra=None):
+def _backward(grad, x, weight, rstd, grad_extra=None, weight_offset=0.0):
     if not _kernel_takes(x, grad, weight, grad_extra):
         x32, g32 = x.float(), grad.float()
         rstd_col = rstd.reshape(*x.shape[:-1], 1)
         x_hat = x32 * rstd_col
-        g = g32 * weight.float() if weight is not None else g32
+        g = g32 * (weight.float() + weight_offset) if weight is not None else g32
         dx = rstd_col * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
         if grad_extra is not None:
             dx = dx + grad_extra.float()
         dweight = (g32 * x_hat).reshape(-1, x.shape[-1]).sum(0) if weight is not None else None
         return dx.to(x.dtype), dweight.to(weight.dtype) if weight is not None else None
     return _launch_backward(grad, x, weight.contiguous() if weight is not None else None, rstd,
-                            grad_extra)
+                            grad_extra, weight_offset)
 
 
-def _rms_norm_forward_impl(x: torch.Tensor, weight: torch.Tensor | None,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_forward_impl(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                           weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, rstd) with rstd (rows,) fp32, what the backward needs."""
-    return _forward_with_rstd(x, weight, eps)
+    return _forward_with_rstd(x, weight, eps, weight_offset)
 
 
 def _rms_norm_backward_impl(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                            rstd: torch.Tensor, grad_extra: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            rstd: torch.Tensor, grad_extra: torch.Tensor | None = None,
+                            weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [+ grad_extra], dweight); dweight is empty when there is no weight."""
-    dx, dweight = _backward(grad, x, weight, rstd, grad_extra)
+    dx, dweight = _backward(grad, x, weight, rstd, grad_extra, weight_offset)
     return dx, dweight if dweight is not None else x.new_empty((0,))
 
 
 def _add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _add_rms_norm(x, residual, weight, eps)
+                       eps: float, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm(x, residual, weight, eps, weight_offset=weight_offset)
 
 
-def _rms_norm_forward_fake(x, weight, eps):
+def _rms_norm_forward_fake(x, weight, eps, weight_offset=0.0):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
         (rows,), dtype=torch.float32)
 
 
-def _rms_norm_backward_fake(grad, x, weight, rstd, grad_extra=None):
+def _rms_norm_backward_fake(grad, x, weight, rstd, grad_extra=None, weight_offset=0.0):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(weight) if weight is not None else x.new_empty((0,)))
 
 
-def _add_rms_norm_fake(x, residual, weight, eps):
+def _add_rms_norm_fake(x, residual, weight, eps, weight_offset=0.0):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, _, *offset = inputs
+    ctx.weight_offset, ctx.n_inputs = (offset[0] if offset else 0.0), len(inputs)
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_norm_grad(ctx, grad_out, grad_rstd, ops):
     x, weight, rstd = ctx.saved_tensors
-    dx, dweight = ops.rms_norm_backward(grad_out.contiguous(), x, weight, rstd)
-    return dx, (dweight if weight is not None else None), None
+    dx, dweight = ops.rms_norm_backward(grad_out.contiguous(), x, weight, rstd, None,
+                                        ctx.weight_offset)
+    return (dx, (dweight if weight is not None else None)) + (None,) * (ctx.n_inputs - 2)
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    _, _, weight, eps = inputs
-    ctx.eps = eps
+    _, _, weight, eps, *offset = inputs
+    ctx.eps, ctx.weight_offset = eps, (offset[0] if offset else 0.0)
+    ctx.n_inputs = len(inputs)
     ctx.save_for_backward(output[1], weight)
 
 
 def _add_rms_norm_grad(ctx, grad_normed, grad_total, ops):
     total, weight = ctx.saved_tensors
     # the forward kept no rstd (it serves inference); one cheap pass recomputes it
-    _, rstd = ops.rms_norm_forward(total, weight, ctx.eps)
+    _, rstd = ops.rms_norm_forward(total, weight, ctx.eps, ctx.weight_offset)
     d_total, dweight = ops.rms_norm_backward(
         grad_normed.contiguous(), total, weight, rstd,
-        grad_total.contiguous() if grad_total is not None else None)
-    return d_total, d_total, (dweight if weight is not None else None), None
+        grad_total.contiguous() if grad_total is not None else None, ctx.weight_offset)
+    return (d_total, d_total, (dweight if weight is not None else None)) + \
+        (None,) * (ctx.n_inputs - 3)
 
 
 _rms_norm_backward_op = runtime.CustomOp("rms_norm_backward", _rms_norm_backward_impl,
@@ -550,24 +591,25 @@ _add_rms_norm_op = runtime.CustomOp("add_rms_norm", _add_rms_norm_impl,
 
 
 def _rms_norm_eps_input_impl(x: torch.Tensor, weight: torch.Tensor | None,
-                             eps: torch.Tensor) -> torch.Tensor:
+                             eps: torch.Tensor, weight_offset: float = 0.0) -> torch.Tensor:
     """rms_norm with eps a 0-d CPU tensor: under ``dynamic=True`` dynamo makes a module's float
     epsilon a graph input, which the graph passes hand on as it is (forward only)."""
-    return _forward_with_rstd(x, weight, float(eps))[0]
+    return _forward_with_rstd(x, weight, float(eps), weight_offset)[0]
 
 
 def _add_rms_norm_eps_input_impl(x: torch.Tensor, residual: torch.Tensor,
-                                 weight: torch.Tensor | None,
-                                 eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _add_rms_norm(x, residual, weight, float(eps))
+                                 weight: torch.Tensor | None, eps: torch.Tensor,
+                                 weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _add_rms_norm(x, residual, weight, float(eps), weight_offset=weight_offset)
 
 
 _rms_norm_eps_input_op = runtime.CustomOp(
     "rms_norm_eps_input", _rms_norm_eps_input_impl,
-    fake=lambda x, weight, eps: _rms_norm_forward_fake(x, weight, 0.0)[0])
+    fake=lambda x, weight, eps, weight_offset=0.0: _rms_norm_forward_fake(x, weight, 0.0)[0])
 _add_rms_norm_eps_input_op = runtime.CustomOp(
     "add_rms_norm_eps_input", _add_rms_norm_eps_input_impl,
-    fake=lambda x, residual, weight, eps: _add_rms_norm_fake(x, residual, weight, 0.0))
+    fake=lambda x, residual, weight, eps, weight_offset=0.0: _add_rms_norm_fake(
+        x, residual, weight, 0.0))
 
 
 # --------------------------------------------------------------------------------------------

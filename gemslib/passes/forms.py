@@ -26,6 +26,14 @@ def transformers_rms_norm(x, weight, eps):
     return weight * h.to(dtype)
 
 
+def gemma_rms_norm(x, weight, eps):
+    """transformers' GemmaRMSNorm (Gemma 1-3, Qwen3-Next and others copy it): statistics and
+    the ``(1 + weight)`` scale in fp32, one rounding to x's dtype at the end."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
 def rotate_half(x):
     """transformers' rotate_half: (-x2, x1) for the halves (x1, x2) of the last dim."""
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)

@@ -241,7 +241,8 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
         norm = normed.args[0] if normed.target is operator.getitem and normed.args[1] == 0 \
             else None
         if not (isinstance(norm, torch.fx.Node)
-                and norm.target is torch.ops.gemslib.rms_norm_forward.default):
+                and norm.target is torch.ops.gemslib.rms_norm_forward.default
+                and len(norm.args) == 3 and not norm.kwargs):  # no weight_offset: its kernel's
             continue
         x, norm_weight, eps = norm.args
         chain = _silu_chain(act, source)

@@ -1,7 +1,8 @@
 """RMSNorm the way models write it -> gemslib's rms_norm and add_rms_norm (patterns).
 
-transformers' RMSNorm (with its epsilon a number, or a graph input under ``dynamic=True``) and
-``F.rms_norm`` as torch decomposes it, each alone or after a decoder layer's residual add.
+transformers' RMSNorm (with its epsilon a number, or a graph input under ``dynamic=True``),
+Gemma's ``(1 + weight)`` RMSNorm (the kernel's ``weight_offset`` 1) and ``F.rms_norm`` as
+torch decomposes it, each alone or after a decoder layer's residual add.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from gemslib import runtime
 from gemslib.ops import rms_norm as _rms_norm_ops  # noqa: F401  (defines torch.ops.gemslib's norms)
 from gemslib.passes.base import GraphPattern
-from gemslib.passes.forms import same_size, transformers_rms_norm
+from gemslib.passes.forms import gemma_rms_norm, same_size, transformers_rms_norm
 
 
 def _transformers_add_rms_norm(x, residual, weight, eps):
@@ -34,6 +35,23 @@ def _transformers_rms_norm_eps_input(x, weight, eps):
 def _transformers_add_rms_norm_eps_input(x, residual, weight, eps):
     total = residual + x
     return _transformers_rms_norm_eps_input(total, weight, eps), total
+
+
+def _gemma_add_rms_norm(x, residual, weight, eps):
+    total = residual + x
+    return gemma_rms_norm(total, weight, eps), total
+
+
+def _gemma_rms_norm_eps_input(x, weight, eps):
+    """Gemma's RMSNorm with its epsilon a graph input (see the transformers one above)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps.to(torch.float32))
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def _gemma_add_rms_norm_eps_input(x, residual, weight, eps):
+    total = residual + x
+    return _gemma_rms_norm_eps_input(total, weight, eps), total
 
 
 def _functional_rms_norm(x, weight, eps):
@@ -68,6 +86,24 @@ def _unweighted_rms_norm_replacement(x, eps):
 
 def _add_rms_norm_replacement(x, residual, weight, eps):
     normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
+    return normed, total
+
+
+def _gemma_rms_norm_replacement(x, weight, eps):
+    return torch.ops.gemslib.rms_norm_forward(x, weight, eps, 1.0)[0]
+
+
+def _gemma_add_rms_norm_replacement(x, residual, weight, eps):
+    normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps, 1.0)
+    return normed, total
+
+
+def _gemma_rms_norm_eps_input_replacement(x, weight, eps):
+    return torch.ops.gemslib.rms_norm_eps_input(x, weight, eps, 1.0)
+
+
+def _gemma_add_rms_norm_eps_input_replacement(x, residual, weight, eps):
+    normed, total = torch.ops.gemslib.add_rms_norm_eps_input(x, residual, weight, eps, 1.0)
     return normed, total
 
 
@@ -164,6 +200,20 @@ GRAPH_PATTERNS = tuple(
                      _pattern_inputs(dtype, 1), check=_is_rms_norm,
                      scalars={"eps": 1e-6}),
         GraphPattern("rms_norm", _transformers_rms_norm_eps_input, _rms_norm_eps_input_replacement,
+                     _pattern_inputs(dtype, 1, eps_input=True),
+                     check=functools.partial(_is_rms_norm, eps_is_input=True)),
+        GraphPattern("add_rms_norm", _gemma_add_rms_norm, _gemma_add_rms_norm_replacement,
+                     _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("add_rms_norm", _gemma_add_rms_norm_eps_input,
+                     _gemma_add_rms_norm_eps_input_replacement,
+                     _pattern_inputs(dtype, 2, eps_input=True),
+                     check=functools.partial(_is_transformers_add_rms_norm, eps_is_input=True)),
+        GraphPattern("rms_norm", gemma_rms_norm, _gemma_rms_norm_replacement,
+                     _pattern_inputs(dtype, 1), check=_is_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("rms_norm", _gemma_rms_norm_eps_input,
+                     _gemma_rms_norm_eps_input_replacement,
                      _pattern_inputs(dtype, 1, eps_input=True),
                      check=functools.partial(_is_rms_norm, eps_is_input=True)),
         GraphPattern("add_rms_norm", _functional_add_rms_norm, _add_rms_norm_replacement,

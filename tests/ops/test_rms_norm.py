@@ -130,6 +130,69 @@ def test_add_rms_norm_gradients(dtype):
         assert_close_to_reference(ours.grad, theirs.grad, dtype, reduction_len=shape[0] * 16, msg=name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 7), (33, 513), (2, 9000)]
+                         + ([(1000, 3072)] if ON_GPU else []), ids=str)
+def test_a_weight_offset_scales_by_offset_plus_weight(shape, dtype):
+    """Gemma's ``x_hat * (1 + weight)``: forward of both norms, in one pass and in the column
+    loop, against the float64 reference; zero weights (Gemma's initial ones) give x_hat."""
+    x, residual = random_tensor(shape, dtype), random_tensor(shape, dtype)
+    weight = random_tensor(shape[-1:], dtype, scale=0.5)
+    result = gemslib.rms_norm(x, weight, 1e-6, weight_offset=1.0)
+    expected = rms_ops.rms_norm_reference(x.double(), weight.double(), 1e-6, weight_offset=1.0)
+    assert_close_to_reference(result, expected, dtype, reduction_len=shape[-1])
+    normed, total = gemslib.add_rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
+    ref_normed, ref_total = rms_ops.add_rms_norm_reference(
+        x.double(), residual.double(), weight.double(), 1e-6, weight_offset=1.0)
+    assert_close_to_reference(total, ref_total, dtype)
+    assert_close_to_reference(normed, rms_ops.rms_norm_reference(
+        total.double(), weight.double(), 1e-6, weight_offset=1.0), dtype, reduction_len=shape[-1])
+    zeros = torch.zeros_like(weight)
+    assert torch.equal(gemslib.rms_norm(x, zeros, 1e-6, weight_offset=1.0), gemslib.rms_norm(x))
+    in_x, in_residual = x.clone(), residual.clone()
+    gemslib.add_rms_norm(in_x, in_residual, weight, 1e-6, inplace=True, weight_offset=1.0)
+    assert torch.equal(in_x, normed) and torch.equal(in_residual, total)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_offset_gradients(dtype):
+    """dx sees the scale (offset + weight); dweight is that of the weight itself."""
+    for shape in ((7, 70), (3, 9000)):
+        x = random_tensor(shape, dtype).requires_grad_()
+        residual = random_tensor(shape, dtype).requires_grad_()
+        weight = random_tensor(shape[-1:], dtype, scale=0.5).requires_grad_()
+        grad = random_tensor(shape, dtype)
+        gemslib.rms_norm(x, weight, 1e-6, weight_offset=1.0).backward(grad)
+        x64 = x.detach().double().requires_grad_()
+        w64 = weight.detach().double().requires_grad_()
+        rms_ops.rms_norm_reference(x64, w64, 1e-6, weight_offset=1.0).backward(grad.double())
+        assert_close_to_reference(x.grad, x64.grad, dtype, reduction_len=shape[-1], msg="dx")
+        assert_close_to_reference(weight.grad, w64.grad, dtype, reduction_len=shape[0] * 16,
+                                  msg="dweight")
+        weight.grad = None
+        normed, total = gemslib.add_rms_norm(x.detach(), residual, weight, 1e-6,
+                                             weight_offset=1.0)
+        normed.backward(grad)
+        total64 = total.detach().double().requires_grad_()
+        w64 = weight.detach().double().requires_grad_()
+        rms_ops.rms_norm_reference(total64, w64, 1e-6, weight_offset=1.0).backward(grad.double())
+        assert_close_to_reference(residual.grad, total64.grad, dtype,
+                                  reduction_len=shape[-1], msg="d residual")
+        assert_close_to_reference(weight.grad, w64.grad, dtype, reduction_len=shape[0] * 16,
+                                  msg="add_rms_norm dweight")
+
+
+def test_a_weight_offset_needs_a_weight_and_a_number():
+    x = random_tensor((3, 8), torch.float32)
+    with pytest.raises(ValueError, match=r"gemslib.rms_norm: weight_offset .* needs a weight"):
+        gemslib.rms_norm(x, None, 1e-6, weight_offset=1.0)
+    with pytest.raises(ValueError, match=r"gemslib.add_rms_norm: weight_offset .* needs a wei"):
+        gemslib.add_rms_norm(x, x.clone(), None, weight_offset=1.0)
+    with pytest.raises(TypeError, match=r"weight_offset"):
+        gemslib.rms_norm(x, torch.ones(8), 1e-6, weight_offset="1")
+    assert torch.equal(gemslib.rms_norm(x, None, 1e-6, weight_offset=0.0), gemslib.rms_norm(x))
+
+
 def test_bad_input_names_the_argument():
     x = random_tensor((3, 8), torch.float32)
     with pytest.raises(ValueError, match=r"weight must have shape \(8,\).*got \(7,\)"):
@@ -319,6 +382,19 @@ def test_custom_ops_pass_opcheck(with_weight):
                       test_utils=("test_schema", "test_faketensor"))
     expected = torch.ops.gemslib.rms_norm_forward(x, weight, 1e-5)[0]
     assert torch.equal(torch.ops.gemslib.rms_norm_eps_input(x, weight, eps), expected)
+    if with_weight:  # Gemma's (1 + weight) through every op
+        x, residual, weight = (t.requires_grad_() for t in (x, residual, weight))
+        opcheck_overloads(torch.ops.gemslib.rms_norm_forward, (x, weight, 1e-5, 1.0))
+        opcheck_overloads(torch.ops.gemslib.add_rms_norm, (x, residual, weight, 1e-6, 1.0))
+        x, residual, weight = x.detach(), residual.detach(), weight.detach()
+        _, rstd = torch.ops.gemslib.rms_norm_forward(x, weight, 1e-5, 1.0)
+        opcheck_overloads(torch.ops.gemslib.rms_norm_backward,
+                          (grad, x, weight, rstd, None, 1.0))
+        opcheck_overloads(torch.ops.gemslib.rms_norm_eps_input, (x, weight, eps, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))
+        opcheck_overloads(torch.ops.gemslib.add_rms_norm_eps_input,
+                          (x, residual, weight, eps, 1.0),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_traces_under_torch_compile_fullgraph():

@@ -180,10 +180,12 @@ class _NormLinearSilu(torch.nn.Module):
     """silu(linear(rms_norm(x))) as a model writes it (transformers' RMSNorm), and, with
     ``also_normed``, the normalised rows used a second time."""
 
-    def __init__(self, k=64, n=96, bias=False, also_normed=False, dtype=torch.float32):
+    def __init__(self, k=64, n=96, bias=False, also_normed=False, dtype=torch.float32,
+                 gemma=False):
         super().__init__()
         transformers = pytest.importorskip("transformers")
-        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(k, eps=1e-5)
+        self.norm = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(k, eps=1e-5) if gemma \
+            else transformers.models.llama.modeling_llama.LlamaRMSNorm(k, eps=1e-5)
         self.proj = torch.nn.Linear(k, n, bias=bias)
         self.also_normed = also_normed
         torch.nn.init.uniform_(self.norm.weight, 0.5, 1.5)
@@ -196,19 +198,24 @@ class _NormLinearSilu(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,bias,also_normed,fused", [
-    (128, False, False, True), (130, True, False, True), (22, False, False, False),
-    (128, False, True, False)], ids=["128-rows", "bias", "22-rows", "normed-used-twice"])
-def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, also_normed, fused,
-                                                           monkeypatch):
+@pytest.mark.parametrize("rows,bias,also_normed,gemma,fused", [
+    (128, False, False, False, True), (130, True, False, False, True),
+    (22, False, False, False, False), (128, False, True, False, False),
+    (128, False, False, True, False)],
+    ids=["128-rows", "bias", "22-rows", "normed-used-twice", "gemma-norm"])
+def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, also_normed, gemma,
+                                                           fused, monkeypatch):
     """backend="gemslib": rms_norm -> linear -> silu becomes one rms_norm_linear_silu where the
     fused path takes it (the Hopper path's rows and up; the tiny product let through however
     few its tiles) and the normalised rows feed nothing else; the result within the dtype's
-    rounding of eager's."""
+    rounding of eager's. Gemma's ``(1 + weight)`` norm, which that kernel does not compute,
+    stays an rms_norm of its own."""
     monkeypatch.setattr(norm_linear_silu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
-    module = _NormLinearSilu(bias=bias, also_normed=also_normed, dtype=dtype).eval()
+    module = _NormLinearSilu(bias=bias, also_normed=also_normed, dtype=dtype, gemma=gemma).eval()
+    if gemma:
+        torch.nn.init.uniform_(module.norm.weight, -0.5, 0.5)
     x = torch.randn(2, rows // 2, 64, device=DEVICE, dtype=dtype)
     with torch.no_grad():
         expected = module(x)

@@ -92,3 +92,70 @@ def test_a_residual_add_before_functional_rms_norm_runs_add_rms_norm(dtype):
     assert gemslib.fusion_report() == {"add_rms_norm": 1}, gemslib.fusion_report()
     for g, e in zip(got, expected):
         assert g.dtype == e.dtype and torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())
+
+
+class _GemmaNorms(torch.nn.Module):
+    """Gemma's RMSNorm, ``x_hat * (1 + weight)`` in fp32 rounded once, alone and after a
+    residual add, beside forms that differ: another offset, a scale that is no norm weight."""
+
+    def __init__(self, width, rows):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width) * 0.3)
+        self.per_row = torch.nn.Parameter(torch.randn(rows, width) * 0.3)
+
+    def forward(self, x, residual):
+        from gemslib.passes.forms import gemma_rms_norm
+
+        def scaled(h, scale):
+            h32 = h.float()
+            h32 = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (h32 * scale).type_as(h)
+
+        total = residual + x
+        return (gemma_rms_norm(total, self.weight, 1e-6), total * 2,
+                gemma_rms_norm(x, self.weight, 1e-6),
+                scaled(x, 2.0 + self.weight.float()),      # another offset
+                scaled(x, 1.0 + self.per_row.float()))     # a scale per row: no norm weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gemma_rms_norm_runs_with_the_weight_offset(dtype):
+    """Gemma's norm becomes rms_norm / add_rms_norm with weight_offset 1 (the kernel's fp32
+    scale and single rounding are its arithmetic); another offset or a per-row scale is left
+    to inductor, and every result stays eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _GemmaNorms(24, 5).to(DEVICE, dtype)
+    x, residual = (torch.randn(3, 5, 24, device=DEVICE, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        expected = module(x, residual)
+        compiled = torch.compile(module, backend="gemslib", fullgraph=True)
+        got = compiled(x, residual)
+    assert gemslib.fusion_report() == {"add_rms_norm": 1, "rms_norm": 1}, gemslib.fusion_report()
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert torch.allclose(g.float(), e.float(), atol=2e-3 * e.abs().max().item())
+
+
+def test_every_norm_of_a_tiny_gemma_runs_the_kernel():
+    """transformers' Gemma (tiny, fp32, norm weights away from zero): each layer's two norms
+    and the final one are gemslib's (the first alone, the others after their residual adds),
+    and the logits are eager's within fp32 rounding."""
+    from gemslib import models
+
+    spec = models.MODELS["gemma-7b"].tiny()
+    model = models.build_model(spec, DEVICE, torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    ids = torch.randint(0, spec.vocab, (2, 12), generator=generator).to(DEVICE)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        got = torch.compile(model, backend="gemslib", fullgraph=True)(
+            input_ids=ids, use_cache=False).logits
+    report = gemslib.fusion_report()
+    assert report.get("rms_norm") == 1 and report.get("add_rms_norm") == 2 * spec.layers, report
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
