@@ -1,4 +1,6 @@
-"""silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel and FlagGems.
+"""silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel and FlagGems;
+gelu_and_mul (tanh, Gemma's) against eager, torch.compile, Liger-Kernel's GeGLU and FlashInfer's
+gelu_tanh_and_mul.
 
     python -m benchmark.bench_silu [--quick] [--forward-only]
 
@@ -17,13 +19,20 @@ from gemslib.ops import silu as silu_ops
 QUICK_SHAPES = [(4096, 14336), (16384, 14336)]
 EXTRA_SHAPES = [(1, 14336), (1024, 4096), (8192, 5120), (4096, 14337)]
 # the Case names cases() yields (python -m benchmark --ops selects among them)
-OPS = ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward")
+OPS = ("silu", "silu_backward", "silu_and_mul", "silu_and_mul_backward", "gelu_and_mul")
+GELU_SHAPES = [(4096, 24576)]  # Gemma-7B's intermediate width
+EXTRA_GELU_SHAPES = [(1, 24576), (16384, 16384)]
 DTYPE = torch.bfloat16
 
 
 def _eager_silu_and_mul(x):
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def _eager_gelu_and_mul(x):
+    half = x.shape[-1] // 2
+    return F.gelu(x[..., :half], approximate="tanh") * x[..., half:]
 
 
 def _aten_silu_backward(grad, x):
@@ -83,9 +92,25 @@ def cases(quick: bool = False, backward: bool = False):
             del grad
         del gate_up
 
+    liger_geglu = optional_peer("liger_kernel.ops.geglu")
+    flashinfer = optional_peer("flashinfer")
+    for rows, cols in GELU_SHAPES + ([] if quick else EXTRA_GELU_SHAPES):
+        gate_up = torch.randn(rows, 2 * cols, device="cuda", dtype=DTYPE)
+        impls = {"gemslib": lambda: gemslib.gelu_and_mul(gate_up, "tanh"),
+                 "torch eager": lambda: _eager_gelu_and_mul(gate_up),
+                 "torch.compile": (lambda f: lambda: f(gate_up))(compiled(_eager_gelu_and_mul))}
+        if liger_geglu:
+            impls["Liger-Kernel"] = lambda: liger_geglu.LigerGELUMulFunction.apply(
+                gate_up[:, :cols], gate_up[:, cols:])
+        if flashinfer:
+            impls["FlashInfer"] = lambda: flashinfer.activation.gelu_tanh_and_mul(gate_up)
+        yield Case("gelu_and_mul", f"{rows}x{cols} tanh", "bf16", 3 * rows * cols * size, impls,
+                   outputs_agree=outputs_close(impls["gemslib"],
+                                               lambda: _eager_gelu_and_mul(gate_up.float())))
+        del gate_up
+
 
 if __name__ == "__main__":
     from benchmark.__main__ import main
 
-    raise SystemExit(main(["--ops", "silu", "silu_and_mul", "silu_backward",
-                           "silu_and_mul_backward", *__import__("sys").argv[1:]]))
+    raise SystemExit(main(["--ops", *OPS, *__import__("sys").argv[1:]]))

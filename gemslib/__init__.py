@@ -44,7 +44,7 @@ from gemslib.fused.attention import attention
 from gemslib.fused.decode_attention import decode_attention
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.rotary import apply_rotary
-from gemslib.ops.silu import silu, silu_and_mul
+from gemslib.ops.silu import gelu_and_mul, silu, silu_and_mul
 from gemslib.ops.softmax import log_softmax, softmax
 from gemslib.fused.rms_norm_linear_silu import rms_norm_linear_silu
 from gemslib.fused.rms_norm_swiglu import rms_norm_swiglu
@@ -54,7 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "enable", "disable", "is_enabled", "registered_ops", "TuneConfigError",
     "fusion_report", "reset_fusion_report",
-    "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "softmax", "log_softmax",
+    "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "gelu_and_mul", "softmax", "log_softmax",
     "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
     "rms_norm_swiglu",
 ]

@@ -2,16 +2,16 @@
 
     python -m gemslib.tune --verdicts [--quick] [--out PATH | --user]
 
-A fusion replaces a form a model writes (an RMSNorm, a residual add and RMSNorm, a SwiGLU
-activation) by one gemslib kernel; inductor, without it, generates its own kernel for the same
-form. Which is faster depends on the GPU and the shape, so for each such fusion this times both
+A fusion replaces a form a model writes (an RMSNorm, a residual add and RMSNorm, a SwiGLU or
+GeGLU activation) by one gemslib kernel; inductor, without it, generates its own kernel for the
+same form. Which is faster depends on the GPU and the shape, so for each such fusion this times both
 on the GPU (each a compiled function of the form alone, ``backend="gemslib"`` and
 ``backend="inductor"``, CALLS_PER_REPLAY calls replayed from one CUDA graph: GPU time a
 call, no host) at every
 width of the models of ``gemslib.models`` and at row counts from one token to a long prompt,
 and writes the outcome as the file's ``verdicts``: per fusion, buckets of ``rows`` and
 ``cols`` (the form's last dim: the hidden size for the norms, the intermediate size for the
-SwiGLU) saying ``use: gemslib`` where gemslib's time was at most inductor's plus 1% (the
+gated activations) saying ``use: gemslib`` where gemslib's time was at most inductor's plus 1% (the
 tuner's margin for noise), else ``use: inductor``. The passes read them (``verdict_allows``)
 and leave a site whose bucket says inductor to inductor. The rest of the file is the file in
 use's, so a run adds verdicts to the configs already tuned.
@@ -50,6 +50,11 @@ def _swiglu(gate_up):
     return torch.nn.functional.silu(gate) * up
 
 
+def _geglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 # fusion -> (the form, its inputs for (rows, cols), which size of a model its cols are)
 FORMS: dict[str, tuple[Callable, Callable, str]] = {
     "rms_norm": (_norm, lambda rows, cols, **kw: (torch.randn(1, rows, cols, **kw),
@@ -58,6 +63,8 @@ FORMS: dict[str, tuple[Callable, Callable, str]] = {
         torch.randn(1, rows, cols, **kw), torch.randn(1, rows, cols, **kw),
         torch.rand(cols, **kw) + 0.5), "hidden"),
     "silu_and_mul": (_swiglu, lambda rows, cols, **kw: (torch.randn(1, rows, 2 * cols, **kw),),
+                     "intermediate"),
+    "gelu_and_mul": (_geglu, lambda rows, cols, **kw: (torch.randn(1, rows, 2 * cols, **kw),),
                      "intermediate"),
 }
 

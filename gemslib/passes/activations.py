@@ -1,5 +1,6 @@
-"""silu(gate) * up over two column blocks of one tensor (the merged gate | up projection's
-output, as ``chunk(2, -1)`` or slices read it) -> gemslib's silu_and_mul (a rewrite)."""
+"""silu(gate) * up and gelu(gate) * up over two column blocks of one tensor (the merged gate |
+up projection's output, as ``chunk(2, -1)`` or slices read it) -> gemslib's silu_and_mul and
+gelu_and_mul (rewrites)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from gemslib import runtime
 from gemslib.ops import silu as _silu_ops  # noqa: F401  (defines torch.ops.gemslib.silu_and_mul)
 from gemslib.passes.base import GraphRewrite, verdict_allows
-from gemslib.passes.forms import call_node, silu_source, slice_bounds
+from gemslib.passes.forms import call_node, gelu_source, silu_source, slice_bounds
 
 _aten = torch.ops.aten
 
@@ -71,12 +72,29 @@ def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
     """``silu(x[..., a:a+n]) * x[..., a+n:a+2n]`` (each part possibly reshaped alike; the
     parts slices or split pieces of x's last dim) -> silu_and_mul of x[..., a:a+2n]: the
     merged gate/up output, or the gate/up columns of a wider merged projection."""
+    return _fuse_gated(graph, "silu_and_mul",
+                       lambda node: (lambda s: s and (s, ()))(silu_source(node)),
+                       torch.ops.gemslib.silu_and_mul.default)
+
+
+def _fuse_gelu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
+    """``gelu(x[..., a:a+n]) * x[..., a+n:a+2n]``, either of F.gelu's forms, as
+    :func:`_fuse_silu_and_mul` -> gelu_and_mul of x[..., a:a+2n] with that form."""
+    return _fuse_gated(graph, "gelu_and_mul",
+                       lambda node: (lambda s: s and (s[0], (s[1],)))(gelu_source(node)),
+                       torch.ops.gemslib.gelu_and_mul.default)
+
+
+def _fuse_gated(graph: torch.fx.Graph, fusion: str, activation_of, op) -> list[str]:
+    """The gated activations' rewrite: ``activation_of(node)`` is (the gate it activates, the
+    op's arguments after x) or None."""
     sites = []
     for mul in graph.find_nodes(op="call_function", target=_aten.mul.Tensor):
         for gated, other in (mul.args, mul.args[::-1]):
             if not all(isinstance(a, torch.fx.Node) for a in (gated, other)):
                 continue
-            source = silu_source(gated)
+            found = activation_of(gated)
+            source, op_args = found if found else (None, ())
             gate, up = source and _columns_of(source), _columns_of(other)
             if not (gate and up and gate[0] is up[0] and gate[2] == up[1]
                     and gate[2] - gate[1] == up[2] - up[1] > 0 and gate[3] == up[3]):
@@ -84,12 +102,12 @@ def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
             whole, start, end = gate[0], gate[1], up[2]
             if whole.meta["val"].dtype not in runtime.KERNEL_DTYPES or \
                     mul.meta["val"].dtype != whole.meta["val"].dtype or \
-                    not verdict_allows("silu_and_mul", mul.meta["val"]):
+                    not verdict_allows(fusion, mul.meta["val"]):
                 continue
             with graph.inserting_before(mul):
                 if (start, end) != (0, whole.meta["val"].shape[-1]):
                     whole = call_node(graph, _aten.slice.Tensor, whole, -1, start, end)
-                fused = call_node(graph, torch.ops.gemslib.silu_and_mul.default, whole)
+                fused = call_node(graph, op, whole, *op_args)
                 if gate[3] is not None:
                     fused = call_node(graph, _aten.reshape.default, fused, gate[3])
             mul.replace_all_uses_with(fused)
@@ -99,4 +117,5 @@ def _fuse_silu_and_mul(graph: torch.fx.Graph, real_value) -> list[str]:
     return sites
 
 
-GRAPH_REWRITES = (GraphRewrite("silu_and_mul", _fuse_silu_and_mul),)
+GRAPH_REWRITES = (GraphRewrite("silu_and_mul", _fuse_silu_and_mul),
+                  GraphRewrite("gelu_and_mul", _fuse_gelu_and_mul))

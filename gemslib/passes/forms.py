@@ -7,6 +7,8 @@ make nodes and read sizes and slices of a post-grad ``torch.fx.Graph``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
@@ -85,6 +87,65 @@ def silu_source(node):
     if not isinstance(source, torch.fx.Node) or source.meta["val"].dtype != dtype:
         return None
     return source
+
+
+def gelu_source(node):
+    """(s, tanh) when ``node`` computes F.gelu(s) rounded once to s's dtype, as inductor
+    decomposes it: ``s/2 * (1 + erf(s / sqrt(2)))`` (tanh False) or ``s/2 * (1 + tanh(
+    sqrt(2/pi) * (s + 0.044715 s^3)))`` (tanh True), for 16-bit s upcast to fp32 and the result
+    cast back; else None. Any other constant (another GELU) is no match."""
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return None
+    dtype = node.meta["val"].dtype
+    inner = node if dtype == torch.float32 else cast_source(node, dtype)
+    if not (isinstance(inner, torch.fx.Node) and inner.target is _aten.mul.Tensor):
+        return None
+    for half, bracket in (inner.args, inner.args[::-1]):
+        upcast = _times(half, 0.5)
+        curve = _plus_one(bracket)
+        if upcast is None or curve is None or curve.target not in (_aten.tanh.default,
+                                                                   _aten.erf.default):
+            continue
+        tanh = curve.target is _aten.tanh.default
+        argument = curve.args[0]
+        if tanh:
+            cubic_sum = _times(argument, 0.7978845608028654)
+            if not (isinstance(cubic_sum, torch.fx.Node) and cubic_sum.target is _aten.add.Tensor
+                    and cubic_sum.args[0] is upcast
+                    and _is_cube_of(_times(cubic_sum.args[1], 0.044715), upcast)):
+                continue
+        elif _times(argument, 0.7071067811865476) is not upcast:
+            continue
+        source = upcast if dtype == torch.float32 else cast_source(upcast, torch.float32)
+        if isinstance(source, torch.fx.Node) and source.meta["val"].dtype == dtype:
+            return source, tanh
+    return None
+
+
+def _times(node, constant):
+    """x when ``node`` is ``x * constant`` (either order), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.target is _aten.mul.Tensor):
+        return None
+    for x, c in (node.args, node.args[::-1]):
+        if isinstance(c, float) and math.isclose(c, constant, rel_tol=1e-12) and \
+                isinstance(x, torch.fx.Node):
+            return x
+    return None
+
+
+def _plus_one(node):
+    """x when ``node`` is ``x + 1``, else None."""
+    if isinstance(node, torch.fx.Node) and node.target is _aten.add.Tensor and \
+            node.args[1] == 1 and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return None
+
+
+def _is_cube_of(node, x) -> bool:
+    """``node`` is ``x * x * x`` as the decomposition writes it."""
+    return isinstance(node, torch.fx.Node) and node.target is _aten.mul.Tensor and \
+        node.args[1] is x and isinstance(node.args[0], torch.fx.Node) and \
+        node.args[0].target is _aten.mul.Tensor and node.args[0].args == (x, x)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Accuracy of silu, silu_backward, silu_and_mul and its backward against float64 references."""
+"""Accuracy of silu, silu_backward, silu_and_mul, gelu_and_mul and their backwards against
+float64 references."""
 
 import pytest
 import torch
@@ -205,9 +206,73 @@ def test_silu_and_mul_float64_falls_back_to_torch():
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_AND_MUL_SHAPES)
+def test_gelu_and_mul_matches_reference(shape, dtype, approximate):
+    x = random_tensor(shape, dtype)
+    out_shape = (*shape[:-1], shape[-1] // 2)
+    out = poisoned(out_shape, dtype)
+    assert gemslib.gelu_and_mul(x, approximate, out=out) is out
+    expected = silu_ops.gelu_and_mul_reference(x.double(), approximate)
+    assert_close_to_reference(out, expected, dtype)
+    allocated = gemslib.gelu_and_mul(x, approximate=approximate)
+    assert allocated.shape == out_shape and allocated.is_contiguous()
+    assert_close_to_reference(allocated, expected, dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_mul_at_large_gates_and_on_a_view(approximate):
+    """Gates far out on both sides (where tanh and erf saturate), NaN and inf, and a column
+    slice of a wider tensor."""
+    wide = random_tensor((6, 3 * 40), torch.float32, scale=4.0)
+    x = wide[:, 40:]
+    x[0, :3] = torch.tensor([60.0, -60.0, 1e4])
+    x[1, 0], x[2, 1] = float("nan"), float("inf")
+    result = gemslib.gelu_and_mul(x, approximate)
+    expected = silu_ops.gelu_and_mul_reference(x.double(), approximate)
+    assert torch.isnan(result[1, 0]) and torch.equal(torch.isnan(result), torch.isnan(expected))
+    finite = torch.isfinite(expected)
+    assert_close_to_reference(result[finite], expected[finite], torch.float32)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_and_mul_gradient(dtype, approximate):
+    for shape in ((3, 2 * 517), (2, 3, 10)):
+        x = random_tensor(shape, dtype).requires_grad_()
+        grad = random_tensor((*shape[:-1], shape[-1] // 2), dtype)
+        gemslib.gelu_and_mul(x, approximate).backward(grad)
+        x64 = x.detach().double().requires_grad_()
+        silu_ops.gelu_and_mul_reference(x64, approximate).backward(grad.double())
+        assert_close_to_reference(x.grad, x64.grad, dtype)
+
+
+def test_gelu_and_mul_rejects_bad_input():
+    x = random_tensor((3, 4), torch.float32)
+    with pytest.raises(ValueError, match=r"gemslib.gelu_and_mul: approximate must be 'none' or "
+                                         r"'tanh'.*got 'erf'"):
+        gemslib.gelu_and_mul(x, "erf")
+    with pytest.raises(TypeError, match="approximate must be a string"):
+        gemslib.gelu_and_mul(x, True)
+    with pytest.raises(ValueError, match=r"gemslib.gelu_and_mul: x's last dim must be even"):
+        gemslib.gelu_and_mul(random_tensor((3, 5), torch.float32))
+    x64 = torch.randn(5, 8, dtype=torch.float64, device=DEVICE)
+    torch.testing.assert_close(gemslib.gelu_and_mul(x64, "tanh"),
+                               silu_ops.gelu_and_mul_reference(x64, "tanh"), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Custom ops: opcheck and torch.compile
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_gelu_and_mul_custom_ops_pass_opcheck(tanh):
+    x = random_tensor((3, 2, 18), torch.float32).requires_grad_()
+    opcheck_overloads(torch.ops.gemslib.gelu_and_mul, (x, tanh))
+    grad = random_tensor((3, 2, 9), torch.float32)
+    opcheck_overloads(torch.ops.gemslib.gelu_and_mul_backward, (grad, x.detach(), tanh))
 
 
 @pytest.mark.parametrize("op,shape", [(torch.ops.gemslib.silu_and_mul, (3, 2, 18)),

@@ -55,3 +55,44 @@ def test_silu_times_up_over_columns_of_one_output_runs_silu_and_mul(form, fused)
     gemslib.reset_fusion_report()
     h = torch.randn(3, 48, 48, device=DEVICE, dtype=torch.float16)
     assert_compiled_is_eager_s(_GatedUp(form), h, fusions={"silu_and_mul": 1} if fused else {})
+
+
+class _GeluGated(torch.nn.Module):
+    """``gelu(gate) * up`` over one output's halves in either of F.gelu's forms (Gemma's MLP
+    takes the tanh one), and GELU-like formulas that are neither: another constant inside the
+    tanh, a sigmoid GELU."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+
+    def forward(self, h):
+        F = torch.nn.functional
+        gate, up = h.chunk(2, dim=-1)
+        if self.form in ("none", "tanh"):
+            return F.gelu(gate, approximate=self.form) * up
+        g = gate.float()
+        if self.form == "other_constant":
+            act = 0.5 * g * (1 + torch.tanh(0.8 * (g + 0.044715 * g * g * g)))
+        else:  # "sigmoid"
+            act = g * torch.sigmoid(1.702 * g)
+        return act.to(h.dtype) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("form, fused", [("none", True), ("tanh", True),
+                                         ("other_constant", False), ("sigmoid", False)])
+def test_gelu_times_up_runs_gelu_and_mul_with_its_form(form, fused, dtype):
+    """Each of F.gelu's forms becomes gelu_and_mul with that form (an erf GELU never runs the
+    tanh one, nor the other way round: the results are eager's); the look-alikes stay
+    inductor's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    h = torch.randn(3, 8, 48, device=DEVICE, dtype=dtype) * 3
+    assert_compiled_is_eager_s(_GeluGated(form), h,
+                                fusions={"gelu_and_mul": 1} if fused else {})
+    if dtype == torch.float32 and fused:  # the two forms differ by ~1e-3: fp32 tells them apart
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(_GeluGated(form), backend="gemslib", fullgraph=True)(h)
+        torch.testing.assert_close(got, _GeluGated(form)(h), rtol=1e-5, atol=1e-5)

@@ -368,7 +368,7 @@ def test_the_rotary_is_matched_before_the_norms_after_it():
 # Qwen3 (an RMSNorm of q's and k's heads), Hunyuan (the norms after the rotary), GLM (the
 # interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
 # projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
-# computed in fp32 fused with weight_offset 1; its GELU MLP not yet)
+# computed in fp32, fused with weight_offset 1, and its GELU MLP)
 _OTHER_FAMILIES = {
     "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "qwen3": {**_decoder_fusions(2), "rms_norm": 5},
@@ -376,7 +376,8 @@ _OTHER_FAMILIES = {
     "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2, "attention": 2,
             "silu_and_mul": 2},
     "cohere": {"merged_linear": 2, "rotary": 2, "attention": 2, "silu_and_mul": 2},
-    "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4, "rms_norm": 1},
+    "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4, "rms_norm": 1,
+              "gelu_and_mul": 2},
 }
 
 

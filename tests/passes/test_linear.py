@@ -28,7 +28,7 @@ class _Projections(torch.nn.Module):
         self.a, self.b = linear(8), linear(8)                  # of x: merged
         self.c = linear(8, bias=True)                          # of x with a bias: alone
         self.d, self.e = linear(6), linear(6)                  # of y: merged, apart from a, b
-        self.gate, self.up = linear(12), linear(12)            # of y: GELU, not silu_and_mul
+        self.gate, self.up = linear(12), linear(12)            # of y: GELU, gelu_and_mul
         self.f, self.g = linear(10), linear(10)                # of z: silu of the second half
 
     def forward(self, x, y, z):
@@ -46,8 +46,10 @@ def test_rewrite_merges_only_projections_of_one_input_alike():
     with torch.no_grad():
         expected = module(x, y, z)
         results = torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
-    # a+b of x; d, e, gate and up of y (one group); f+g of z; c (a bias) stays alone
-    assert gemslib.fusion_report() == {"merged_linear": 3}, gemslib.fusion_report()
+    # a+b of x; d, e, gate and up of y (one group, the GELU over its columns); f+g of z; c (a
+    # bias) stays alone
+    assert gemslib.fusion_report() == {"merged_linear": 3, "gelu_and_mul": 1}, \
+        gemslib.fusion_report()
     for got, want in zip(results, expected):
         assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
     assert ml.end_to_end([module.a.weight, module.b.weight]) is not None
@@ -107,7 +109,8 @@ def test_a_merged_parameter_moved_out_of_its_buffer_is_left_alone_by_a_new_compi
         torch._dynamo.reset()
         gemslib.reset_fusion_report()
         results = torch.compile(module, backend="gemslib", fullgraph=True)(x, y, z)
-    assert gemslib.fusion_report() == {"merged_linear": 2}, gemslib.fusion_report()
+    assert gemslib.fusion_report() == {"merged_linear": 2, "gelu_and_mul": 1}, \
+        gemslib.fusion_report()
     for got, want in zip(results, expected):
         assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item())
 
