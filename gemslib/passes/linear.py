@@ -182,12 +182,19 @@ def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
     """``silu_and_mul(merged_linear(x, [Wg, Wu], [None, None]))`` whose merged output feeds
-    nothing else -> ``linear_swiglu(x, [Wg, Wu])``."""
+    nothing else -> ``linear_swiglu(x, [Wg, Wu])``; and the same over one linear layer whose
+    weight holds both (Phi-3's ``gate_up_proj``, its output chunked in the model's code):
+    ``silu_and_mul(linear(x, W))`` -> ``linear_swiglu(x, [W[:I], W[I:]])``."""
     sites = []
     for act in graph.find_nodes(op="call_function", target=torch.ops.gemslib.silu_and_mul.default):
         merged = act.args[0]
-        if not (isinstance(merged, torch.fx.Node)
-                and merged.target is torch.ops.gemslib.merged_linear.default):
+        if isinstance(merged, torch.fx.Node) and \
+                merged.target is not torch.ops.gemslib.merged_linear.default:
+            site = _fuse_one_gate_up_weight(graph, act, merged)
+            if site:
+                sites.append(site)
+            continue
+        if not isinstance(merged, torch.fx.Node):
             continue
         x, weights, biases = merged.args
         if len(weights) != 2 or any(b is not None for b in biases) or \
@@ -201,6 +208,40 @@ def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
         graph.erase_node(act)
         sites.append(f"{act.name} over {merged.name}")
     return sites
+
+
+def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node,
+                             source: torch.fx.Node) -> str | None:
+    """``act = silu_and_mul(source)`` with ``source`` a bias-free linear layer (possibly
+    reshaped) of a weight (2I, K) feeding nothing else -> linear_swiglu over the weight's two
+    halves (views: one GEMM over the parameter as it lies); the site's name, or None."""
+    mm = source.args[0] if source.target in (_aten.reshape.default, _aten.view.default) \
+        else source
+    found = _projection(mm) if isinstance(mm, torch.fx.Node) else None
+    if found is None:
+        return None
+    x2d, x, weight, bias = found
+    w_val, out_val = weight.meta["val"], act.meta["val"]
+    half = out_val.shape[-1]
+    if bias is not None or w_val.dim() != 2 or w_val.shape[0] != 2 * half or \
+            any(u is not (act if mm is source else source) for u in live_users(mm)) or \
+            (mm is not source and any(u is not act for u in live_users(source))):
+        return None
+    x_in = x if mm is not source else x2d
+    values = (x_in.meta["val"], w_val)
+    if values[0].dtype != w_val.dtype or not _takes_graph_site(x2d.meta["val"], w_val[:half]):
+        return None
+    with graph.inserting_before(act):
+        gate = call_node(graph, _aten.slice.Tensor, weight, 0, 0, half)
+        up = call_node(graph, _aten.slice.Tensor, weight, 0, half, 2 * half)
+        fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x_in, [gate, up])
+    if fused.meta["val"].shape != out_val.shape:
+        for node in (fused, up, gate):
+            graph.erase_node(node)
+        return None
+    act.replace_all_uses_with(fused)
+    graph.erase_node(act)
+    return f"{act.name} over {mm.name} (one gate/up weight)"
 
 
 # --------------------------------------------------------------------------------------------

@@ -230,3 +230,35 @@ def test_backend_fuses_silu_of_a_projection_of_an_rms_norm(dtype, rows, bias, al
     for a, b in zip(*(((t,) if isinstance(t, torch.Tensor) else t) for t in (got, expected))):
         error = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
         assert error <= tolerance, f"max error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
+def test_one_gate_up_weight_runs_linear_swiglu_over_its_halves(dtype, tokens, monkeypatch):
+    """Phi-3 keeps gate and up in one ``gate_up_proj`` and chunks its output: each layer's
+    projection and silu_and_mul become one linear_swiglu over the weight's halves where the
+    Hopper path takes the rows (none below); logits within the dtype's rounding of eager's,
+    the parameter untouched."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
+    config = transformers.Phi3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, pad_token_id=None, bos_token_id=None,
+        eos_token_id=None, sliding_window=None)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).to(DEVICE, dtype).eval()
+    before = model.model.layers[0].mlp.gate_up_proj.weight.detach().clone()
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    ids = torch.randint(0, 96, tokens, device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+    fusions = gemslib.fusion_report()
+    fused = tokens[0] * tokens[1] >= swiglu_ops._rms_norm_linear_silu_hopper.MIN_ROWS
+    assert fusions.get("linear_swiglu", 0) == (2 if fused else 0), fusions
+    assert fusions["silu_and_mul"] == 2, fusions
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+    assert torch.equal(model.model.layers[0].mlp.gate_up_proj.weight, before)
