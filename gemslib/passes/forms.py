@@ -68,10 +68,7 @@ def cast_source(node, dtype):
 def silu_source(node):
     """s when ``node`` computes silu(s) rounded once to s's dtype, as inductor decomposes
     F.silu: ``s / (1 + exp(-s))``, for 16-bit s upcast to fp32 and the result cast back."""
-    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
-        return None
-    dtype = node.meta["val"].dtype
-    inner = node if dtype == torch.float32 else cast_source(node, dtype)
+    dtype, inner = _fp32_body(node)
     if not (isinstance(inner, torch.fx.Node) and inner.target is _aten.div.Tensor):
         return None
     numerator, denominator = inner.args
@@ -83,10 +80,7 @@ def silu_source(node):
     if not (isinstance(negated, torch.fx.Node) and negated.target is _aten.neg.default
             and negated.args[0] is numerator):
         return None
-    source = numerator if dtype == torch.float32 else cast_source(numerator, torch.float32)
-    if not isinstance(source, torch.fx.Node) or source.meta["val"].dtype != dtype:
-        return None
-    return source
+    return _upcast_of(numerator, dtype)
 
 
 def gelu_source(node):
@@ -94,10 +88,7 @@ def gelu_source(node):
     decomposes it: ``s/2 * (1 + erf(s / sqrt(2)))`` (tanh False) or ``s/2 * (1 + tanh(
     sqrt(2/pi) * (s + 0.044715 s^3)))`` (tanh True), for 16-bit s upcast to fp32 and the result
     cast back; else None. Any other constant (another GELU) is no match."""
-    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
-        return None
-    dtype = node.meta["val"].dtype
-    inner = node if dtype == torch.float32 else cast_source(node, dtype)
+    dtype, inner = _fp32_body(node)
     if not (isinstance(inner, torch.fx.Node) and inner.target is _aten.mul.Tensor):
         return None
     for half, bracket in (inner.args, inner.args[::-1]):
@@ -116,9 +107,27 @@ def gelu_source(node):
                 continue
         elif _times(argument, 0.7071067811865476) is not upcast:
             continue
-        source = upcast if dtype == torch.float32 else cast_source(upcast, torch.float32)
-        if isinstance(source, torch.fx.Node) and source.meta["val"].dtype == dtype:
+        source = _upcast_of(upcast, dtype)
+        if source is not None:
             return source, tanh
+    return None
+
+
+def _fp32_body(node):
+    """(the dtype of ``node``'s value, the fp32 node it rounds: itself for fp32, the source of
+    its cast for 16 bits); (None, None) for a node without a value."""
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return None, None
+    dtype = node.meta["val"].dtype
+    return dtype, node if dtype == torch.float32 else cast_source(node, dtype)
+
+
+def _upcast_of(node, dtype):
+    """The ``dtype`` value that ``node`` is in fp32 (itself for fp32, its cast's source for 16
+    bits), or None."""
+    source = node if dtype == torch.float32 else cast_source(node, torch.float32)
+    if isinstance(source, torch.fx.Node) and source.meta["val"].dtype == dtype:
+        return source
     return None
 
 

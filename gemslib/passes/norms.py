@@ -17,12 +17,6 @@ from gemslib.passes.base import GraphPattern
 from gemslib.passes.forms import gemma_rms_norm, same_size, transformers_rms_norm
 
 
-def _transformers_add_rms_norm(x, residual, weight, eps):
-    """A decoder layer's ``hidden = residual + x`` followed by its RMSNorm; both are used."""
-    total = residual + x
-    return transformers_rms_norm(total, weight, eps), total
-
-
 def _transformers_rms_norm_eps_input(x, weight, eps):
     """transformers' RMSNorm with its epsilon a graph input (a 0-d float64 tensor), as dynamo
     traces it under ``dynamic=True``."""
@@ -32,26 +26,11 @@ def _transformers_rms_norm_eps_input(x, weight, eps):
     return weight * h.to(dtype)
 
 
-def _transformers_add_rms_norm_eps_input(x, residual, weight, eps):
-    total = residual + x
-    return _transformers_rms_norm_eps_input(total, weight, eps), total
-
-
-def _gemma_add_rms_norm(x, residual, weight, eps):
-    total = residual + x
-    return gemma_rms_norm(total, weight, eps), total
-
-
 def _gemma_rms_norm_eps_input(x, weight, eps):
     """Gemma's RMSNorm with its epsilon a graph input (see the transformers one above)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps.to(torch.float32))
     return (h * (1.0 + weight.float())).type_as(x)
-
-
-def _gemma_add_rms_norm_eps_input(x, residual, weight, eps):
-    total = residual + x
-    return _gemma_rms_norm_eps_input(total, weight, eps), total
 
 
 def _functional_rms_norm(x, weight, eps):
@@ -64,56 +43,46 @@ def _functional_rms_norm(x, weight, eps):
     return (h * weight).to(x.dtype)
 
 
-def _functional_add_rms_norm(x, residual, weight, eps):
-    """A residual add followed by the norm of :func:`_functional_rms_norm`'s form."""
-    total = residual + x
-    return _functional_rms_norm(total, weight, eps), total
-
-
 def _functional_rms_norm_unweighted(x, eps):
     h = x.to(torch.float32)
     h = h * torch.ops.aten.add.Scalar(h.pow(2).mean(x.dim() - 1, keepdim=True), eps).rsqrt()
     return h.to(x.dtype)
 
 
-def _rms_norm_replacement(x, weight, eps):
-    return torch.ops.gemslib.rms_norm_forward(x, weight, eps)[0]
+def _after_residual_add(norm):
+    """A decoder layer's ``hidden = residual + x`` followed by ``norm``; both are used."""
+    def add_norm(x, residual, weight, eps):
+        total = residual + x
+        return norm(total, weight, eps), total
+    add_norm.__name__ = f"add_then_{norm.__name__}"
+    return add_norm
+
+
+def _replacements(weight_offset: float):
+    """gemslib's four norm ops for one ``weight_offset`` (0: none, as most models; 1: Gemma's
+    ``1 + w``): (rms_norm, add_rms_norm, with eps a number or a graph input). Offset 0 is not
+    passed: a norm node of three arguments is one the fused MLP rewrite can read."""
+    offset = () if weight_offset == 0.0 else (weight_offset,)
+
+    def norm(x, weight, eps):
+        return torch.ops.gemslib.rms_norm_forward(x, weight, eps, *offset)[0]
+
+    def add_norm(x, residual, weight, eps):
+        normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps, *offset)
+        return normed, total
+
+    def norm_eps_input(x, weight, eps):
+        return torch.ops.gemslib.rms_norm_eps_input(x, weight, eps, *offset)
+
+    def add_norm_eps_input(x, residual, weight, eps):
+        normed, total = torch.ops.gemslib.add_rms_norm_eps_input(x, residual, weight, eps,
+                                                                 *offset)
+        return normed, total
+    return norm, add_norm, norm_eps_input, add_norm_eps_input
 
 
 def _unweighted_rms_norm_replacement(x, eps):
     return torch.ops.gemslib.rms_norm_forward(x, None, eps)[0]
-
-
-def _add_rms_norm_replacement(x, residual, weight, eps):
-    normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps)
-    return normed, total
-
-
-def _gemma_rms_norm_replacement(x, weight, eps):
-    return torch.ops.gemslib.rms_norm_forward(x, weight, eps, 1.0)[0]
-
-
-def _gemma_add_rms_norm_replacement(x, residual, weight, eps):
-    normed, total = torch.ops.gemslib.add_rms_norm(x, residual, weight, eps, 1.0)
-    return normed, total
-
-
-def _gemma_rms_norm_eps_input_replacement(x, weight, eps):
-    return torch.ops.gemslib.rms_norm_eps_input(x, weight, eps, 1.0)
-
-
-def _gemma_add_rms_norm_eps_input_replacement(x, residual, weight, eps):
-    normed, total = torch.ops.gemslib.add_rms_norm_eps_input(x, residual, weight, eps, 1.0)
-    return normed, total
-
-
-def _rms_norm_eps_input_replacement(x, weight, eps):
-    return torch.ops.gemslib.rms_norm_eps_input(x, weight, eps)
-
-
-def _add_rms_norm_eps_input_replacement(x, residual, weight, eps):
-    normed, total = torch.ops.gemslib.add_rms_norm_eps_input(x, residual, weight, eps)
-    return normed, total
 
 
 def _is_rms_norm_of(match, x, eps_is_input: bool = False) -> bool:
@@ -186,40 +155,33 @@ def _pattern_inputs(dtype, n_rows_tensors, weighted=True, eps_input=False):
                     *((torch.empty((), dtype=torch.float64),) if eps_input else ()))
 
 
-# add_rms_norm first: its norm is an rms_norm site too, and the larger match must win. Each for
-# 16-bit x (the casts are in the graph) and fp32 x (they trace away: another pattern).
+def _family(dtype, norm, norm_eps_input, weight_offset: float):
+    """A norm form's four patterns for ``dtype``: after a residual add first (its norm is an
+    rms_norm site too, and the larger match must win), eps a number or a graph input."""
+    norm_op, add_op, norm_eps_op, add_eps_op = _replacements(weight_offset)
+    eps_is_input = functools.partial(_is_transformers_add_rms_norm, eps_is_input=True)
+    return (
+        GraphPattern("add_rms_norm", _after_residual_add(norm), add_op, _pattern_inputs(dtype, 2),
+                     check=_is_transformers_add_rms_norm, scalars={"eps": 1e-6}),
+        GraphPattern("add_rms_norm", _after_residual_add(norm_eps_input), add_eps_op,
+                     _pattern_inputs(dtype, 2, eps_input=True), check=eps_is_input),
+        GraphPattern("rms_norm", norm, norm_op, _pattern_inputs(dtype, 1), check=_is_rms_norm,
+                     scalars={"eps": 1e-6}),
+        GraphPattern("rms_norm", norm_eps_input, norm_eps_op,
+                     _pattern_inputs(dtype, 1, eps_input=True),
+                     check=functools.partial(_is_rms_norm, eps_is_input=True)))
+
+
+# Each for 16-bit x (the casts are in the graph) and fp32 x (they trace away: another pattern).
+_NO_OFFSET = _replacements(0.0)
 GRAPH_PATTERNS = tuple(
     pattern for dtype in (torch.float16, torch.float32) for pattern in (
-        GraphPattern("add_rms_norm", _transformers_add_rms_norm, _add_rms_norm_replacement,
+        *_family(dtype, transformers_rms_norm, _transformers_rms_norm_eps_input, 0.0),
+        *_family(dtype, gemma_rms_norm, _gemma_rms_norm_eps_input, 1.0),
+        GraphPattern("add_rms_norm", _after_residual_add(_functional_rms_norm), _NO_OFFSET[1],
                      _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
                      scalars={"eps": 1e-6}),
-        GraphPattern("add_rms_norm", _transformers_add_rms_norm_eps_input,
-                     _add_rms_norm_eps_input_replacement, _pattern_inputs(dtype, 2, eps_input=True),
-                     check=functools.partial(_is_transformers_add_rms_norm, eps_is_input=True)),
-        GraphPattern("rms_norm", transformers_rms_norm, _rms_norm_replacement,
-                     _pattern_inputs(dtype, 1), check=_is_rms_norm,
-                     scalars={"eps": 1e-6}),
-        GraphPattern("rms_norm", _transformers_rms_norm_eps_input, _rms_norm_eps_input_replacement,
-                     _pattern_inputs(dtype, 1, eps_input=True),
-                     check=functools.partial(_is_rms_norm, eps_is_input=True)),
-        GraphPattern("add_rms_norm", _gemma_add_rms_norm, _gemma_add_rms_norm_replacement,
-                     _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
-                     scalars={"eps": 1e-6}),
-        GraphPattern("add_rms_norm", _gemma_add_rms_norm_eps_input,
-                     _gemma_add_rms_norm_eps_input_replacement,
-                     _pattern_inputs(dtype, 2, eps_input=True),
-                     check=functools.partial(_is_transformers_add_rms_norm, eps_is_input=True)),
-        GraphPattern("rms_norm", gemma_rms_norm, _gemma_rms_norm_replacement,
-                     _pattern_inputs(dtype, 1), check=_is_rms_norm,
-                     scalars={"eps": 1e-6}),
-        GraphPattern("rms_norm", _gemma_rms_norm_eps_input,
-                     _gemma_rms_norm_eps_input_replacement,
-                     _pattern_inputs(dtype, 1, eps_input=True),
-                     check=functools.partial(_is_rms_norm, eps_is_input=True)),
-        GraphPattern("add_rms_norm", _functional_add_rms_norm, _add_rms_norm_replacement,
-                     _pattern_inputs(dtype, 2), check=_is_transformers_add_rms_norm,
-                     scalars={"eps": 1e-6}),
-        GraphPattern("rms_norm", _functional_rms_norm, _rms_norm_replacement,
+        GraphPattern("rms_norm", _functional_rms_norm, _NO_OFFSET[0],
                      _pattern_inputs(dtype, 1), check=_is_rms_norm,
                      scalars={"eps": 1e-6}),
         GraphPattern("rms_norm", _functional_rms_norm_unweighted, _unweighted_rms_norm_replacement,
