@@ -1,6 +1,6 @@
-"""rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems;
-rms_norm with Gemma's ``(1 + weight)`` (``weight_offset=1``) against Gemma's own form, eager and
-compiled, Liger-Kernel's offset norm and FlashInfer's gemma_rmsnorm.
+"""rms_norm and add_rms_norm (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems,
+FlashInfer; rms_norm with Gemma's ``(1 + weight)`` (``weight_offset=1``) against Gemma's own
+form, eager and compiled, Liger-Kernel's offset norm and FlashInfer's gemma_rmsnorm.
 
     python -m benchmark --ops rms_norm add_rms_norm [--forward-only]
 
@@ -54,6 +54,7 @@ def _grads(fn, *leaves):
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
     liger = optional_peer("liger_kernel.ops.rms_norm")
+    flashinfer = optional_peer("flashinfer")
     size = torch.finfo(DTYPE).bits // 8
     for rows, cols in QUICK_RMS_NORM + ([] if quick else EXTRA_RMS_NORM):
         x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
@@ -65,6 +66,8 @@ def cases(quick: bool = False, backward: bool = False):
             impls["Liger-Kernel"] = lambda: liger.LigerRMSNormFunction.apply(x, weight, EPS)
         if flag_gems:
             impls["FlagGems"] = lambda: flag_gems.rms_norm(x, [cols], weight, EPS)
+        if flashinfer:
+            impls["FlashInfer"] = lambda: flashinfer.norm.rmsnorm(x, weight, EPS)
         yield Case("rms_norm", f"{rows}x{cols}", "bf16", 2 * x.numel() * size, impls,
                    outputs_agree=outputs_close(impls["gemslib"],
                                                lambda: _eager_rms_norm(x.float(), weight.float())))
@@ -83,7 +86,6 @@ def cases(quick: bool = False, backward: bool = False):
             del leaves
         del x
 
-    flashinfer = optional_peer("flashinfer")
     for rows, cols in QUICK_GEMMA_RMS_NORM + ([] if quick else EXTRA_GEMMA_RMS_NORM):
         x = torch.randn(rows, cols, device="cuda", dtype=DTYPE)
         weight = torch.randn(cols, device="cuda", dtype=DTYPE) * 0.3
@@ -112,6 +114,8 @@ def cases(quick: bool = False, backward: bool = False):
                      compiled(_eager_add_rms_norm))}
         if flag_gems:  # in place, like vLLM's fused_add_rms_norm
             impls["FlagGems"] = lambda: flag_gems.fused_add_rms_norm(x, residual, [cols], weight, EPS)
+        if flashinfer:  # in place too
+            impls["FlashInfer"] = lambda: flashinfer.norm.fused_add_rmsnorm(x, residual, weight, EPS)
         fresh = (x.clone(), residual.clone())
         yield Case("add_rms_norm", f"{rows}x{cols}", "bf16", 4 * x.numel() * size, impls,
                    outputs_agree=outputs_close(

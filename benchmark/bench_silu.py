@@ -1,6 +1,6 @@
-"""silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel and FlagGems;
-gelu_and_mul (tanh, Gemma's) against eager, torch.compile, Liger-Kernel's GeGLU and FlashInfer's
-gelu_tanh_and_mul.
+"""silu and silu_and_mul (bf16) against torch eager, torch.compile, Liger-Kernel, FlagGems and
+FlashInfer; gelu_and_mul (tanh, Gemma's) against eager, torch.compile, Liger-Kernel's GeGLU and
+FlashInfer's gelu_tanh_and_mul.
 
     python -m benchmark.bench_silu [--quick] [--forward-only]
 
@@ -42,6 +42,7 @@ def _aten_silu_backward(grad, x):
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
     liger_swiglu = optional_peer("liger_kernel.ops.swiglu")
+    flashinfer = optional_peer("flashinfer")
     shapes = QUICK_SHAPES + ([] if quick else EXTRA_SHAPES)
     size = torch.finfo(DTYPE).bits // 8
     for rows, cols in shapes:
@@ -76,6 +77,8 @@ def cases(quick: bool = False, backward: bool = False):
             impls["Liger-Kernel"] = lambda: liger_swiglu.LigerFusedGateUpSiLUMulFunction.apply(gate_up)
         if flag_gems:
             impls["FlagGems"] = lambda: flag_gems.silu_and_mul(gate_up[:, :cols], gate_up[:, cols:])
+        if flashinfer:
+            impls["FlashInfer"] = lambda: flashinfer.activation.silu_and_mul(gate_up)
         yield Case("silu_and_mul", shape, "bf16", 3 * rows * cols * size, impls,
                    outputs_agree=outputs_close(impls["gemslib"],
                                                lambda: _eager_silu_and_mul(gate_up.float())))
@@ -93,7 +96,6 @@ def cases(quick: bool = False, backward: bool = False):
         del gate_up
 
     liger_geglu = optional_peer("liger_kernel.ops.geglu")
-    flashinfer = optional_peer("flashinfer")
     for rows, cols in GELU_SHAPES + ([] if quick else EXTRA_GELU_SHAPES):
         gate_up = torch.randn(rows, 2 * cols, device="cuda", dtype=DTYPE)
         impls = {"gemslib": lambda: gemslib.gelu_and_mul(gate_up, "tanh"),
