@@ -68,6 +68,12 @@ MODELS = {
     "gemma-7b": ModelSpec("Gemma-7B", "gemma", hidden=3072, intermediate=24576, heads=16,
                           kv_heads=16, head_dim=256, vocab=256000, rope_theta=10000.0,
                           eps=1e-6, layers=6, max_positions=8192),
+    # Gemma-2: four (1 + w) norms a layer (two after their sublayer), GQA at head dim 256, its
+    # config's sliding window on every other layer and its logit soft-capping as transformers
+    # gives them (SDPA attention)
+    "gemma2-9b": ModelSpec("Gemma-2-9B", "gemma2", hidden=3584, intermediate=14336, heads=16,
+                           kv_heads=8, head_dim=256, vocab=256000, rope_theta=10000.0,
+                           eps=1e-6, layers=6, max_positions=8192),
 }
 
 # family -> (transformers config class, model class, config arguments of the family's own):
@@ -80,6 +86,7 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": None,
                                                "eos_token_id": None}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
 }
 
 def hf_config(spec: ModelSpec):

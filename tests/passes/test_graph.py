@@ -378,6 +378,9 @@ _OTHER_FAMILIES = {
     "cohere": {"merged_linear": 2, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4, "rms_norm": 1,
               "gelu_and_mul": 2},
+    # Gemma-2: four (1 + w) norms a layer, the two after their sublayer alone (norm, then add)
+    "gemma2": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4,
+               "rms_norm": 5, "gelu_and_mul": 2},
 }
 
 
