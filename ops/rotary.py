@@ -77,6 +77,24 @@ def _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
 
 
 @triton.jit
+def _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps,
+                  INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(x_a, x_b) of BLOCK_H heads, each head RMS-normalised over its head_dim features and
+    scaled by norm_ptr's (head_dim,) weight (a full rotary: the pairs are every feature)."""
+    o_r = tl.arange(0, BLOCK_R)[None, :]
+    m_r = o_r < n_pairs
+    if INTERLEAVED:
+        o_a, o_b = 2 * o_r, 2 * o_r + 1
+    else:
+        o_a, o_b = o_r, o_r + n_pairs
+    b_squares = tl.sum(b_xa * b_xa, axis=1) + tl.sum(b_xb * b_xb, axis=1)
+    b_rstd = (1.0 / tl.sqrt(b_squares / head_dim + norm_eps))[:, None]
+    b_wa = tl.load(norm_ptr + o_a, mask=m_r, other=0.0).to(tl.float32)
+    b_wb = tl.load(norm_ptr + o_b, mask=m_r, other=0.0).to(tl.float32)
+    return b_xa * b_rstd * b_wa, b_xb * b_rstd * b_wb
+
+
+@triton.jit
 def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, b_xa, b_xb,
                  b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
                  INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
@@ -100,14 +118,18 @@ def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, 
 @triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, n_heads_out,
-    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
+    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, norm_ptr, norm_eps,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
-    """Rotate BLOCK_H heads of one token; x_ptr/out_ptr point at the token's first head. Heads
-    past n_heads_out are read but not written."""
+    """Rotate BLOCK_H heads of one token (each RMS-normalised first with norm_ptr's weight,
+    unless it is None); x_ptr/out_ptr point at the token's first head. Heads past
+    n_heads_out are read but not written."""
     b_xa, b_xb = _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs, INTERLEAVED,
                              BLOCK_H, BLOCK_R)
+    if norm_ptr is not None:
+        b_xa, b_xb = _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps,
+                                   INTERLEAVED, BLOCK_R)
     _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads_out, b_xa, b_xb,
                  b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST,
                  BLOCK_H, BLOCK_R, BLOCK_REST)
@@ -130,7 +152,7 @@ def _copy_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, n
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, positions_ptr,
-    v_ptr, v_out_ptr, out_rows_ptr,
+    v_ptr, v_out_ptr, out_rows_ptr, q_norm_ptr, k_norm_ptr,
     seq_len, n_q_heads, n_k_heads, n_pairs, head_dim,
     stride_q_b, stride_q_s, stride_q_h,
     stride_k_b, stride_k_s, stride_k_h,
@@ -139,7 +161,7 @@ def _rotary_kernel(
     stride_v_b, stride_v_s, stride_v_h,
     stride_v_out_b, stride_v_out_s, stride_v_out_h,
     stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
-    stride_positions_b, stride_positions_s, n_positions, n_out_rows,
+    stride_positions_b, stride_positions_s, n_positions, n_out_rows, norm_eps,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -231,6 +253,11 @@ def _rotary_kernel(
                                      INTERLEAVED, BLOCK_H, BLOCK_R)
             b_ka, b_kb = _load_heads(p_k, stride_k_h, i_h * BLOCK_HK, n_k_heads, n_pairs,
                                      INTERLEAVED, BLOCK_HK, BLOCK_R)
+            if q_norm_ptr is not None:  # q's and k's heads RMS-normalised first (Qwen3)
+                b_qa, b_qb = _normed_heads(b_qa, b_qb, q_norm_ptr, n_pairs, head_dim, norm_eps,
+                                           INTERLEAVED, BLOCK_R)
+                b_ka, b_kb = _normed_heads(b_ka, b_kb, k_norm_ptr, n_pairs, head_dim, norm_eps,
+                                           INTERLEAVED, BLOCK_R)
             _store_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
                          i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
                          n_pairs, head_dim,
@@ -247,12 +274,13 @@ def _rotary_kernel(
         if i_h < n_q_blocks:
             _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
                           i_h * BLOCK_H, n_q_heads, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
-                          n_pairs, head_dim, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          n_pairs, head_dim, q_norm_ptr, norm_eps,
+                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
             i_hk = (i_h - n_q_blocks) * BLOCK_H
             _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h, i_hk, n_k_heads,
                           n_k_heads_out, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
-                          INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          k_norm_ptr, norm_eps, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
             if v_ptr is not None:
                 _copy_heads(p_v, p_v_out, stride_v_h, stride_v_out_h, i_hk, n_k_heads,
                             n_k_heads_out, head_dim, BLOCK_H, BLOCK_D)
@@ -273,10 +301,12 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse: bool,
-            v=None, v_out=None, out_rows=None) -> None:
+            v=None, v_out=None, out_rows=None, q_norm=None, k_norm=None,
+            norm_eps: float = 0.0) -> None:
     """The rotation of q into q_out and of k into k_out; with ``out_rows`` (S,) k's token s goes
     to row out_rows[s] of k_out's sequence dim (k_out (B, L, Hk, D), a cache), and with ``v``
-    v (like k) is copied unrotated into v_out (like k_out) at the same rows."""
+    v (like k) is copied unrotated into v_out (like k_out) at the same rows. With ``q_norm``
+    and ``k_norm`` ((D,) weights; a full rotary) each head is RMS-normalised first."""
     q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     batch, seq_len, n_q_heads, head_dim = q4.shape
     n_k_heads = k4.shape[2]
@@ -309,10 +339,10 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
     # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
     ROTARY.launch(
         grid,
-        q4, k4, q_out4, k_out4, cos, sin, positions, v, v_out, out_rows,
+        q4, k4, q_out4, k_out4, cos, sin, positions, v, v_out, out_rows, q_norm, k_norm,
         seq_len, n_q_heads, n_k_heads, half, head_dim,
         *strides, *v_strides,
-        *table_strides, *position_strides, cos.shape[0], k_out4.shape[1],
+        *table_strides, *position_strides, cos.shape[0], k_out4.shape[1], norm_eps,
         interleaved, inverse, full_table, copy_rest, block_r, block_rest,
         runtime.next_power_of_2(head_dim),
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
@@ -586,6 +616,43 @@ _rotary_op = runtime.CustomOp(
     fake=lambda q, k, cos, sin, positions, interleaved, inverse: (torch.empty_like(q),
                                                                   torch.empty_like(k)),
     setup_context=_rotary_setup, backward=_rotary_grad, differentiable_backward=True)
+
+
+def rotary_qk_norm_reference(q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps):
+    """Each head of q and k RMS-normalised over head_dim and scaled by its (D,) weight, then
+    rotated (Qwen3's and OLMo-2's per-head q/k norm before the rotary)."""
+    def normed(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return rotary_reference(normed(q, q_weight), normed(k, k_weight), cos, sin, positions,
+                            interleaved)
+
+
+def _rotary_qk_norm_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         positions: torch.Tensor | None, interleaved: bool,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The graph passes' fusion of a per-head q/k RMSNorm with the rotary after it, forward
+    only (compiled inference graphs): q (B, S, Hq, D), k (B, S, Hk, D), any strides with a unit
+    last one; weights (D,) of q's dtype; a full rotary (rot_dim D). One launch; what the kernel
+    does not take is computed by torch in fp32."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _check_positions_in_table(positions, cos.shape[0])
+    if not (_kernel_runs(q, k, cos, sin) and q_weight.dtype == q.dtype == k_weight.dtype):
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_rot, k_rot = rotary_qk_norm_reference(
+            q.to(work), k.to(work), cos.to(work), sin.to(work), positions, interleaved,
+            q_weight.to(work), k_weight.to(work), eps)
+        return q_out.copy_(q_rot), k_out.copy_(k_rot)
+    _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_out, cos, sin, positions,
+            interleaved, False, q_norm=q_weight.contiguous(), k_norm=k_weight.contiguous(),
+            norm_eps=eps)
+    return q_out, k_out
+
+
+_rotary_qk_norm_op = runtime.CustomOp(
+    "rotary_qk_norm", _rotary_qk_norm_impl,
+    fake=lambda q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps: (
+        torch.empty_like(q), torch.empty_like(k)))
 
 
 def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

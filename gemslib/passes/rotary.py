@@ -294,4 +294,66 @@ def _cache_write_site(rotated):
     return ((k_write, written), *partners.items()) if len(partners) == 1 else None
 
 
-GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),)
+def _fuse_qk_norms(graph: torch.fx.Graph, real_value) -> list[str]:
+    """``rotary(rms_norm(q_heads), rms_norm(k_heads))`` (after the patterns: gemslib's rotary
+    node over its two norms' outputs, each through the transposes that cancel, each norm over
+    head_dim with a (D,) weight and the same eps, read by nothing else; a full rotary) ->
+    ``rotary_qk_norm``: the per-head q/k RMSNorm of Qwen3 and OLMo-2 in the rotary's launch.
+    A rotary whose k goes into a cache has become ``rotary_into_cache`` before: it keeps its
+    norms."""
+    sites = []
+    for rotary in graph.find_nodes(op="call_function", target=torch.ops.gemslib.rotary.default):
+        first, second, cos, sin, positions, interleaved, inverse = rotary.args
+        normed = [_normed_heads(node) for node in (first, second)]
+        if inverse or None in normed or normed[0][2] != normed[1][2]:
+            continue
+        (q, q_weight, eps, q_chain), (k, k_weight, _, k_chain) = normed
+        head_dim = first.meta["val"].shape[-1]
+        table = cos.meta["val"]
+        rot_dim = table.shape[-1] if table.dim() == 3 else 2 * table.shape[-1]
+        if rot_dim != head_dim or any(
+                w.meta["val"].dtype != q.meta["val"].dtype for w in (q_weight, k_weight)) or \
+                any(set(live_users(node)) - set(chain) - {rotary}
+                    for chain in (q_chain, k_chain) for node in chain):
+            continue
+        with graph.inserting_before(rotary):
+            fused = call_node(graph, torch.ops.gemslib.rotary_qk_norm.default, q, k, cos, sin,
+                              positions, interleaved, q_weight, k_weight, eps)
+        if [t.stride() for t in fused.meta["val"]] != [t.stride() for t in rotary.meta["val"]]:
+            graph.erase_node(fused)
+            continue
+        rotary.replace_all_uses_with(fused)
+        graph.erase_node(rotary)
+        sites.append(f"{rotary.name} over {q_chain[-1].name}, {k_chain[-1].name}")
+    return sites
+
+
+def _normed_heads(node):
+    """(x, weight, eps, the nodes from ``node`` down to the norm) when ``node`` is gemslib's
+    rms_norm of x (no weight offset, a weight) read through permutes that compose to none;
+    else None."""
+    chain, order = [], None
+    while isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.permute.default:
+        dims = list(node.args[1])
+        order = dims if order is None else [dims[i] for i in order]
+        chain.append(node)
+        node = node.args[0]
+    if order is not None and order != sorted(order):
+        return None
+    if not (isinstance(node, torch.fx.Node) and node.target is operator.getitem
+            and node.args[1] == 0):
+        return None
+    norm = node.args[0]
+    if not (isinstance(norm, torch.fx.Node)
+            and norm.target is torch.ops.gemslib.rms_norm_forward.default
+            and len(norm.args) == 3 and not norm.kwargs):
+        return None
+    x, weight, eps = norm.args
+    if weight is None or not isinstance(eps, float):
+        return None
+    return x, weight, eps, [*chain, node, norm]
+
+
+# the cache write first: a decode step's rotary keeps its write, and its norms stay their own
+GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),
+                  GraphRewrite("rotary_qk_norm", _fuse_qk_norms, after_patterns=True))

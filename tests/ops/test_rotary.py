@@ -208,6 +208,57 @@ def test_both_program_layouts_match_reference(loop_heads, interleaved, block_h):
     assert_close_to_reference(k_rot, expected_k, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table", ["half, positions", "full"])
+@pytest.mark.parametrize("block_h, loop_heads", [(2, 0), (2, 1), (8, 1)],
+                         ids=["head-blocks-in-grid", "heads-looped", "one-step"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rotary_with_the_heads_rms_normalised_first(interleaved, block_h, loop_heads, table,
+                                                    dtype):
+    """rotary_qk_norm (the graph passes' fusion of Qwen3's per-head q/k norm): each head of q
+    and k normalised over head_dim with its own weight, then rotated, in both program layouts
+    (partial last head blocks), q a head-major transposed view, against float64."""
+    batch, seq, q_heads, k_heads, dim = 2, 5, 5, 3, 16
+    q = random_tensor((batch, q_heads, seq, dim), dtype, scale=3.0).transpose(1, 2)
+    k = random_tensor((batch, seq, k_heads, dim), dtype, scale=3.0)
+    if table == "full":
+        angles = torch.rand(1, seq, dim, device=DEVICE, dtype=torch.float64) * 6.3
+        positions = None
+    else:
+        angles = torch.rand(20, dim // 2, device=DEVICE, dtype=torch.float64) * 6.3
+        positions = torch.randint(0, 20, (batch, seq), device=DEVICE)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_weight, k_weight = (random_tensor((dim,), dtype, scale=0.5) + 1 for _ in range(2))
+    config = runtime.LaunchConfig((("BLOCK_H", block_h), ("LOOP_HEADS", loop_heads)), 2, 1)
+    with rotary_ops.ROTARY.forced(config):
+        q_rot, k_rot = torch.ops.gemslib.rotary_qk_norm(q, k, cos, sin, positions, interleaved,
+                                                        q_weight, k_weight, 1e-6)
+    expected = rotary_ops.rotary_qk_norm_reference(
+        q.double(), k.double(), cos.double(), sin.double(), positions, interleaved,
+        q_weight.double(), k_weight.double(), 1e-6)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+    assert_close_to_reference(q_rot, expected[0], dtype, reduction_len=dim)
+    assert_close_to_reference(k_rot, expected[1], dtype, reduction_len=dim)
+
+
+def test_rotary_qk_norm_passes_opcheck_and_falls_back_for_float64():
+    q, k = random_tensor((2, 3, 4, 8), torch.float32), random_tensor((2, 3, 2, 8), torch.float32)
+    angles = torch.rand(1, 3, 8, device=DEVICE)
+    weights = (random_tensor((8,), torch.float32) + 1, random_tensor((8,), torch.float32) + 1)
+    opcheck_overloads(torch.ops.gemslib.rotary_qk_norm,
+                      (q, k, angles.cos(), angles.sin(), None, False, *weights, 1e-6),
+                      test_utils=("test_schema", "test_faketensor"))
+    q64, k64 = q.double(), k.double()
+    got = torch.ops.gemslib.rotary_qk_norm(q64, k64, angles.cos().double(),
+                                           angles.sin().double(), None, False,
+                                           *(w.double() for w in weights), 1e-6)
+    expected = rotary_ops.rotary_qk_norm_reference(q64, k64, angles.cos().double(),
+                                                   angles.sin().double(), None, False,
+                                                   *(w.double() for w in weights), 1e-6)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
 _BAD_POSITION_ON_GPU = r"""
 import torch, gemslib
 q = torch.randn(1, 3, 2, 16, device="cuda")

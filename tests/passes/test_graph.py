@@ -371,7 +371,7 @@ def test_the_rotary_is_matched_before_the_norms_after_it():
 # computed in fp32, fused with weight_offset 1, and its GELU MLP)
 _OTHER_FAMILIES = {
     "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
-    "qwen3": {**_decoder_fusions(2), "rms_norm": 5},
+    "qwen3": {**_decoder_fusions(2), "rms_norm": 5, "rotary_qk_norm": 2},
     "hunyuan_v1_dense": {**_decoder_fusions(2), "rms_norm": 5},
     "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2, "attention": 2,
             "silu_and_mul": 2},

@@ -324,3 +324,49 @@ def test_interleaved_rotary_runs_rotary(form, fused):
     assert gemslib.fusion_report() == ({"rotary": 1} if fused else {}), gemslib.fusion_report()
     for g, e in zip(got, expected):
         assert torch.allclose(g, e, atol=1e-5)
+
+
+class _HeadNormsThenRotary(torch.nn.Module):
+    """Qwen3's attention input: q and k projections viewed as heads, each head RMS-normalised
+    (transformers' RMSNorm over head_dim), transposed to head-major, rotated; and forms that
+    must keep their norms: k's norm with another eps, q's normalised heads read again."""
+
+    def __init__(self, form, dim=16):
+        super().__init__()
+        self.form = form
+        self.q_weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+        self.k_weight = torch.nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, q_proj, k_proj, cos, sin):
+        from gemslib.passes.forms import transformers_rms_norm
+
+        batch, seq, dim = q_proj.shape[0], q_proj.shape[1], self.q_weight.shape[0]
+        q_heads = transformers_rms_norm(q_proj.view(batch, seq, -1, dim), self.q_weight, 1e-6)
+        k_eps = 1e-5 if self.form == "other_eps" else 1e-6
+        k_heads = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), self.k_weight, k_eps)
+        q, k = _rope(q_heads.transpose(1, 2), k_heads.transpose(1, 2), cos, sin)
+        if self.form == "normed_read_again":
+            return q, k, q_heads * 2
+        return q, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form, fused", [("qwen3", True), ("other_eps", False),
+                                         ("normed_read_again", False)])
+def test_per_head_norms_before_the_rotary_run_in_its_launch(form, fused, dtype):
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _HeadNormsThenRotary(form).to(DEVICE, dtype)
+    q_proj = torch.randn(2, 5, 4 * 16, device=DEVICE, dtype=dtype)
+    k_proj = torch.randn(2, 5, 2 * 16, device=DEVICE, dtype=dtype)
+    angles = torch.rand(2, 5, 16, device=DEVICE) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    with torch.no_grad():
+        expected = module(q_proj, k_proj, cos, sin)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q_proj, k_proj, cos, sin)
+    report = gemslib.fusion_report()
+    assert report.get("rotary_qk_norm", 0) == int(fused), report
+    assert report.get("rotary") == 1 and report.get("rms_norm") == 2, report
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert torch.allclose(g.float(), e.float(), atol=4e-3 * e.abs().max().item())
