@@ -181,6 +181,19 @@ def live_users(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [user for user in node.users if live(user)]
 
 
+def replace_if(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, fits: bool,
+               made: tuple = ()) -> bool:
+    """A rewrite's last step: ``old``'s uses handed to ``new`` and ``old`` erased when
+    ``fits``, else ``new`` and the nodes ``made`` for it erased. Whether it replaced."""
+    if not fits:
+        for node in (new, *made):
+            graph.erase_node(node)
+        return False
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return True
+
+
 def same_size(a, b) -> bool:
     """Whether sizes ``a`` and ``b`` (ints or symbolic) are equal for every value the graph can
     take (a symbolic pair that may differ is not)."""

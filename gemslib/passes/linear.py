@@ -15,7 +15,7 @@ from gemslib.fused import rms_norm_linear_silu as _rms_norm_linear_silu_ops  # n
 from gemslib.fused import rms_norm_swiglu as _rms_norm_swiglu_ops  # noqa: F401  (linear_swiglu)
 from gemslib.fused.merged_linear import MERGED_ROWS, end_to_end
 from gemslib.passes.base import GraphRewrite, in_flight
-from gemslib.passes.forms import call_node, live_users, silu_source
+from gemslib.passes.forms import call_node, live_users, replace_if, silu_source
 
 try:  # the fused path's verdict on a site comes from its Hopper path (Gluon, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -235,12 +235,8 @@ def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node,
         gate = call_node(graph, _aten.slice.Tensor, weight, 0, 0, half)
         up = call_node(graph, _aten.slice.Tensor, weight, 0, half, 2 * half)
         fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x_in, [gate, up])
-    if fused.meta["val"].shape != out_val.shape:
-        for node in (fused, up, gate):
-            graph.erase_node(node)
+    if not replace_if(graph, act, fused, fused.meta["val"].shape == out_val.shape, (up, gate)):
         return None
-    act.replace_all_uses_with(fused)
-    graph.erase_node(act)
     return f"{act.name} over {mm.name} (one gate/up weight)"
 
 
@@ -301,12 +297,8 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
         with graph.inserting_before(act):
             fused = call_node(graph, torch.ops.gemslib.rms_norm_linear_silu.default, x,
                               norm_weight, weight, bias, eps)
-        if fused.meta["val"].shape != act.meta["val"].shape:
-            graph.erase_node(fused)
-            continue
-        act.replace_all_uses_with(fused)
-        graph.erase_node(act)
-        sites.append(f"{act.name} over {mm.name} of {norm.name}")
+        if replace_if(graph, act, fused, fused.meta["val"].shape == act.meta["val"].shape):
+            sites.append(f"{act.name} over {mm.name} of {norm.name}")
     return sites
 
 

@@ -17,8 +17,8 @@ import torch
 from gemslib import runtime
 from gemslib.ops import rotary as _rotary_ops  # noqa: F401  (defines torch.ops.gemslib.rotary*)
 from gemslib.passes.base import GraphPattern, GraphRewrite
-from gemslib.passes.forms import (call_node, live_users, only_live_user, rotate_pairs,
-                                  same_size, slice_bounds, transformers_rotary)
+from gemslib.passes.forms import (call_node, live_users, only_live_user, replace_if,
+                                  rotate_pairs, same_size, slice_bounds, transformers_rotary)
 
 
 def _interleaved_rotary(q, k, cos, sin):
@@ -319,12 +319,9 @@ def _fuse_qk_norms(graph: torch.fx.Graph, real_value) -> list[str]:
         with graph.inserting_before(rotary):
             fused = call_node(graph, torch.ops.gemslib.rotary_qk_norm.default, q, k, cos, sin,
                               positions, interleaved, q_weight, k_weight, eps)
-        if [t.stride() for t in fused.meta["val"]] != [t.stride() for t in rotary.meta["val"]]:
-            graph.erase_node(fused)
-            continue
-        rotary.replace_all_uses_with(fused)
-        graph.erase_node(rotary)
-        sites.append(f"{rotary.name} over {q_chain[-1].name}, {k_chain[-1].name}")
+        if replace_if(graph, rotary, fused, [t.stride() for t in fused.meta["val"]]
+                      == [t.stride() for t in rotary.meta["val"]]):
+            sites.append(f"{rotary.name} over {q_chain[-1].name}, {k_chain[-1].name}")
     return sites
 
 
