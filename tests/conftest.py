@@ -8,6 +8,7 @@ imported, so this happens at the top of the conftest, ahead of every test module
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -40,7 +41,7 @@ if not torch.cuda.is_available():
 
 import gemslib  # noqa: E402  (after the interpreter decision)
 from gemslib import runtime  # noqa: E402
-from helpers import DEVICE, ON_GPU  # noqa: E402
+from helpers import BIG_TEST_LOCK, DEVICE, ON_GPU, exclusive_lock, is_big  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -48,16 +49,24 @@ def pytest_report_header(config):
     return f"gemslib tests on {where}; tune config {runtime.config_path()}"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "big_memory: holds GiBs of GPU memory; runs alone among "
+                                       "such tests (tests parametrized by a large `shape` too)")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_state():
-    """Every test starts and ends with nothing overridden, whatever it did."""
-    gemslib.disable()
-    yield
-    gemslib.disable()
-    if ON_GPU:
-        # the suite runs a process per core on one card: memory a finished test's process
-        # keeps reserved is memory the other processes' tests cannot have
-        torch.cuda.empty_cache()
+def _fresh_state(request):
+    """Every test starts and ends with nothing overridden, whatever it did; a big test on the
+    GPU holds the suite's big-memory lock throughout."""
+    with exclusive_lock(BIG_TEST_LOCK) if ON_GPU and is_big(request.node) \
+            else contextlib.nullcontext():
+        gemslib.disable()
+        yield
+        gemslib.disable()
+        if ON_GPU:
+            # the suite runs a process per core on one card: memory a finished test's process
+            # keeps reserved is memory the other processes' tests cannot have
+            torch.cuda.empty_cache()
 
 
 @pytest.fixture

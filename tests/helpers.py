@@ -4,6 +4,11 @@ opcheck of both overloads of an operator. Imported as ``helpers`` (pytest puts `
 the path);
 the conftest has already chosen the interpreter or the GPU by the time a test imports it."""
 
+import contextlib
+import fcntl
+import math
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,6 +20,33 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEVICE = torch.device(runtime.device_type())
 ON_GPU = not runtime.INTERPRETER
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# A test whose inputs hold more elements than this (its float64 reference and temporaries
+# take several times their bytes) runs alone among such tests on the card: the suite runs a
+# process per core, and a few of them at once overflow an 80 GB card.
+BIG_TEST_ELEMENTS = 1 << 25
+BIG_TEST_LOCK = os.path.join(tempfile.gettempdir(), f"gemslib-tests-big-memory-{os.getuid()}.lock")
+
+
+def is_big(item) -> bool:
+    """Marked ``big_memory``, or parametrized by a ``shape`` of over BIG_TEST_ELEMENTS."""
+    if item.get_closest_marker("big_memory") is not None:
+        return True
+    shape = getattr(getattr(item, "callspec", None), "params", {}).get("shape")
+    return (isinstance(shape, tuple) and all(isinstance(size, int) for size in shape)
+            and math.prod(shape) > BIG_TEST_ELEMENTS)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str):
+    """Held by one process at a time (an flock: released if the holder dies)."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
