@@ -62,11 +62,11 @@ def launch_key(config, grid: tuple, args) -> tuple[tuple | None, list]:
     """(key, launch arguments) of a launch. The key is what its compiled kernel depends on:
     the config, the grid, each tensor's dtype and 16-byte alignment, and every other argument
     by type and value (Triton specialises integers on being 1 and on divisibility by 16, so
-    the value covers it); None where an argument is neither a tensor nor a plain number (a
-    TMA descriptor, say): such launches go through Triton every time. The launch arguments
-    are ``args`` with each tensor's data pointer in its place (the compiled launcher takes a
-    pointer as an integer without asking the driver about it). One pass: this runs on every
-    launch."""
+    the value covers it), each host TMA descriptor by :func:`descriptor_key`; None where an
+    argument is none of these: such launches go through Triton every time. The launch
+    arguments are ``args`` with each tensor's data pointer in its place (the compiled launcher
+    takes a pointer as an integer without asking the driver about it; a descriptor stays,
+    the launcher makes its tensor map). One pass: this runs on every launch."""
     key = [config, grid]
     pointers = []
     for arg in args:
@@ -79,9 +79,21 @@ def launch_key(config, grid: tuple, args) -> tuple[tuple | None, list]:
             key.append(type(arg))
             key.append(arg)
             pointers.append(arg)
+        elif isinstance(arg, DESCRIPTORS):
+            key.append(descriptor_key(arg))
+            pointers.append(arg)
         else:
             return None, pointers
     return tuple(key), pointers
+
+
+def descriptor_key(descriptor) -> tuple:
+    """What a compiled kernel depends on of a host TMA descriptor: its kind, the base's dtype
+    and 16-byte alignment, the block, the shared layout (Gluon's) and the padding; its shape
+    and strides are launch parameters."""
+    base = descriptor.base
+    return (type(descriptor), base.dtype, tuple(descriptor.block_shape),
+            getattr(descriptor, "layout", None), descriptor.padding, not base.data_ptr() & 15)
 
 
 def specialization_key(values) -> tuple:
@@ -255,9 +267,7 @@ class KeptKernel:
                 key.append((arg.dtype, not pointer & 15))
                 launch_args.append(pointer)
             elif isinstance(arg, DESCRIPTORS):
-                base = arg.base
-                key.append((type(arg), base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None),
-                            arg.padding, not base.data_ptr() & 15))
+                key.append(descriptor_key(arg))
                 launch_args.append(arg)  # Triton's launcher makes its tensor map
             elif type(arg) in SCALARS:
                 key.append((type(arg), arg))

@@ -339,6 +339,29 @@ def test_a_repeated_launch_goes_straight_to_its_compiled_kernel(off_the_interpre
     assert fake.direct == [((2, 1, 1), (32, 2.0, 16)), ((2, 1, 1), (32, 2.0, 16))]
 
 
+def test_a_repeated_launch_with_a_tma_descriptor_goes_straight_to_its_compiled_kernel(
+        off_the_interpreter):
+    """A host TMA descriptor among a tuned kernel's arguments is keyed by what Triton compiles
+    for it (dtype, block, padding, base alignment): a repeat with another tensor of the same
+    kind goes to the compiled launcher with the descriptor itself (the launcher makes its
+    tensor map); another block shape or dtype goes through Triton."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    fake = _FakeJit()
+    launch = _fake_launcher(fake)
+    storage = torch.zeros(64)
+    first = TensorDescriptor.from_tensor(storage[:32], [16])
+    again = TensorDescriptor.from_tensor(storage[32:], [16])
+    launch(storage[:32], 32, factor=first)
+    launch(storage[:32], 32, factor=again)  # direct
+    other_block = TensorDescriptor.from_tensor(storage[:32], [8])
+    other_dtype = TensorDescriptor.from_tensor(storage.double()[:32], [16])
+    launch(storage[:32], 32, factor=other_block)
+    launch(storage[:32], 32, factor=other_dtype)
+    assert [args[1] for _, args, _ in fake.bound] == [first, other_block, other_dtype]
+    assert fake.direct == [((2, 1, 1), (32, again, 16))]
+
+
 def test_a_launch_hook_sees_every_launch(off_the_interpreter, monkeypatch):
     """With a launch hook installed (a profiler), every launch goes through Triton's own."""
     fake = _FakeJit()
