@@ -15,7 +15,9 @@ three warm-up calls it prints, per forward:
 - ``gpu``: the kernels' time in a torch.profiler trace of 5 calls;
 - the profiler's rows by self CPU time a forward (dispatcher ops, gemslib's included, and the
   CUDA runtime's launch calls), then cProfile's Python functions by own time over 5 calls
-  (cProfile's own cost inflates them; compare rows with each other, not with ``host``).
+  (cProfile's own cost inflates them; compare rows with each other, not with ``host``);
+- per graph overload, the signatures planned and those not (yet), and its calls a forward
+  that the C++ replay served.
 
 Without a CUDA GPU it runs ``--tiny`` in the Triton interpreter: the path is the same, the
 times mean nothing. Findings: docs/notes/host-path.md.
@@ -110,18 +112,32 @@ def main(argv=None) -> int:
         for row in cpu_rows[:args.top]:
             print(f"{row.self_cpu_time_total / 5:11.1f} {row.count / 5:9.1f} "
                   f"{row.self_cpu_time_total / max(row.count, 1):8.2f}  {row.key[:90]}")
+        from gemslib.runtime.custom_op import GRAPH_PLANS
+
+        replays_before = {name: _native_replays(plans) for name, plans in GRAPH_PLANS.items()}
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(5):
             forward()
         profile.disable()
         sync()
+        print("\ngraph overloads' call plans: signatures planned / left unplanned, native "
+              "replays a forward")
+        for name, plans in sorted(GRAPH_PLANS.items()):
+            if plans._plans or plans._tries:
+                replays = (_native_replays(plans) - replays_before[name]) / 5
+                print(f"  {name:<44} {len(plans._plans):3d} / {len(plans._tries):3d}  "
+                      f"{replays:6.1f}")
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
         print("\ncProfile, 5 forwards, by own time:")
         print("\n".join(line for line in text.getvalue().splitlines()
                         if line.strip() and not line.startswith(("   Ordered", "         "))))
     return 0
+
+
+def _native_replays(plans) -> int:
+    return getattr(plans._native, "replays", 0) if plans._native is not None else 0
 
 
 if __name__ == "__main__":
