@@ -133,12 +133,12 @@ def _mask(b_s, i_n, o_m, o_col, seq_kv, CAUSAL: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _consumer(i_half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, p_out, p_lse,
-              first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2,
+def _consumer(i_half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, p_out,
+              stride_o_s, p_lse, first_query, seq_q, seq_kv, n_blocks, full_blocks, scale_log2,
               CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: query rows first_query + i_half * ROWS + [0, ROWS) of one head against key
     blocks [0, n_blocks); blocks from full_blocks on are masked. Writes o rows and their lse
-    (p_out / p_lse point at the head's (Sq, D) / (Sq,) slices)."""
+    (p_out / p_lse point at the head's (Sq, D) / (Sq,) slices, o's rows stride_o_s apart)."""
     ROWS: gl.constexpr = q_smem.shape[3]
     HEAD_D: gl.constexpr = q_smem.shape[4]
     BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -206,18 +206,20 @@ def _consumer(i_half, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empt
     b_out = (b_acc / gl.convert_layout(b_row_sum, gl.SliceLayout(1, O_LAYOUT))[:, None]).to(DTYPE)
     o_m_out = first_query + i_half * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, O_LAYOUT))
     o_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, O_LAYOUT))
-    gl.store(p_out + o_m_out[:, None].to(gl.int64) * HEAD_D + o_d[None, :], b_out,
+    gl.store(p_out + o_m_out[:, None].to(gl.int64) * stride_o_s + o_d[None, :], b_out,
              mask=(o_m_out < seq_q)[:, None])
 
 
 @gluon.jit
 def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_kv, n_q_heads,
-                          group_size, scale_log2, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                          group_size, scale_log2, stride_o_b, stride_o_h, stride_o_s,
+                          CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Grid (B * Hq * cdiv(Sq, 2 * ROWS),) in layout.head_and_block's order, the query blocks
     from the last (the heaviest) to the first when causal. q_desc over (B, Hq, Sq, D) in
-    (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks; out (B, Hq, Sq, D) and
-    lse (B, Hq, Sq) contiguous. scale_log2 = scale * log2(e) >= 0."""
+    (1, 1, ROWS, D) blocks, k_desc / v_desc over (B, Hkv, Skv, D) in (1, 1, BLOCK_N, D) blocks;
+    out (B, Hq, Sq, D) with the strides given (unit last), lse (B, Hq, Sq) contiguous.
+    scale_log2 = scale * log2(e) >= 0."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -251,8 +253,9 @@ def _attention_fwd_hopper(q_desc, k_desc, v_desc, out_ptr, lse_ptr, seq_q, seq_k
         mbarrier.init(kv_empty.index(i_stage), count=2)  # one arrival per consumer warpgroup
 
     head_rows = i_bh.to(gl.int64) * seq_q
+    p_out = out_ptr + i_b.to(gl.int64) * stride_o_b + i_h.to(gl.int64) * stride_o_h
     consumer_args = (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                     out_ptr + head_rows * HEAD_D, lse_ptr + head_rows, first_query, seq_q,
+                     p_out, stride_o_s, lse_ptr + head_rows, first_query, seq_q,
                      seq_kv, n_blocks, full_blocks, scale_log2, CAUSAL, STAGES)
     low, high = gl.to_tensor(0), gl.to_tensor(1)  # which 64 of the 128 rows
     producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
@@ -705,13 +708,13 @@ def eligible_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     return eligible(q, k, v, BACKWARD_HEAD_DIMS)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) for ``eligible`` q (B, Hq, Sq, 128), k and v (B, Hkv, Skv, 128) with Sq, Skv
-    >= 1 and scale >= 0: o (B, Hq, Sq, 128) contiguous in q's dtype, lse (B, Hq, Sq) fp32."""
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            out: torch.Tensor) -> torch.Tensor:
+    """lse (B, Hq, Sq) fp32 for ``eligible`` q (B, Hq, Sq, 128), k and v (B, Hkv, Skv, 128)
+    with Sq, Skv >= 1 and scale >= 0; o written into ``out`` (B, Hq, Sq, 128) of q's dtype,
+    any strides with a unit last one."""
     batch, n_q_heads, seq_q, _ = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
-    out = torch.empty((batch, n_q_heads, seq_q, HEAD_DIM), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     q_layout, kv_layout = shared_layouts(q.dtype)
     q_desc = TensorDescriptor.from_tensor(q, [1, 1, ROWS, HEAD_DIM], q_layout)
@@ -723,15 +726,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     with torch.cuda.device(q.device):
         if KEEP_FORWARD_LAUNCH:
             _FORWARD.launch(grid, (q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads,
-                                   n_q_heads // n_kv_heads, scale * LOG2E.value),
+                                   n_q_heads // n_kv_heads, scale * LOG2E.value,
+                                   *out.stride()[:3]),
                             constexprs, num_warps=4)
         else:
             _attention_fwd_hopper[grid](
                 q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, out_ptr=out, lse_ptr=lse,
                 seq_q=seq_q, seq_kv=seq_kv, n_q_heads=n_q_heads,
                 group_size=n_q_heads // n_kv_heads, scale_log2=scale * LOG2E.value,
+                stride_o_b=out.stride(0), stride_o_h=out.stride(1), stride_o_s=out.stride(2),
                 **constexprs, num_warps=4)
-    return out, lse
+    return lse
 
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,

@@ -392,11 +392,19 @@ HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_
 HOPPER_FUSED_DQ = runtime.KernelPath("attention", "dQ from the Gluon dK/dV kernel on sm_90")
 
 
+def heads_interleaved(batch: int, n_heads: int, seq: int, width: int, dtype: torch.dtype,
+                      device) -> torch.Tensor:
+    """An empty (B, H, S, width) tensor laid out as (B, S, H, width), as SDPA's flash backend
+    returns o: a decoder's ``o.transpose(1, 2).reshape(B, S, H * width)`` before its output
+    projection is then a view, not a copy kernel."""
+    return torch.empty((batch, seq, n_heads, width), dtype=dtype, device=device).transpose(1, 2)
+
+
 def _launch_forward(q, k, v, causal: bool, scale: float,
                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated. ``out``: the
     (B, Hq, Sq, Dv) tensor to write o into, any strides (the SDPA overrides pass torch's
-    layout for the backend); by default a contiguous one."""
+    layout for the backend); by default ``heads_interleaved``'s."""
     q, k, v = layout.unit_last(q), layout.unit_last(k), layout.unit_last(v)
     if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
         q, scale = -q, -scale
@@ -405,6 +413,8 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
     if out is not None and out.stride(-1) != 1 and out.shape[-1] > 1:
         result, lse = _launch_forward(q, k, v, causal, scale)
         return out.copy_(result), lse
+    if out is None:
+        out = heads_interleaved(batch, n_q_heads, seq_q, head_dim_v, q.dtype, q.device)
     if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v:
         # one query row (a decode step through SDPA): the decode kernel reads each KV head once
         # for its group and splits the keys over the SMs, where the prefill kernels would read
@@ -412,17 +422,11 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         if causal:
             k, v = k[:, :, :1], v[:, :, :1]
         lse = torch.empty((batch, n_q_heads, 1), dtype=torch.float32, device=q.device)
-        rows = None if out is None else out[:, :, 0]  # written in place: unit last stride
-        result = _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=rows)
-        return (result[:, :, None] if out is None else out), lse
+        _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=out[:, :, 0])
+        return out, lse
     if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and _attention_hopper.eligible(q, k, v):
-        result, lse = _attention_hopper.forward(q, k, v, causal, scale)
-        # the Gluon kernel writes contiguous rows; another layout costs one copy
-        return (result if out is None or out.stride() == result.stride() else
-                out.copy_(result)), lse
-    if out is None:
-        out = torch.empty((batch, n_q_heads, seq_q, head_dim_v), dtype=q.dtype, device=q.device)
+        return out, _attention_hopper.forward(q, k, v, causal, scale, out)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(-float("inf"))
@@ -564,7 +568,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if not _kernels_take(q, k, v):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
-        return out.to(q.dtype), lse.float()
+        return heads_interleaved(*out.shape, q.dtype, q.device).copy_(out), lse.float()
     return _launch_forward(q, k, v, causal, scale)
 
 
@@ -591,7 +595,7 @@ def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
 
 def _attention_fake(q, k, v, causal, scale):
     batch, n_q_heads, seq_q, _ = q.shape
-    return (q.new_empty((batch, n_q_heads, seq_q, v.shape[-1])),
+    return (heads_interleaved(batch, n_q_heads, seq_q, v.shape[-1], q.dtype, q.device),
             q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
 
 

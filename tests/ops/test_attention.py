@@ -51,6 +51,26 @@ def test_forward_matches_reference(case, dtype, causal):
     torch.testing.assert_close(public, out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("seq_q,dim", [(70, 16), (1, 16), (5, 300)],
+                         ids=["kernel", "decode-kernel", "torch"])
+def test_output_is_laid_out_as_sdpa_flash_returns_it(seq_q, dim):
+    """o (B, Hq, Sq, Dv) lies as (B, Sq, Hq, Dv), as the fake says (what inductor plans the
+    graph around) and as SDPA's flash backend returns it: a decoder's transpose and reshape
+    into the output projection's rows is a view of o, no copy."""
+    q = random_tensor((2, 4, seq_q, dim), torch.float32, scale=1.0)
+    k, v = (random_tensor((2, 2, 33, dim), torch.float32, scale=1.0) for _ in range(2))
+    out = gemslib.attention(q, k, v, causal=True)
+    rows = out.transpose(1, 2).reshape(2 * seq_q, 4 * dim)
+    assert rows.data_ptr() == out.data_ptr() and rows._base is not None
+    assert out.transpose(1, 2).is_contiguous()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake_out, _ = attention_ops._attention_fake(mode.from_tensor(q), mode.from_tensor(k),
+                                                    mode.from_tensor(v), True, 1.0)
+    assert fake_out.shape == out.shape and fake_out.stride() == out.stride()
+    expected = attention_ops.attention_reference(q.double(), k.double(), v.double(), True)[0]
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_one_query_row_runs_the_decode_kernel(monkeypatch):
     """Sq = 1 (a decode step written with SDPA): one decode launch, whose lse is the one the
     backward reads; the gradients match the reference's through it."""
