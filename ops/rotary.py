@@ -618,13 +618,16 @@ _rotary_op = runtime.CustomOp(
     setup_context=_rotary_setup, backward=_rotary_grad, differentiable_backward=True)
 
 
+def heads_rms_normed(x, weight, eps):
+    """Each head (last dim) of ``x`` RMS-normalised and scaled by its (D,) weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def rotary_qk_norm_reference(q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps):
     """Each head of q and k RMS-normalised over head_dim and scaled by its (D,) weight, then
     rotated (Qwen3's and OLMo-2's per-head q/k norm before the rotary)."""
-    def normed(x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    return rotary_reference(normed(q, q_weight), normed(k, k_weight), cos, sin, positions,
-                            interleaved)
+    return rotary_reference(heads_rms_normed(q, q_weight, eps), heads_rms_normed(k, k_weight, eps),
+                            cos, sin, positions, interleaved)
 
 
 def _rotary_qk_norm_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -665,11 +668,25 @@ _rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_a
                                      fake=lambda q, k, cos, sin, positions, interleaved: None)
 
 
-def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache) -> None:
+def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_weight,
+                       k_weight, eps) -> None:
     """rotary_into_cache's arguments: q (B, S, Hq, D), k and v (B, S, Hk, D), a per-token
-    table, caches (B, Hk, L, D) of k's dtype, cache_position (S,) integers, and no write that
-    lands on what is read (or on the other cache)."""
+    table, caches (B, Hk, L, D) of k's dtype, cache_position (S,) integers, no write that
+    lands on what is read (or on the other cache), and both per-head norm weights (D,) of q's
+    dtype with a float eps, or neither."""
     name = "gemslib.rotary_into_cache"
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError(f"{name}: q_weight and k_weight go together (the per-head q/k norm), "
+                         f"got {'q_weight' if k_weight is None else 'k_weight'} alone")
+    for arg, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight is not None:
+            checks.like(name, arg, weight, q, "q")
+            if weight.shape != (q.shape[-1],):
+                raise ValueError(f"{name}: {arg} must be ({q.shape[-1]},) (q's head dim), got "
+                                 f"{tuple(weight.shape)}")
+    if q_weight is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
+                                 or not eps >= 0):
+        raise ValueError(f"{name}: eps must be a number >= 0, got {eps!r}")
     for arg, t in (("q", q), ("cos", cos)):
         checks.float_tensor(name, arg, t, expected="floating-point")
     if q.dim() != 4 or cos.dim() != 3:
@@ -717,10 +734,16 @@ def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache) -> N
                              f"caches' length), got {low if low < 0 else high}")
 
 
-def rotary_into_cache_reference(q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache):
+def rotary_into_cache_reference(q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache,
+                                q_weight=None, k_weight=None, eps=0.0):
     """The rotation of q and k by a per-token table (q returned), rotated k and v written into
-    the (B, Hk, L, D) caches at rows cache_position, as a static cache's update does."""
-    q_rot, k_rot = rotary_reference(q, k, cos, sin, None, interleaved)
+    the (B, Hk, L, D) caches at rows cache_position, as a static cache's update does; with the
+    weights, each head of q and k RMS-normalised first (:func:`rotary_qk_norm_reference`)."""
+    if q_weight is not None:
+        q_rot, k_rot = rotary_qk_norm_reference(q, k, cos, sin, None, interleaved, q_weight,
+                                                k_weight, eps)
+    else:
+        q_rot, k_rot = rotary_reference(q, k, cos, sin, None, interleaved)
     k_cache[:, :, cache_position] = k_rot.transpose(1, 2).to(k_cache.dtype)
     v_cache[:, :, cache_position] = v.transpose(1, 2).to(v_cache.dtype)
     return q_rot
@@ -728,28 +751,39 @@ def rotary_into_cache_reference(q, k, v, cos, sin, interleaved, cache_position, 
 
 def _rotary_into_cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, interleaved: bool, cache_position: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            q_weight: torch.Tensor | None = None,
+                            k_weight: torch.Tensor | None = None,
+                            eps: float = 0.0) -> torch.Tensor:
     """q (B, S, Hq, D) rotated by a per-token (B or 1, S, rot_dim) table into a new tensor;
     k (B, S, Hk, D) rotated and v copied into the caches (B, Hk, L, D), token s at row
-    cache_position[s]: a decode step's rotary and its static cache's update in one launch."""
-    _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache)
+    cache_position[s]: a decode step's rotary and its static cache's update in one launch.
+    With q_weight and k_weight ((D,), a full rotary), each head of q and k is RMS-normalised
+    with its weight first (Qwen3's per-head q/k norm)."""
+    _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_weight, k_weight,
+                       eps)
     q_out = torch.empty_like(q)
-    if not _kernel_runs(q, k, cos, sin) or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    normed = q_weight is not None
+    rot_dim = cos.shape[-1] if cos.dim() == 3 else 2 * cos.shape[-1]
+    if not _kernel_runs(q, k, cos, sin) or k_cache.stride(-1) != 1 or \
+            v_cache.stride(-1) != 1 or (normed and rot_dim != q.shape[-1]):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        weights = (q_weight.to(work), k_weight.to(work)) if normed else (None, None)
         q_rot = rotary_into_cache_reference(q.to(work), k.to(work), v, cos.to(work),
                                             sin.to(work), interleaved, cache_position,
-                                            k_cache, v_cache)
+                                            k_cache, v_cache, *weights, eps)
         return q_out.copy_(q_rot)
     _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_cache.transpose(1, 2), cos, sin,
             None, interleaved, False, v=layout.unit_last(v), v_out=v_cache.transpose(1, 2),
-            out_rows=cache_position)
+            out_rows=cache_position, q_norm=q_weight.contiguous() if normed else None,
+            k_norm=k_weight.contiguous() if normed else None, norm_eps=float(eps))
     return q_out
 
 
 _rotary_into_cache_op = runtime.CustomOp(
     "rotary_into_cache", _rotary_into_cache_impl, mutates_args=("k_cache", "v_cache"),
-    fake=lambda q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache:
-    torch.empty_like(q))
+    fake=lambda q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache,
+    q_weight=None, k_weight=None, eps=0.0: torch.empty_like(q))
 
 
 

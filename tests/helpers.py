@@ -95,3 +95,13 @@ def assert_compiled_is_eager_s(module, x, fusions):
     for got, want in zip(results, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.allclose(got.float(), want.float(), atol=2e-3 * want.abs().max().item())
+
+
+def caches_written_in_place(code: str) -> list[tuple[str, str]]:
+    """The (k_cache, v_cache) graph inputs each ``rotary_into_cache`` call in inductor's
+    generated ``code`` writes: the op runs on the graph's cache inputs themselves."""
+    import re
+
+    return re.findall(r"rotary_into_cache\.graph\([^\n]*, (arg\d+_1), (arg\d+_1)"
+                      r"(?:, q_weight=[^\n]*)?\)", code)
+

@@ -299,30 +299,57 @@ def _fuse_qk_norms(graph: torch.fx.Graph, real_value) -> list[str]:
     node over its two norms' outputs, each through the transposes that cancel, each norm over
     head_dim with a (D,) weight and the same eps, read by nothing else; a full rotary) ->
     ``rotary_qk_norm``: the per-head q/k RMSNorm of Qwen3 and OLMo-2 in the rotary's launch.
-    A rotary whose k goes into a cache has become ``rotary_into_cache`` before: it keeps its
-    norms."""
+    A rotary whose k goes into a cache has become ``rotary_into_cache`` before: its norms go
+    into that launch, as its q_weight and k_weight."""
     sites = []
     for rotary in graph.find_nodes(op="call_function", target=torch.ops.gemslib.rotary.default):
         first, second, cos, sin, positions, interleaved, inverse = rotary.args
-        normed = [_normed_heads(node) for node in (first, second)]
-        if inverse or None in normed or normed[0][2] != normed[1][2]:
+        if inverse or not live_users(rotary):  # dead: a cache write took its place
             continue
-        (q, q_weight, eps, q_chain), (k, k_weight, _, k_chain) = normed
-        head_dim = first.meta["val"].shape[-1]
-        table = cos.meta["val"]
-        rot_dim = table.shape[-1] if table.dim() == 3 else 2 * table.shape[-1]
-        if rot_dim != head_dim or any(
-                w.meta["val"].dtype != q.meta["val"].dtype for w in (q_weight, k_weight)) or \
-                any(set(live_users(node)) - set(chain) - {rotary}
-                    for chain in (q_chain, k_chain) for node in chain):
+        norms = _fusible_norms(first, second, cos, rotary)
+        if norms is None:
             continue
+        q, k, q_weight, k_weight, eps = norms
         with graph.inserting_before(rotary):
             fused = call_node(graph, torch.ops.gemslib.rotary_qk_norm.default, q, k, cos, sin,
                               positions, interleaved, q_weight, k_weight, eps)
         if replace_if(graph, rotary, fused, [t.stride() for t in fused.meta["val"]]
                       == [t.stride() for t in rotary.meta["val"]]):
-            sites.append(f"{rotary.name} over {q_chain[-1].name}, {k_chain[-1].name}")
+            sites.append(f"{rotary.name} over {first.name}, {second.name}")
+    into_cache = torch.ops.gemslib.rotary_into_cache.default
+    for write in graph.find_nodes(op="call_function",
+                                  target=torch.ops.higher_order.auto_functionalized):
+        if write.args[0] is not into_cache or write.kwargs.get("q_weight") is not None:
+            continue
+        first, second = write.kwargs["q"], write.kwargs["k"]
+        norms = _fusible_norms(first, second, write.kwargs["cos"], write)
+        if norms is None:
+            continue
+        q, k, q_weight, k_weight, eps = norms
+        for name, value in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
+                            ("eps", eps)):
+            write.update_kwarg(name, value)
+        sites.append(f"{write.name} over {first.name}, {second.name}")
     return sites
+
+
+def _fusible_norms(first, second, cos, reader):
+    """(q, k, q_weight, k_weight, eps) when ``first`` and ``second`` (a rotary's inputs, read
+    by ``reader``) are per-head RMSNorms of q and k with one eps, weights of q's dtype, read by
+    nothing else, and the table ``cos`` rotates whole heads; else None."""
+    normed = [_normed_heads(node) for node in (first, second)]
+    if None in normed or normed[0][2] != normed[1][2]:
+        return None
+    (q, q_weight, eps, q_chain), (k, k_weight, _, k_chain) = normed
+    head_dim = first.meta["val"].shape[-1]
+    table = cos.meta["val"]
+    rot_dim = table.shape[-1] if table.dim() == 3 else 2 * table.shape[-1]
+    if rot_dim != head_dim or any(
+            w.meta["val"].dtype != q.meta["val"].dtype for w in (q_weight, k_weight)) or \
+            any(set(live_users(node)) - set(chain) - {reader}
+                for chain in (q_chain, k_chain) for node in chain):
+        return None
+    return q, k, q_weight, k_weight, eps
 
 
 def _normed_heads(node):
@@ -351,6 +378,6 @@ def _normed_heads(node):
     return x, weight, eps, [*chain, node, norm]
 
 
-# the cache write first: a decode step's rotary keeps its write, and its norms stay their own
+# the cache write first: a decode step's rotary keeps its write, its norms then join it
 GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),
                   GraphRewrite("rotary_qk_norm", _fuse_qk_norms, after_patterns=True))

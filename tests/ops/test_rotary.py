@@ -503,6 +503,31 @@ def test_rotary_into_cache_matches_reference(case, dtype, interleaved):
     torch.testing.assert_close(v_cache, v_ref.to(dtype), rtol=0, atol=0, msg="v_cache")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [CACHE_CASES[0], CACHE_CASES[1], CACHE_CASES[2]],
+                         ids=["decode", "tokens", "partial-rotary"])
+def test_rotary_into_cache_with_the_per_head_qk_norm_matches_reference(case, dtype):
+    """With q_weight and k_weight (Qwen3's per-head q/k RMSNorm), each head of q and k is
+    normalised and scaled before it is rotated; the caches get the normed, rotated k and v as
+    it was. A partial rotary (rot_dim < D) is computed by torch, to the same result."""
+    q, k, v, cos, sin, positions, k_cache, v_cache = _cache_inputs(*case, dtype)
+    head_dim, eps = q.shape[-1], 1e-6
+    q_weight, k_weight = (random_tensor((head_dim,), dtype, scale=1.0) for _ in range(2))
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    q_ref = rotary_ops.rotary_into_cache_reference(
+        q.double(), k.double(), v.double(), cos.double(), sin.double(), False, positions,
+        k_ref, v_ref, q_weight.double(), k_weight.double(), eps)
+    q_rot = torch.ops.gemslib.rotary_into_cache(q, k, v, cos, sin, False, positions, k_cache,
+                                                v_cache, q_weight, k_weight, eps)
+    assert_close_to_reference(q_rot, q_ref, dtype, reduction_len=head_dim, msg="q")
+    assert_close_to_reference(k_cache, k_ref, dtype, reduction_len=head_dim, msg="k_cache")
+    torch.testing.assert_close(v_cache, v_ref.to(dtype), rtol=0, atol=0, msg="v_cache")
+    unnormed = rotary_ops.rotary_into_cache_reference(
+        q.double(), k.double(), v.double(), cos.double(), sin.double(), False, positions,
+        k_cache.double().clone(), v_cache.double().clone())
+    assert (q_ref - unnormed).abs().max() > 0.1  # the norm is not a no-op on these inputs
+
+
 @pytest.mark.parametrize("block_h", [2, 8])
 @pytest.mark.parametrize("loop_heads", [0, 1], ids=["head-blocks-in-grid", "heads-looped"])
 def test_rotary_into_cache_in_both_program_layouts(loop_heads, block_h):
@@ -527,6 +552,9 @@ def test_rotary_into_cache_passes_opcheck():
         q, k, v, cos, sin, positions, k_cache, v_cache = args
         opcheck_overloads(torch.ops.gemslib.rotary_into_cache,
                           (q, k, v, cos, sin, interleaved, positions, k_cache, v_cache))
+    weights = [torch.randn(16) for _ in range(2)]
+    opcheck_overloads(torch.ops.gemslib.rotary_into_cache,
+                      (q, k, v, cos, sin, False, positions, k_cache, v_cache, *weights, 1e-6))
 
 
 def test_rotary_into_cache_bad_input_names_the_argument():
@@ -554,6 +582,13 @@ def test_rotary_into_cache_bad_input_names_the_argument():
         call(cache_position=positions[:1])
     with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
         call(v_cache=k_cache)
+    weight = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="q_weight and k_weight go together"):
+        op(q, k, v, cos, sin, False, positions, k_cache, v_cache, weight, None, 1e-6)
+    with pytest.raises(ValueError, match=r"k_weight must be \(16,\)"):
+        op(q, k, v, cos, sin, False, positions, k_cache, v_cache, weight, weight[:8], 1e-6)
+    with pytest.raises(ValueError, match="q_weight must be torch.float32"):
+        op(q, k, v, cos, sin, False, positions, k_cache, v_cache, weight.half(), weight, 1e-6)
     buffer = torch.randn(2, 4, 5, 16, device=DEVICE)
     with pytest.raises(ValueError, match="k_cache shares memory with k"):
         call(k=buffer[:, 2:4].transpose(1, 2)[:, :2], k_cache=buffer[:, :2])

@@ -3,13 +3,12 @@ becomes apply_rotary, look-alikes are left alone, and a decode step's rotary wit
 cache's update becomes rotary_into_cache."""
 
 import functools
-import re
 
 import pytest
 import torch
 
 import gemslib
-from helpers import DEVICE, random_tensor
+from helpers import DEVICE, caches_written_in_place, random_tensor
 from gemslib.passes import rotary as rotary_passes
 
 
@@ -237,9 +236,51 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
         torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
     for cache, want in zip(caches, expected_caches):
         torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
-    on_inputs = re.findall(r"rotary_into_cache\.graph\([^\n]*, (arg\d+_1), (arg\d+_1)\)", code)
+    on_inputs = caches_written_in_place(code)
     assert len(on_inputs) == fused, code
     assert ReinplaceCounters.get_total_missed_bytes() == 0
+
+
+def _normed_cache_step(q_proj, k_proj, v, cos, sin, k_cache, v_cache, positions, mask,
+                       q_weight, k_weight):
+    """Qwen3's decode step over a static cache: each head of q and k RMS-normalised before
+    the rotary, then :func:`_cache_step`."""
+    from gemslib.passes.forms import transformers_rms_norm
+
+    batch, seq, dim = q_proj.shape[0], q_proj.shape[1], q_weight.shape[0]
+    q = transformers_rms_norm(q_proj.view(batch, seq, -1, dim), q_weight, 1e-6).transpose(1, 2)
+    k = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), k_weight, 1e-6).transpose(1, 2)
+    return _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask)
+
+
+def test_a_static_cache_update_takes_the_per_head_norms_into_the_rotary_launch():
+    """Qwen3's decode step: the cache write goes into the rotary's launch, and then the
+    per-head q/k norms too (rotary_into_cache with its weights, one launch for norms, rotary
+    and the cache update); outputs and caches are eager's."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    dtype = torch.float32
+    q_proj = random_tensor((2, 3, 2 * 16), dtype, scale=1.0)
+    k_proj = random_tensor((2, 3, 2 * 16), dtype, scale=1.0)
+    v = random_tensor((2, 2, 3, 16), dtype, scale=1.0)
+    weights = [torch.rand(16, device=DEVICE) + 0.5 for _ in range(2)]
+    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    caches = [random_tensor((2, 2, 9, 16), dtype) for _ in range(2)]
+    positions = torch.tensor([4, 2, 7], device=DEVICE)
+    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
+    mask[..., 0] = True
+    expected_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        expected = _normed_cache_step(q_proj, k_proj, v, cos, sin, *expected_caches, positions,
+                                      mask, *weights)
+        got = torch.compile(_normed_cache_step, backend="gemslib", fullgraph=True)(
+            q_proj, k_proj, v, cos, sin, *caches, positions, mask, *weights)
+    report = gemslib.fusion_report()
+    assert report.get("rotary_into_cache") == 1 and report.get("rotary_qk_norm") == 1, report
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for cache, want in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cache_write_rewrite_can_be_switched_off(monkeypatch):
