@@ -41,7 +41,8 @@ if not torch.cuda.is_available():
 
 import gemslib  # noqa: E402  (after the interpreter decision)
 from gemslib import runtime  # noqa: E402
-from helpers import BIG_TEST_LOCK, DEVICE, ON_GPU, exclusive_lock, is_big  # noqa: E402
+from helpers import (BIG_TEST_LOCK, DEVICE, ON_GPU, exclusive_lock, is_big,  # noqa: E402
+                     release_gpu_memory)
 
 
 def pytest_report_header(config):
@@ -66,7 +67,7 @@ def _fresh_state(request):
         if ON_GPU:
             # the suite runs a process per core on one card: memory a finished test's process
             # keeps reserved is memory the other processes' tests cannot have
-            torch.cuda.empty_cache()
+            release_gpu_memory()
 
 
 @pytest.fixture

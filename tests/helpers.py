@@ -49,6 +49,25 @@ def exclusive_lock(path: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# What a test's process may keep reserved on the card after it (its CUDA context aside): more
+# is held by references the test left (a compiled model in dynamo's caches, a CUDA graph pool,
+# a cycle), which the next tests on that card cannot have.
+KEPT_GPU_BYTES = 1 << 30
+
+
+def release_gpu_memory(kept_bytes: int = KEPT_GPU_BYTES) -> None:
+    """Give the card back the memory a finished test's process holds: the allocator's free
+    blocks, and, where more than ``kept_bytes`` stays reserved, dynamo's compiled graphs and
+    cyclic garbage too."""
+    import gc
+
+    torch.cuda.empty_cache()
+    if torch.cuda.memory_reserved() > kept_bytes:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def random_tensor(shape, dtype, device=DEVICE, scale=3.0):
     """Fresh normal samples times ``scale`` (covers silu's saturated tails)."""
     return (torch.randn(shape, device=device, dtype=torch.float32) * scale).to(dtype)

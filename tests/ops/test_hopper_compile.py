@@ -505,7 +505,8 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
         kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {hopper.HEAD_DIM}],{kv_layout!r}>"
         signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
                      "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
-                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32"}
+                     "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32",
+                     "stride_o_b": "i32", "stride_o_h": "i32", "stride_o_s": "i32"}
     signature.update({key: "constexpr" for key in constexprs})
     source = GluonASTSource(kernel, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

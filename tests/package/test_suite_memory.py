@@ -1,4 +1,5 @@
-"""The suite's own discipline on a shared card: tests that hold GiBs run one at a time."""
+"""The suite's own discipline on a shared card: tests that hold GiBs run one at a time, and a
+process gives back what a finished test left it holding."""
 
 import subprocess
 import sys
@@ -6,8 +7,9 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from helpers import BIG_TEST_ELEMENTS, exclusive_lock, is_big
+from helpers import BIG_TEST_ELEMENTS, exclusive_lock, is_big, release_gpu_memory
 
 
 def _item(shape=None, marked=False):
@@ -54,3 +56,16 @@ def test_the_big_memory_lock_excludes_other_processes_until_released(tmp_path):
         with exclusive_lock(str(path)):
             raise RuntimeError("the test failed")
     assert _try_lock_elsewhere(path) == "free"
+
+
+@pytest.mark.parametrize("reserved,resets", [(0, 0), (1 << 30, 0), ((1 << 30) + 1, 1)])
+def test_a_process_holding_memory_after_a_test_drops_compiled_graphs_and_garbage(
+        monkeypatch, reserved, resets):
+    """After each test on a GPU the allocator's free blocks go back; where the process still
+    holds more than a GiB, dynamo's caches and cyclic garbage are let go too."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *args: reserved)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("reset"))
+    release_gpu_memory()
+    assert calls == ["empty_cache"] + ["reset", "empty_cache"] * resets
