@@ -2,7 +2,8 @@
 calls the kernels take, and the plain PyTorch reference both are tested against.
 
     attention_reference(q, k, v)[b, h, i] = sum_j p_ij v[b, g(h), j],
-    p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  (causal: over the keys j <= i)
+    p_ij = softmax_j(scale * q[b, h, i] . k[b, g(h), j])  (causal: over the keys j <= i;
+                                                            with a window, i - window < j)
 
 with g(h) = h // (Hq / Hkv), computed by the definition in whatever dtype it is given.
 """
@@ -50,14 +51,21 @@ def _kernels_take(q, k, v, *others) -> bool:
         and max(q.shape[-1], v.shape[-1]) <= 256
 
 
-def attention_reference(q, k, v, causal=False, scale=None):
-    """(o, lse) by the definition, K/V repeated over each group of query heads."""
+def attention_reference(q, k, v, causal=False, scale=None, window=0, softcap=0.0):
+    """(o, lse) by the definition, K/V repeated over each group of query heads. ``softcap``
+    > 0: each score s becomes softcap * tanh(s / softcap) (Gemma-2's logit soft-capping);
+    ``window`` > 0 (causal only): query i sees the keys i - window < j <= i (a sliding
+    window, as Mistral's and Gemma-2's masks)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if window:
+            visible = visible & ~visible.tril(-window)
         scores = scores.masked_fill(~visible, -float("inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.softmax(scores, dim=-1) @ v, lse

@@ -52,12 +52,16 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s,
                    k_desc, v_desc, i_b, i_hkv,
                    o_m, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
+                   window, cap_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-                   TMA: tl.constexpr, LAZY: tl.constexpr,
+                   TMA: tl.constexpr, LAZY: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Fold keys [key_start, key_end) into the running (b_acc, b_row_max, b_row_sum) of the
     query rows o_m; b_row_max is in log2 units. p_k / p_v point at the KV head's K and V.
-    MASKED blocks check key bounds (and causality); the others need no mask. With LAZY,
+    MASKED blocks check key bounds (and causality, the sliding window's left edge with
+    WINDOW, and cap the scores with SOFTCAP: s -> cap * tanh(s / cap), in log2 units
+    cap_log2 = cap * log2(e)); the others need no mask. With LAZY,
     unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
     With TMA, K and V blocks come through tensor descriptors at batch i_b and KV head i_hkv
     (Hopper's bulk copies; rows and features past the tensor's end read as zeros)."""
@@ -79,9 +83,17 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
             m_visible = m_n
             if CAUSAL:
                 m_visible = m_visible & (o_n[None, :] <= o_m[:, None])
-            b_s = tl.where(m_visible, b_qk * scale_log2, -float("inf"))
+            if WINDOW:
+                m_visible = m_visible & (o_n[None, :] > o_m[:, None] - window)
+            b_s = b_qk * scale_log2
+            if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+                b_s = cap_log2 * (2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0)
+            b_s = tl.where(m_visible, b_s, -float("inf"))
             b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
-            b_p = tl.exp2(b_s - b_new_max[:, None])
+            b_ref_max = b_new_max
+            if WINDOW:  # a row may have seen no key yet: exponents against 0, not -inf - -inf
+                b_ref_max = tl.where(b_new_max == -float("inf"), 0.0, b_new_max)
+            b_p = tl.exp2(b_s - b_ref_max[:, None])
         elif LAZY:
             # the running maximum moves only when some row's grows by more than 2^8: until
             # then p <= 256 against a stale maximum, which fp32 sums and the output's
@@ -94,11 +106,13 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
                 b_row_sum = b_row_sum * b_rescale
                 b_row_max = b_new_max
             b_new_max = b_row_max
+            b_ref_max = b_new_max
             b_p = tl.exp2(b_qk * scale_log2 - b_row_max[:, None])
         else:
             # scale_log2 >= 0 (the launcher flips q's sign otherwise), so the scaled maximum is
             # the maximum scaled, and the exponent is one fused multiply-add per score
             b_new_max = tl.maximum(b_row_max, tl.max(b_qk, axis=1) * scale_log2)
+            b_ref_max = b_new_max
             b_p = tl.exp2(b_qk * scale_log2 - b_new_max[:, None])
         if TMA:
             b_v = v_desc.load([i_b, i_hkv, i_n, 0]).reshape(BLOCK_N, BLOCK_DV)
@@ -112,8 +126,9 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
             else:
                 b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
         else:
-            # every row sees key 0 in the first block it folds, so new_max is finite from then on
-            b_rescale = tl.exp2(b_row_max - b_new_max)
+            # without a window every row sees key 0 in the first block it folds, so new_max is
+            # finite from then on; with one, ref_max stands in for a row's -inf
+            b_rescale = tl.exp2(b_row_max - b_ref_max)
             b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
             if IEEE:
                 b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
@@ -140,15 +155,17 @@ def _query_block(seq_q, n_q_heads, group_size, CAUSAL: tl.constexpr, BLOCK_M: tl
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
-    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2,
+    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2, window, cap_log2,
     stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
     stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, stride_o_s,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Grid (B * Hq * query blocks,) in layout.head_and_block's order. o (B, Hq, Sq, Dv) in
-    q's dtype, lse (B, Hq, Sq) fp32.
+    q's dtype, lse (B, Hq, Sq) fp32. WINDOW (causal only): row i sees the keys
+    i - window < j <= i; SOFTCAP: scores capped at cap_log2 (log2 units); with either, every
+    key block goes through the masked path.
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
     are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
@@ -178,14 +195,26 @@ def _attention_fwd_kernel(
     else:
         key_end = seq_kv
         full_end = (seq_kv // BLOCK_N) * BLOCK_N
-    b_acc, b_row_max, b_row_sum = _attend_blocks(
-        b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc, v_desc,
-        i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v, scale_log2,
-        False, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
-    b_acc, b_row_max, b_row_sum = _attend_blocks(
-        b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc, v_desc,
-        i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
-        scale_log2, True, CAUSAL, IEEE, TMA, LAZY, BLOCK_N, BLOCK_D, BLOCK_DV)
+    if WINDOW or SOFTCAP:  # from the first row's first key, every block masked
+        key_start = 0
+        if WINDOW:
+            key_start = (tl.maximum(i_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+        b_acc, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
+            v_desc, i_b32, i_hkv32, o_m, key_start, key_end, seq_kv, head_dim, head_dim_v,
+            scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        b_acc, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
+            v_desc, i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v,
+            scale_log2, window, cap_log2, False, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV)
+        b_acc, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
+            v_desc, i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
+            scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
+            BLOCK_N, BLOCK_D, BLOCK_DV)
 
     b_o = (b_acc / b_row_sum[:, None]).to(o_ptr.dtype.element_ty)
     if TMA:  # rows and features past o's end are not written
@@ -400,22 +429,25 @@ def heads_interleaved(batch: int, n_heads: int, seq: int, width: int, dtype: tor
     return torch.empty((batch, seq, n_heads, width), dtype=dtype, device=device).transpose(1, 2)
 
 
-def _launch_forward(q, k, v, causal: bool, scale: float,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | None = None,
+                    window: int = 0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) for (B, Hq, Sq, D) q and (B, Hkv, Skv, D / Dv) k / v, validated. ``out``: the
     (B, Hq, Sq, Dv) tensor to write o into, any strides (the SDPA overrides pass torch's
-    layout for the backend); by default ``heads_interleaved``'s."""
+    layout for the backend); by default ``heads_interleaved``'s. ``window`` > 0 (causal) and
+    ``softcap`` > 0 as :func:`attention_reference` takes them: the Triton kernel's masked
+    path serves such calls."""
     q, k, v = layout.unit_last(q), layout.unit_last(k), layout.unit_last(v)
     if scale < 0:  # the unmasked blocks need a scale >= 0; (-q).k * -scale is exact
         q, scale = -q, -scale
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     if out is not None and out.stride(-1) != 1 and out.shape[-1] > 1:
-        result, lse = _launch_forward(q, k, v, causal, scale)
+        result, lse = _launch_forward(q, k, v, causal, scale, None, window, softcap)
         return out.copy_(result), lse
     if out is None:
         out = heads_interleaved(batch, n_q_heads, seq_q, head_dim_v, q.dtype, q.device)
-    if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v:
+    banded = bool(window or softcap)
+    if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v and not banded:
         # one query row (a decode step through SDPA): the decode kernel reads each KV head once
         # for its group and splits the keys over the SMs, where the prefill kernels would read
         # it once per query head and fill 1 of 64-128 rows. Top-left causal: key 0 only.
@@ -425,7 +457,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=out[:, :, 0])
         return out, lse
     if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
-            seq_kv and _attention_hopper.eligible(q, k, v):
+            seq_kv and not banded and _attention_hopper.eligible(q, k, v):
         return out, _attention_hopper.forward(q, k, v, causal, scale, out)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -452,8 +484,9 @@ def _launch_forward(q, k, v, causal: bool, scale: float,
         lambda meta: (batch * n_q_heads * runtime.cdiv(seq_q, meta["BLOCK_M"]),),
         q, k, v, out, lse, *descriptors,
         seq_q, seq_kv, n_q_heads, n_q_heads // n_kv_heads, head_dim, head_dim_v, scale_log2,
+        int(window), float(softcap) * LOG2E.value,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        causal, q.dtype == torch.float32, tma, block_d, block_dv,
+        causal, q.dtype == torch.float32, tma, bool(window), bool(softcap), block_d, block_dv,
         shape=shape, config=config)
     return out, lse
 
@@ -521,11 +554,13 @@ def _tma_ready(*tensors: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
     enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
     multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Differentiable in q, k and v (the
-    backward recomputes the probabilities from the saved row log-sum-exp).
+    backward recomputes the probabilities from the saved row log-sum-exp), except with a
+    window or a softcap (forward only, for inference).
 
     Args:
         q: (B, Hq, Sq, D) floating tensor, any strides (a non-unit last stride costs a copy).
@@ -535,6 +570,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         v: (B, Hkv, Skv, Dv), q's dtype and device.
         causal: query i sees the keys j <= i (top-left alignment when Sq != Skv).
         scale: the scores' factor; None for 1 / sqrt(D).
+        window: a sliding window (with ``causal``): query i sees the keys
+            i - window < j <= i (Mistral's, Gemma-2's local layers). None for none.
+        softcap: each score s (scaled) becomes softcap * tanh(s / softcap) before the
+            softmax (Gemma-2's attention logit soft-capping). None for none.
 
     Returns:
         (B, Hq, Sq, Dv) tensor of q's dtype.
@@ -542,10 +581,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     Raises:
         TypeError: q, k or v is not a floating-point tensor, causal is not a bool, or scale
             is not a real number.
-        ValueError: a tensor that is not 4-d, shapes that do not agree as above, or k or v of
-            another dtype or device.
+        ValueError: a tensor that is not 4-d, shapes that do not agree as above, k or v of
+            another dtype or device, a window below 1 or without ``causal``, or a softcap
+            that is not above 0.
+        NotImplementedError: a gradient through a call with a window or a softcap.
     """
-    args = (q, k, v, causal, scale)
+    args = (q, k, v, causal, scale, window, softcap)
     key, planned = _ATTENTION_CALLS.replayed(*args)
     if planned is not None:
         return planned[0]
@@ -553,23 +594,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     _check(q, k, v, scale)
     scale = default_scale(q.shape[-1]) if scale is None else checks.as_float(
         "gemslib.attention", "scale", scale)
+    window, softcap = _band(causal, window, softcap)
     if runtime.wants_custom_op(q, k, v):
-        return _attention_op(q, k, v, bool(causal), scale)[0]
+        return _attention_op(q, k, v, bool(causal), scale, window, softcap)[0]
     # planned with lse, which the launch writes: a plan's launches touch only its outputs
-    return _ATTENTION_CALLS.plan(key, args, lambda: _attention_impl(q, k, v, causal, scale))[0]
+    return _ATTENTION_CALLS.plan(key, args, lambda: _attention_impl(q, k, v, causal, scale,
+                                                                   window, softcap))[0]
+
+
+def _band(causal: bool, window, softcap) -> tuple[int, float]:
+    """(window, softcap) as the kernels take them, 0 for none, checked."""
+    name = "gemslib.attention"
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{name}: window must be an int >= 1 (or None), got {window!r}")
+        if not causal:
+            raise ValueError(f"{name}: a window is a causal model's sliding window; pass "
+                             "causal=True with it")
+    if softcap is not None:
+        softcap = checks.as_float(name, "softcap", softcap)
+        if not softcap > 0 or softcap == float("inf"):
+            raise ValueError(f"{name}: softcap must be a finite number > 0 (or None), got "
+                             f"{softcap!r}")
+    return int(window or 0), float(softcap or 0.0)
 
 
 _ATTENTION_CALLS = runtime.CallPlans("attention")
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): the kernel where it runs, torch otherwise."""
+                    scale: float, window: int = 0,
+                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): the kernel where it runs, torch otherwise. window and softcap: 0 for
+    none (as :func:`attention` checked them)."""
     if not _kernels_take(q, k, v):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale)
+        out, lse = attention_reference(q.to(work), k.to(work), v.to(work), causal, scale,
+                                       window, softcap)
         return heads_interleaved(*out.shape, q.dtype, q.device).copy_(out), lse.float()
-    return _launch_forward(q, k, v, causal, scale)
+    return _launch_forward(q, k, v, causal, scale, None, window, softcap)
 
 
 def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -593,25 +656,28 @@ def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
     return _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal, scale)
 
 
-def _attention_fake(q, k, v, causal, scale):
+def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0):
     batch, n_q_heads, seq_q, _ = q.shape
     return (heads_interleaved(batch, n_q_heads, seq_q, v.shape[-1], q.dtype, q.device),
             q.new_empty((batch, n_q_heads, seq_q), dtype=torch.float32))
 
 
 def _save_for_attention_backward(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.causal, ctx.scale = causal, scale
+    q, k, v, causal, scale, *band = inputs
+    ctx.causal, ctx.scale, ctx.banded = causal, scale, any(band)
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _attention_grad(ctx, grad_out, grad_lse, ops):
+    if ctx.banded:
+        raise NotImplementedError("gemslib.attention: gradients through a call with a window "
+                                  "or a softcap are not implemented (it serves inference)")
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = ops.attention_backward(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
                                         ctx.scale)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _attention_backward_op = runtime.CustomOp(

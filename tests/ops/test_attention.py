@@ -130,6 +130,68 @@ def test_both_load_paths_match_reference(use_tma, causal, dtype, lazy):
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
 
 
+# sliding windows and soft-capping (Sq, Skv, window, softcap): a window inside one key block,
+# across several, of 1 (each row its own key), wider than the sequence (no-op), more queries
+# than keys
+# (rows past Skv + window - 1 see no key: NaN rows and -inf lse, as the reference), fewer
+# queries than keys; the cap alone and with a window, at a scale that saturates it
+BAND_CASES = [(70, 70, 5, None), (70, 70, 37, None), (70, 70, 1, None), (70, 70, 500, None),
+              (45, 20, 9, None), (20, 60, 11, None), (70, 70, None, 2.0), (70, 70, 17, 3.0),
+              (1, 30, 4, 1.5)]
+
+
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("case", BAND_CASES, ids=str)
+def test_sliding_window_and_softcap_match_reference(case, dtype, use_tma):
+    """Query i sees keys i - window < j <= i, scores capped at softcap * tanh(s / softcap):
+    o and lse as the float64 reference's, over query and key blocks smaller than the window."""
+    seq_q, seq_kv, window, softcap = case
+    q = random_tensor((2, seq_q, 4, 32), dtype, scale=1.0).transpose(1, 2)
+    k = random_tensor((2, seq_kv, 2, 32), dtype, scale=1.0).transpose(1, 2)
+    v = random_tensor((2, seq_kv, 2, 32), dtype, scale=1.0).transpose(1, 2)
+    scale = 1.0 if softcap else 0.2  # large scores: the cap saturates
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma),
+                                   ("LAZY", 1)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, lse = attention_ops._attention_impl(q, k, v, True, scale, window or 0,
+                                                 softcap or 0.0)
+    public = gemslib.attention(q, k, v, causal=True, scale=scale, window=window,
+                               softcap=softcap)
+    expected, expected_lse = attention_ops.attention_reference(
+        q.double(), k.double(), v.double(), True, scale, window or 0, softcap or 0.0)
+    unbanded = attention_ops.attention_reference(q.double(), k.double(), v.double(), True,
+                                                 scale)[0]
+    if (window and window < seq_q) or (softcap and seq_q > 1):  # else the band is no-op
+        assert not torch.allclose(expected.nan_to_num(), unbanded.nan_to_num(), atol=1e-2)
+    rtol = tolerance(dtype)["rtol"]
+    for got in (out, public):
+        torch.testing.assert_close(got.double(), expected, rtol=rtol, equal_nan=True,
+                                   atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+
+
+def test_banded_calls_are_forward_only_and_checked():
+    """Gradients through a window or a softcap raise; bad windows and caps name the argument;
+    a planned repeat with another window gives that window's attention."""
+    q = random_tensor((1, 2, 12, 16), torch.float32, scale=1.0)
+    with pytest.raises(NotImplementedError, match="window or a softcap"):
+        gemslib.attention(q.clone().requires_grad_(), q, q, causal=True, window=3).sum().backward()
+    for bad in (0, -2, True, 2.5):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            gemslib.attention(q, q, q, causal=True, window=bad)
+    with pytest.raises(ValueError, match="pass causal=True"):
+        gemslib.attention(q, q, q, window=3)
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+            gemslib.attention(q, q, q, softcap=bad)
+    for window in (2, 5, 2, 5):
+        expected = attention_ops.attention_reference(q.double(), q.double(), q.double(), True,
+                                                     None, window)[0]
+        torch.testing.assert_close(gemslib.attention(q, q, q, causal=True, window=window).double(),
+                                   expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
 def test_scores_that_grow_along_the_keys(lazy):
     """Keys scaled up along the sequence: each block's maxima pass the running ones, by less
@@ -633,6 +695,8 @@ def test_custom_ops_pass_opcheck():
     q = random_tensor((1, 4, 9, 16), torch.float32)
     k = random_tensor((1, 2, 11, 16), torch.float32)
     opcheck_overloads(torch.ops.gemslib.attention, (q, k, k, True, 0.25))
+    opcheck_overloads(torch.ops.gemslib.attention, (q, k, k, True, 0.25, 4, 5.0),
+                      test_utils=("test_schema", "test_faketensor"))
     grad_q = q.detach().clone().requires_grad_()
     opcheck_overloads(torch.ops.gemslib.attention, (grad_q, k, k, False, 0.25))
     out, lse = attention_ops._attention_impl(q, k, k, True, 0.25)
