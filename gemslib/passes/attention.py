@@ -1,8 +1,8 @@
 """SDPA -> gemslib's attention, or decode_attention for one query row (a rewrite).
 
-A site fuses where its mask is none, causal (``is_causal``, or transformers' causal or
-sliding-window mask proven causal from its index arithmetic), or lets every query see every
-key; one query row under a mask of visible cache positions (a static cache's decode step) runs
+A site fuses where its mask is none, causal (``is_causal``, or transformers' causal mask
+proven causal from its index arithmetic), a causal sliding window so proven (the kernel's
+``window``), or lets every query see every key; one query row under a mask of visible cache positions (a static cache's decode step) runs
 decode_attention over the keys the mask keeps. K and V are read before transformers'
 ``repeat_kv``: gemslib's kernels take grouped heads.
 """
@@ -319,7 +319,8 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
 
 def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     """SDPA whose mask is none, causal (``is_causal``, or transformers' causal mask proven from
-    its index arithmetic) or lets every query see every key -> gemslib's attention (which runs
+    its index arithmetic), a causal sliding window so proven, or lets every query see every
+    key -> gemslib's attention (its ``window`` for the sliding one) (which runs
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
     mask, or a use of the log-sum-exp leaves the site to inductor."""
     sites, bands, extents = [], {}, {}  # every layer's SDPA reads the one mask: read it once
@@ -336,6 +337,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             if q_val.dim() != 4 or q_val.dtype not in runtime.KERNEL_DTYPES:
                 continue
             seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
+            window = 0
             if mask is None:
                 causal = bool(args.get("is_causal"))
             else:
@@ -354,7 +356,9 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     continue
                 lo, hi = band
                 if lo is not None and not statically_known_true(lo <= 1 - seq_q):
-                    continue  # a window that hides keys: not what the kernel computes
+                    if hi != 0 or not isinstance(lo, int) or lo > 0:
+                        continue  # a band the kernel does not compute
+                    window = 1 - lo  # j - i >= lo: i - window < j <= i, a sliding window
                 if hi == 0:
                     causal = True
                 elif hi is None or statically_known_true(hi >= seq_kv - 1):
@@ -367,10 +371,11 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
             with graph.inserting_before(node):
                 fused = call_node(graph, torch.ops.gemslib.attention.default, q, k, v, causal,
-                                  scale)
+                                  scale, *((window,) if window else ()))
                 out = call_node(graph, operator.getitem, fused, 0)
             _replace_sdpa(graph, node, out)
-            sites.append(f"{node.name} ({'causal' if causal else 'full'}, {seq_q} x {seq_kv})")
+            form = f"window {window}" if window else "causal" if causal else "full"
+            sites.append(f"{node.name} ({form}, {seq_q} x {seq_kv})")
     return sites
 
 

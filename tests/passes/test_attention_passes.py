@@ -33,7 +33,9 @@ class _MaskedAttention(torch.nn.Module):
 @pytest.mark.parametrize("seq_q, seq_kv, shift, window, compare, fused", [
     (9, 9, 0, None, torch.le, True),        # causal
     (9, 9, 0, 9, torch.le, True),           # a window wider than the sequence hides nothing
-    (9, 9, 0, 4, torch.le, False),          # a window that hides keys
+    (9, 9, 0, 4, torch.le, True),           # a sliding window: the kernel's window 4
+    (9, 9, 1, 3, torch.lt, True),           # i - 3 < j < i + 1: window 3 written another way
+    (9, 9, 2, 4, torch.le, False),          # a window whose right edge is past the diagonal
     (9, 9, 1, None, torch.lt, True),        # j < i + 1: causal written another way
     (9, 9, 0, None, torch.lt, False),       # j < i: the diagonal hidden
     (9, 9, 0, None, torch.ge, False),       # anti-causal
