@@ -368,7 +368,8 @@ def test_the_rotary_is_matched_before_the_norms_after_it():
 # Qwen3 (an RMSNorm of q's and k's heads), Hunyuan (the norms after the rotary), GLM (the
 # interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
 # projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
-# computed in fp32, fused with weight_offset 1, and its GELU MLP)
+# computed in fp32, fused with weight_offset 1, and its GELU MLP), OLMo-2 (norms after each
+# sublayer, q and k normed whole)
 _OTHER_FAMILIES = {
     "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "qwen3": {**_decoder_fusions(2), "rms_norm": 5, "rotary_qk_norm": 2},
@@ -381,6 +382,11 @@ _OTHER_FAMILIES = {
     # Gemma-2: four (1 + w) norms a layer, the two after their sublayer alone (norm, then add)
     "gemma2": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4,
                "rms_norm": 5, "gelu_and_mul": 2},
+    # OLMo-2: q and k normed over the whole projection (before the heads' view), each
+    # sublayer's output normed before its residual add: four norms a layer, the final one
+    # after the last add
+    "olmo2": {"merged_linear": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2,
+              "rms_norm": 8, "add_rms_norm": 1},
 }
 
 
