@@ -44,6 +44,20 @@ def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
     checks.as_float(name, "scale", scale, optional=True)
 
 
+def band_arguments(name: str, window, softcap) -> tuple[int, float]:
+    """(window, softcap) as the kernels take them, 0 for None, checked: a window an int >= 1,
+    a softcap a finite number > 0."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"{name}: window must be an int >= 1 (or None), got {window!r}")
+    if softcap is not None:
+        softcap = checks.as_float(name, "softcap", softcap)
+        if not 0 < softcap < float("inf"):
+            raise ValueError(f"{name}: softcap must be a finite number > 0 (or None), got "
+                             f"{softcap!r}")
+    return int(window or 0), float(softcap or 0.0)
+
+
 def _kernels_take(q, k, v, *others) -> bool:
     """The attention kernels take these (else torch): head dims 1 to 256, kernel dtypes on the
     kernel device (and not bf16 under the interpreter)."""

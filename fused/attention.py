@@ -31,7 +31,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from gemslib import checks, layout, runtime
 from gemslib.fused import _attention_sdpa as sdpa
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
-                                              attention_reference, default_scale)
+                                              attention_reference, band_arguments,
+                                              default_scale)
 from gemslib.fused.decode_attention import _launch_decode
 from gemslib.layout import LN2, LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
@@ -447,14 +448,16 @@ def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | Non
     if out is None:
         out = heads_interleaved(batch, n_q_heads, seq_q, head_dim_v, q.dtype, q.device)
     banded = bool(window or softcap)
-    if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v and not banded:
+    if seq_q == 1 and seq_kv and batch * n_q_heads * head_dim_v:
         # one query row (a decode step through SDPA): the decode kernel reads each KV head once
         # for its group and splits the keys over the SMs, where the prefill kernels would read
         # it once per query head and fill 1 of 64-128 rows. Top-left causal: key 0 only.
         if causal:
             k, v = k[:, :, :1], v[:, :, :1]
         lse = torch.empty((batch, n_q_heads, 1), dtype=torch.float32, device=q.device)
-        _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=out[:, :, 0])
+        # (a window starts at the one row's key, 0: it hides nothing of a causal row)
+        _launch_decode(q[:, :, 0], k, v, None, scale, lse=lse, out=out[:, :, 0],
+                       softcap=softcap)
         return out, lse
     if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
             seq_kv and not banded and _attention_hopper.eligible(q, k, v):
@@ -604,19 +607,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 def _band(causal: bool, window, softcap) -> tuple[int, float]:
     """(window, softcap) as the kernels take them, 0 for none, checked."""
-    name = "gemslib.attention"
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"{name}: window must be an int >= 1 (or None), got {window!r}")
-        if not causal:
-            raise ValueError(f"{name}: a window is a causal model's sliding window; pass "
-                             "causal=True with it")
-    if softcap is not None:
-        softcap = checks.as_float(name, "softcap", softcap)
-        if not softcap > 0 or softcap == float("inf"):
-            raise ValueError(f"{name}: softcap must be a finite number > 0 (or None), got "
-                             f"{softcap!r}")
-    return int(window or 0), float(softcap or 0.0)
+    if window is not None and not causal:
+        raise ValueError("gemslib.attention: a window is a causal model's sliding window; "
+                         "pass causal=True with it")
+    return band_arguments("gemslib.attention", window, softcap)
 
 
 _ATTENTION_CALLS = runtime.CallPlans("attention")

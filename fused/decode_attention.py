@@ -24,7 +24,8 @@ from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, runtime
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
-                                              attention_reference, default_scale)
+                                              attention_reference, band_arguments,
+                                              default_scale)
 from gemslib.layout import LN2, LOG2E, unit_last
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
@@ -36,16 +37,19 @@ from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 @triton.jit
 def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s, stride_v_s,
-               scale_log2, b_acc, b_row_max, b_row_sum, IEEE: tl.constexpr):
+               scale_log2, cap_log2, b_acc, b_row_max, b_row_sum, IEEE: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """One block of keys (positions o_n, those of m_n visible, at least one) folded into the
-    online softmax of the query rows b_q: (accumulator, row max, row sum), base-2 scores. A
-    hidden key is not read."""
+    online softmax of the query rows b_q: (accumulator, row max, row sum), base-2 scores,
+    capped at cap_log2 * tanh(s / cap_log2) with SOFTCAP. A hidden key is not read."""
     b_k = tl.load(p_k + o_n[None, :] * stride_k_s + o_d[:, None],
                   mask=m_n[None, :] & (o_d[:, None] < head_dim), other=0.0)
     if IEEE:
         b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
     else:
         b_s = tl.dot(b_q, b_k) * scale_log2
+    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+        b_s = cap_log2 * (2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0)
     b_s = tl.where(m_n[None, :], b_s, -float("inf"))
     b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
     b_rescale = tl.exp2(b_row_max - b_new_max)
@@ -87,8 +91,9 @@ def _kept_span(p_m, key_start, key_end, stride_m_s):
 
 @triton.jit
 def _fold_split(b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
-                stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
-                IEEE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                stride_k_s, stride_v_s, stride_m_s, scale_log2, cap_log2, b_acc, b_row_max,
+                b_row_sum, IEEE: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr):
     """The keys [key_start, key_end) folded in, BLOCK_N at a time: all of them, or with
     MASKED those the key mask (row pointer p_m) keeps, a block it hides entirely not read.
     The masked loop's K/V loads wait for the mask and a branch, which costs it its
@@ -101,11 +106,12 @@ def _fold_split(b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, hea
             if tl.max(m_n.to(tl.int32), axis=0) > 0:
                 b_acc, b_row_max, b_row_sum = _fold_keys(
                     b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
-                    stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
+                    stride_v_s, scale_log2, cap_log2, b_acc, b_row_max, b_row_sum, IEEE,
+                    SOFTCAP)
         else:
             b_acc, b_row_max, b_row_sum = _fold_keys(
                 b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_k_s,
-                stride_v_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE)
+                stride_v_s, scale_log2, cap_log2, b_acc, b_row_max, b_row_sum, IEEE, SOFTCAP)
     return b_acc, b_row_max, b_row_sum
 
 
@@ -113,9 +119,9 @@ def _fold_split(b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, hea
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, seqlens_ptr, key_mask_ptr, o_ptr, lse_ptr, o_part_ptr, lse_part_ptr,
     arrivals_ptr, cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len,
-    n_splits, scale_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_s,
-    stride_v_b, stride_v_h, stride_v_s, stride_m_b, stride_m_s, stride_o_b, stride_o_h,
-    IEEE: tl.constexpr,
+    n_splits, scale_log2, window, cap_log2, stride_q_b, stride_q_h, stride_k_b, stride_k_h,
+    stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_m_b, stride_m_s, stride_o_b,
+    stride_o_h, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -127,7 +133,10 @@ def _decode_kernel(
     own; a run of them (a static cache's prefix, left padding before it) streams as without
     a mask, any other pattern is read with the mask, a block it hides entirely skipped. With
     lengths the splits divide each sequence's own positions evenly (``split_len`` is then
-    worked out here); without them, the cache's, ``split_len`` apart.
+    worked out here); without them, the cache's, ``split_len`` apart. With WINDOW only the
+    last ``window`` positions of each sequence count (a sliding window: the query is the
+    sequence's last position), and the splits divide those; SOFTCAP caps the scores
+    (``cap_log2`` = cap * log2(e)).
 
     With one split the split scratch (o_part, lse_part, arrivals) is None and the program
     writes the output. With several it writes each head's normalised partial output and
@@ -157,7 +166,11 @@ def _decode_kernel(
         split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
     else:
         seq_len = cache_len
-    key_start = i_split * split_len
+    key_lo = 0
+    if WINDOW:  # the splits share the window's keys
+        key_lo = tl.maximum(seq_len - window, 0)
+        split_len = tl.cdiv(tl.cdiv(seq_len - key_lo, n_splits), BLOCK_N) * BLOCK_N
+    key_start = key_lo + i_split * split_len
     key_end = tl.minimum(key_start + split_len, seq_len)
     o_g = tl.arange(0, BLOCK_G)
     o_h = i_hkv * group_size + o_g  # the query heads of this KV head
@@ -179,18 +192,18 @@ def _decode_kernel(
         if contiguous:
             b_acc, b_row_max, b_row_sum = _fold_split(
                 b_q, p_k, p_v, p_m, kept_start, kept_end, o_d, o_dv, head_dim, head_dim_v,
-                stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
-                IEEE, BLOCK_N, False)
+                stride_k_s, stride_v_s, stride_m_s, scale_log2, cap_log2, b_acc, b_row_max,
+                b_row_sum, IEEE, SOFTCAP, BLOCK_N, False)
         else:
             b_acc, b_row_max, b_row_sum = _fold_split(
                 b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
-                stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum,
-                IEEE, BLOCK_N, True)
+                stride_k_s, stride_v_s, stride_m_s, scale_log2, cap_log2, b_acc, b_row_max,
+                b_row_sum, IEEE, SOFTCAP, BLOCK_N, True)
     else:
         b_acc, b_row_max, b_row_sum = _fold_split(
             b_q, p_k, p_v, p_m, key_start, key_end, o_d, o_dv, head_dim, head_dim_v,
-            stride_k_s, stride_v_s, stride_m_s, scale_log2, b_acc, b_row_max, b_row_sum, IEEE,
-            BLOCK_N, False)
+            stride_k_s, stride_v_s, stride_m_s, scale_log2, cap_log2, b_acc, b_row_max,
+            b_row_sum, IEEE, SOFTCAP, BLOCK_N, False)
     m_empty = b_row_sum == 0.0
     b_o = tl.where(m_empty[:, None], 0.0, b_acc / tl.where(m_empty, 1.0, b_row_sum)[:, None])
     m_o = m_h[:, None] & (o_dv[None, :] < head_dim_v)
@@ -294,15 +307,17 @@ class _DecodePlan(NamedTuple):
 
 def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
                  with_lse: bool = False, key_mask_strides: tuple[int, int] | None = None,
-                 out_strides: tuple[int, int] | None = None) -> _DecodePlan:
+                 out_strides: tuple[int, int] | None = None, window: int = 0,
+                 softcap: float = 0.0) -> _DecodePlan:
     batch, n_q_heads, head_dim = q.shape
     n_kv_heads, cache_len, head_dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     meta = config.meta_dict
     block_n = meta["BLOCK_N"]
-    n_splits = _decode_splits(batch * n_kv_heads, cache_len, block_n, q.device.index or 0,
+    n_keys = min(cache_len, window or cache_len)  # a query's keys at most
+    n_splits = _decode_splits(batch * n_kv_heads, n_keys, block_n, q.device.index or 0,
                               meta["PROGRAMS_PER_SM"])
-    split_len = runtime.cdiv(runtime.cdiv(cache_len, n_splits), block_n) * block_n
-    n_splits = runtime.cdiv(cache_len, split_len)
+    split_len = runtime.cdiv(runtime.cdiv(n_keys, n_splits), block_n) * block_n
+    n_splits = runtime.cdiv(n_keys, split_len)
     group_size = n_q_heads // n_kv_heads
     block_dv = max(16, runtime.next_power_of_2(head_dim_v))
     block_s = max(2, runtime.next_power_of_2(n_splits))
@@ -313,10 +328,11 @@ def _plan_decode(q, k_cache, v_cache, has_seqlens: bool, scale: float, config,
     # compiled kernel with them so): sizes and scale; strides; flag and blocks
     values = (
         cache_len, n_q_heads, n_kv_heads, group_size, head_dim, head_dim_v, split_len, n_splits,
-        scale * LOG2E.value,
+        scale * LOG2E.value, int(window), float(softcap) * LOG2E.value,
         *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *(key_mask_strides or (0, 0)), *out_strides)
-    constexprs = (q.dtype == torch.float32, max(16, group_pow2), group_pow2,
+    constexprs = (q.dtype == torch.float32, bool(window), bool(softcap), max(16, group_pow2),
+                  group_pow2,
                   max(16, runtime.next_power_of_2(head_dim)), block_dv, block_s,
                   min(block_s, max(2, 8192 // (block_dv * group_pow2))))
     arguments = values + constexprs
@@ -376,7 +392,8 @@ _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
 
-def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> tuple | None:
+def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window=None,
+                   softcap=None) -> tuple | None:
     """What a decode plan depends on, from decode_attention's raw arguments (None for
     arguments that are not tensors)."""
     try:
@@ -386,14 +403,16 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> tuple 
                 None if seqlens is None else (seqlens.shape, seqlens.dtype, seqlens.device),
                 None if key_mask is None else (key_mask.shape, key_mask.stride(),
                                                key_mask.dtype, key_mask.device),
-                scale, DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
+                scale, window, softcap,
+                DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
     except (AttributeError, IndexError, TypeError):
         return None
 
 
 def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
                  with_lse: bool = False, key_mask: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> _DecodePlan | None:
+                 out: torch.Tensor | None = None, window: int = 0,
+                 softcap: float = 0.0) -> _DecodePlan | None:
     """The plan of the launch for arguments with a unit last stride; None when there is
     nothing to compute (no rows, no features or no keys)."""
     batch, n_q_heads, head_dim = q.shape
@@ -405,22 +424,25 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
                         DECODE.planned_config((head_dim, q.element_size(), cache_len)),
                         with_lse=with_lse,
                         key_mask_strides=None if key_mask is None else key_mask.stride(),
-                        out_strides=None if out is None else out.stride()[:2])
+                        out_strides=None if out is None else out.stride()[:2], window=window,
+                        softcap=softcap)
 
 
 def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
                    lse: torch.Tensor | None = None,
                    key_mask: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, window: int = 0,
+                   softcap: float = 0.0) -> torch.Tensor:
     """(B, Hq, Dv) for q (B, Hq, D) against the first seqlens[b] positions of the caches (all
     of them when seqlens is None), of those the ones key_mask (B, L) bool keeps, if given. One
     launch; see ``_decode_kernel``. ``lse`` (B, Hq) fp32 contiguous, if given, gets each
     head's log-sum-exp. ``out`` (B, Hq, Dv), any batch and head strides with a unit last
     stride, sharing no memory with the inputs, if given, is written and returned (an SDPA
-    override's output in torch's layout, without a copy)."""
+    override's output in torch's layout, without a copy). ``window`` and ``softcap`` (0:
+    none) as :func:`decode_attention_reference` takes them."""
     q, k_cache, v_cache = unit_last(q), unit_last(k_cache), unit_last(v_cache)
     plan = _launch_plan(q, k_cache, v_cache, seqlens is not None, scale, with_lse=lse is not None,
-                        key_mask=key_mask, out=out)
+                        key_mask=key_mask, out=out, window=window, softcap=softcap)
     if plan is None:
         if lse is not None:
             lse.fill_(-float("inf"))
@@ -435,19 +457,22 @@ def _launch_decode(q, k_cache, v_cache, seqlens, scale: float,
 # --------------------------------------------------------------------------------------------
 
 
-def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None, key_mask=None):
+def decode_attention_reference(q, k_cache, v_cache, seqlens=None, scale=None, key_mask=None,
+                               window=0, softcap=0.0):
     """One query per sequence against the first seqlens[b] cache positions (clamped to
-    [0, L]; decode_attention rejects lengths outside), of those the ones key_mask[b] keeps,
-    by definition; no key at all gives 0."""
+    [0, L]; decode_attention rejects lengths outside), with ``window`` > 0 the last window of
+    them, of those the ones key_mask[b] keeps, by definition, the scores capped at softcap *
+    tanh(s / softcap) with ``softcap`` > 0; no key at all gives 0."""
     outs = []
     for b in range(q.shape[0]):
         length = k_cache.shape[2] if seqlens is None else min(max(int(seqlens[b]), 0),
                                                                k_cache.shape[2])
-        keys = torch.arange(length, device=k_cache.device)
+        first = max(length - window, 0) if window else 0
+        keys = torch.arange(first, length, device=k_cache.device)
         if key_mask is not None:
-            keys = keys[key_mask[b, :length].to(k_cache.device)]
+            keys = keys[key_mask[b, first:length].to(k_cache.device)]
         out, _ = attention_reference(q[b:b + 1, :, None], k_cache[b:b + 1, :, keys],
-                                     v_cache[b:b + 1, :, keys], False, scale)
+                                     v_cache[b:b + 1, :, keys], False, scale, softcap=softcap)
         outs.append(out[:, :, 0] if keys.numel() else torch.zeros_like(out[:, :, 0]))
     return torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v_cache.shape[-1]))
 
@@ -480,7 +505,8 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> None:
                          f"length) on {q.device}, got {got}")
 
 
-def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None):
+def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None,
+                  window=None, softcap=None):
     """decode_attention's arguments checked, and the plan of their kernel launch, both once per
     ``layout`` (their ``_decode_layout``; None: nothing is kept). Returns the plan, None where
     the call does not launch the kernel on its arguments as given (it copies them, hands them
@@ -490,6 +516,7 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
     if plan is not _UNCHECKED:
         return plan
     _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask)
+    window, softcap = band_arguments("gemslib.decode_attention", window, softcap)
     if layout is not None and len(_decode_layouts) < 4096:
         plan = None
         if all(unit_last(t) is t for t in (q, k_cache, v_cache)) and \
@@ -497,7 +524,7 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
             scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
             plan = _launch_plan(q, k_cache, v_cache, seqlens is not None,
                                 default_scale(q.shape[-1]) if scale is None else scale,
-                                key_mask=key_mask)
+                                key_mask=key_mask, window=window, softcap=softcap)
         _decode_layouts[layout] = plan
     return _UNCHECKED
 
@@ -507,7 +534,8 @@ _DECODE_CALLS = runtime.CallPlans("decode_attention")
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      seqlens: torch.Tensor | None = None, scale: float | None = None,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     key_mask: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """One new query per sequence: q (B, Hq, D) against the first ``seqlens[b]`` positions of
     k_cache (B, Hkv, L, D) and v_cache (B, Hkv, L, Dv); returns (B, Hq, Dv). ``key_mask``
     (B, L) bool, if given, keeps only the positions j with key_mask[b, j] (what SDPA's boolean
@@ -525,6 +553,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         seqlens: (B,) integer tensor on q's device, each in [0, L], or None for all L.
         scale: the scores' factor; None for 1 / sqrt(D).
         key_mask: (B, L) bool tensor on q's device, or None.
+        window: a sliding window: only the last ``window`` of each sequence's positions
+            count (the query is its last position). None for all.
+        softcap: each score s (scaled) becomes softcap * tanh(s / softcap). None for none.
 
     Returns:
         (B, Hq, Dv) tensor of q's dtype.
@@ -534,15 +565,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             real number.
         ValueError: q is not a 3-d tensor; shapes, dtypes or devices that do not agree as
             above; seqlens outside [0, L] on the CPU (on a GPU the kernel stops with a
-            device-side assert).
+            device-side assert); a window below 1 or a softcap not above 0.
     """
-    args = (q, k_cache, v_cache, seqlens, scale, key_mask)
+    args = (q, k_cache, v_cache, seqlens, scale, key_mask, window, softcap)
     key, planned = _DECODE_CALLS.replayed(*args)
     if planned is not None:
         return planned
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
-    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask)
-    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask)
+    layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask,
+                                                   window, softcap)
+    plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask, window, softcap)
+    window, softcap = band_arguments("gemslib.decode_attention", window, softcap)
     if plan is _UNCHECKED:
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
     elif plan is not None and not (torch.is_grad_enabled() and (
@@ -554,32 +587,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                     v_cache.requires_grad):
         # no backward kernel: the reference, in torch ops, keeps gradients right
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
-        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale, key_mask)
+        return decode_attention_reference(q, k_cache, v_cache, seqlens, scale, key_mask, window,
+                                          softcap)
     if compiling:
-        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale, key_mask)
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
+        return _decode_attention_op(q, k_cache, v_cache, seqlens, scale, key_mask, window,
+                                    softcap)
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask, window, softcap)
 
 
-def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, key_mask=None):
+def _decode_eager(q, k_cache, v_cache, seqlens, scale: float, key_mask=None, window: int = 0,
+                  softcap: float = 0.0):
     if not _kernels_take(q, k_cache, v_cache):
         _check_seqlens_in_cache(seqlens, k_cache.shape[2], on_device_too=True)
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         return decode_attention_reference(q.to(work), k_cache.to(work), v_cache.to(work),
-                                          seqlens, scale, key_mask).to(q.dtype)
+                                          seqlens, scale, key_mask, window,
+                                          softcap).to(q.dtype)
     # on a GPU the kernel asserts the lengths itself: no host sync, no extra launch
-    return _launch_decode(q, k_cache, v_cache, seqlens, scale, key_mask=key_mask)
+    return _launch_decode(q, k_cache, v_cache, seqlens, scale, key_mask=key_mask,
+                          window=window, softcap=softcap)
 
 
 def _decode_attention_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            seqlens: Optional[torch.Tensor], scale: float,
-                           key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask)
+                           key_mask: Optional[torch.Tensor], window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
+    return _decode_eager(q, k_cache, v_cache, seqlens, scale, key_mask, window, softcap)
 
 
 _decode_attention_op = runtime.CustomOp(
     "decode_attention", _decode_attention_impl,
-    fake=lambda q, k_cache, v_cache, seqlens, scale, key_mask: q.new_empty(
-        (q.shape[0], q.shape[1], v_cache.shape[-1])))
+    fake=lambda q, k_cache, v_cache, seqlens, scale, key_mask, window=0, softcap=0.0:
+    q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1])))
 
 
 # --------------------------------------------------------------------------------------------

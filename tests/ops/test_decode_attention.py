@@ -234,6 +234,7 @@ def test_custom_op_passes_opcheck():
                       (q, k, k, torch.tensor([11], device=q.device), 0.25, None))
     mask = torch.rand(1, 11, device=q.device) < 0.5
     opcheck_overloads(torch.ops.gemslib.decode_attention, (q, k, k, None, 0.25, mask))
+    opcheck_overloads(torch.ops.gemslib.decode_attention, (q, k, k, None, 0.25, mask, 4, 3.0))
 
 
 def _key_masks(batch, cache_len, device):
@@ -339,6 +340,48 @@ def test_lengths_are_split_over_the_programs_of_each_sequence(splits, monkeypatc
         torch.testing.assert_close(out.double(), expected, rtol=rtol,
                                    atol=rtol * v.abs().max().item())
         assert torch.equal(out[0], torch.zeros_like(out[0]))  # no key visible: 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window,softcap", [(40, None), (1, None), (500, None), (None, 0.7),
+                                            (70, 2.0)], ids=str)
+def test_a_sliding_window_and_softcap_match_the_reference(window, softcap, splits, monkeypatch):
+    """Only the last ``window`` positions of each sequence count, split over the programs
+    (a window of 1: the last key alone; one past the cache: every key), with lengths, a key
+    mask, or neither; scores capped at softcap * tanh(s / softcap) at a scale that
+    saturates the cap; the planned repeat gives the same."""
+    monkeypatch.setattr(decode_ops, "_decode_splits", lambda *args: splits)
+    q = random_tensor((4, 4, 32), torch.float32, scale=1.0)
+    k = random_tensor((4, 2, 256, 32), torch.float32, scale=1.0)
+    v = random_tensor((4, 2, 256, 32), torch.float32, scale=1.0)
+    scale = 1.0 if softcap else None
+    mask = _key_masks(4, 256, q.device)
+    rtol = tolerance(torch.float32)["rtol"]
+    for seqlens, key_mask in ((None, None), (torch.tensor([150, 256, 10, 0], device=q.device),
+                                             None), (None, mask)):
+        expected = decode_ops.decode_attention_reference(
+            q.double(), k.double(), v.double(), seqlens, scale, key_mask, window or 0,
+            softcap or 0.0)
+        plain = decode_ops.decode_attention_reference(q.double(), k.double(), v.double(),
+                                                      seqlens, scale, key_mask)
+        if (window or 0) < 256 or softcap:
+            assert not torch.allclose(expected, plain, atol=1e-3)
+        for _ in range(3):
+            out = gemslib.decode_attention(q, k, v, seqlens, scale, key_mask, window=window,
+                                           softcap=softcap)
+            torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                       atol=rtol * v.abs().max().item())
+
+
+def test_a_bad_window_or_softcap_names_the_argument():
+    q = random_tensor((1, 2, 16), torch.float32)
+    k = random_tensor((1, 1, 8, 16), torch.float32)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="window must be an int >= 1"):
+            gemslib.decode_attention(q, k, k, window=bad)
+    for bad in (0.0, -2.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+            gemslib.decode_attention(q, k, k, softcap=bad)
 
 
 def test_a_key_mask_of_another_shape_or_dtype_is_refused():
