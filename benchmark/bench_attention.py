@@ -25,7 +25,9 @@ OPS = ("attention", "attention_causal", "attention_backward",
 DTYPE = torch.bfloat16
 # (batch, heads, seq, head dim)
 QUICK_PREFILL = [(1, 32, 8192, 128), (2, 16, 4096, 64)]
-EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128)]
+# and the other families' head dims: Phi-3's 96 (32 heads), Gemma's 256 (16 heads)
+EXTRA_PREFILL = [(4, 32, 2048, 128), (1, 32, 16384, 128), (1, 32, 3001, 128),
+                 (1, 32, 4096, 96), (1, 16, 4096, 256)]
 
 
 def _sdpa_with(backend):
