@@ -265,11 +265,14 @@ def _load_tile(p_x, o_row, stride_x_row, n_rows, o_col, n_cols):
 
 @triton.jit
 def _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n, seq_q, seq_kv,
-                        scale_log2, KEYS_MAJOR: tl.constexpr, CAUSAL: tl.constexpr,
-                        IEEE: tl.constexpr):
+                        scale_log2, window, cap_log2, KEYS_MAJOR: tl.constexpr,
+                        CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     """For one block of BLOCK_M queries o_m and BLOCK_N keys o_n: p (the forward's
     probabilities, recomputed from the saved lse) and ds = p * (do . v - delta), zero outside
-    the visible (query, key) pairs. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N),
+    the visible (query, key) pairs (causal, and the window's left edge with WINDOW); with
+    SOFTCAP the scores are capped as in the forward and ds carries the cap's slope
+    1 - tanh^2, so it is the gradient of the scaled score q.k * scale. q (M, D), k (N, D), v (N, Dv), do (M, Dv). Returned (M, N),
     or (N, M) with KEYS_MAJOR: the dK/dV kernel's matmuls then take p^T and ds^T as their left
     operand straight from registers instead of transposing them through shared memory."""
     if KEYS_MAJOR:  # keys down, query rows across
@@ -289,19 +292,27 @@ def _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n, seq_
     m_visible = (o_m_2d < seq_q) & (o_n_2d < seq_kv)
     if CAUSAL:
         m_visible = m_visible & (o_n_2d <= o_m_2d)
-    b_p = tl.where(m_visible, tl.exp2(b_qk * scale_log2 - b_lse_2d), 0.0)
+    if WINDOW:
+        m_visible = m_visible & (o_n_2d > o_m_2d - window)
+    b_s = b_qk * scale_log2
+    if SOFTCAP:
+        b_tanh = 2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0
+        b_s = cap_log2 * b_tanh
+    b_p = tl.where(m_visible, tl.exp2(b_s - b_lse_2d), 0.0)
     b_ds = b_p * (b_dp - b_delta_2d)
+    if SOFTCAP:
+        b_ds = b_ds * (1.0 - b_tanh * b_tanh)
     return b_p, b_ds
 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    seq_q, seq_kv, n_kv_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
-    stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
+    seq_q, seq_kv, n_kv_heads, group_size, head_dim, head_dim_v, scale, scale_log2, window,
+    cap_log2, stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
     stride_v_b, stride_v_h, stride_v_s, stride_do_b, stride_do_h, stride_do_s,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dK and dV of one block of BLOCK_N keys of one KV head, summed over the group's query
     heads and every query block that sees the keys (no atomics, K/V never repeated):
@@ -322,7 +333,10 @@ def _attention_bwd_dkdv_kernel(
     b_dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     # causal: query rows before the block's first key see none of it
     first_row = (i_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    row_blocks = tl.cdiv(seq_q - first_row, BLOCK_M)
+    row_end = seq_q
+    if WINDOW:  # rows past the block's last key + window - 1 see none of it
+        row_end = tl.minimum(seq_q, (i_n + 1) * BLOCK_N + window - 1)
+    row_blocks = tl.cdiv(row_end - first_row, BLOCK_M)
     # one flat loop over (group member, query block): one software pipeline across members
     for i_step in range(0, group_size * row_blocks):
         i_h = i_hkv * group_size + i_step // row_blocks
@@ -335,7 +349,8 @@ def _attention_bwd_dkdv_kernel(
         b_lse_log2 = tl.load(lse_ptr + o_row, mask=o_m < seq_q, other=0.0) * LOG2E
         b_delta = tl.load(delta_ptr + o_row, mask=o_m < seq_q, other=0.0)
         b_pt, b_dst = _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n,
-                                          seq_q, seq_kv, scale_log2, True, CAUSAL, IEEE)
+                                          seq_q, seq_kv, scale_log2, window, cap_log2, True,
+                                          CAUSAL, IEEE, WINDOW, SOFTCAP)
         if IEEE:
             b_dv += tl.dot(b_pt, b_do, input_precision="ieee")
             b_dk += tl.dot(b_dst, b_q, input_precision="ieee")
@@ -354,11 +369,11 @@ def _attention_bwd_dkdv_kernel(
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale, scale_log2,
-    stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
+    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale, scale_log2, window,
+    cap_log2, stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
     stride_v_b, stride_v_h, stride_v_s, stride_do_b, stride_do_h, stride_do_s,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dq = scale * sum_j ds_ij k_j for one block of BLOCK_M query rows of one head, over the
     keys those rows see. Grid (B * Hq * query blocks,) in layout.head_and_block's order, the
@@ -378,12 +393,16 @@ def _attention_bwd_dq_kernel(
     p_v = v_ptr + i_b * stride_v_b + i_hkv * stride_v_h
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     key_end = tl.minimum(seq_kv, (i_m + 1) * BLOCK_M) if CAUSAL else seq_kv
-    for i_n in range(0, key_end, BLOCK_N):
+    key_start = 0
+    if WINDOW:  # keys before the block's first row's window: none of its rows sees them
+        key_start = (tl.maximum(i_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for i_n in range(key_start, key_end, BLOCK_N):
         o_n = i_n + tl.arange(0, BLOCK_N)
         b_k = _load_tile(p_k, o_n, stride_k_s, seq_kv, o_d, head_dim)
         b_v = _load_tile(p_v, o_n, stride_v_s, seq_kv, o_dv, head_dim_v)
         _, b_ds = _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n,
-                                      seq_q, seq_kv, scale_log2, False, CAUSAL, IEEE)
+                                      seq_q, seq_kv, scale_log2, window, cap_log2, False,
+                                      CAUSAL, IEEE, WINDOW, SOFTCAP)
         if IEEE:
             b_dq += tl.dot(b_ds, b_k, input_precision="ieee")
         else:
@@ -494,10 +513,12 @@ def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | Non
     return out, lse
 
 
-def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool, scale: float,
+                     window: int = 0,
+                     softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, for the forward (out, lse) of validated q, k, v; grad_lse
-    (B, Hq, Sq) or None is a gradient flowing into lse."""
+    (B, Hq, Sq) or None is a gradient flowing into lse. ``window`` and ``softcap`` as the
+    forward took them (the Triton kernels serve such calls)."""
     q, k, v, grad_out = (layout.unit_last(t) for t in (q, k, v, grad_out))
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -522,9 +543,10 @@ def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool,
     # runs over, positional (TunedKernel.launch forwards them so): sizes and scales; strides;
     # flags and blocks
     rest = (n_q_heads // n_kv_heads, head_dim, head_dim_v, scale, scale * LOG2E.value,
+            int(window), float(softcap) * LOG2E.value,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-            causal, q.dtype == torch.float32, block_d, block_dv)
-    if HOPPER_BACKWARD.on and _attention_hopper is not None and \
+            causal, q.dtype == torch.float32, bool(window), bool(softcap), block_d, block_dv)
+    if HOPPER_BACKWARD.on and _attention_hopper is not None and not (window or softcap) and \
             _attention_hopper.eligible_backward(q, k, v) and layout.tma_addressable(grad_out):
         if HOPPER_FUSED_DQ.on and not causal and \
                 head_dim in _attention_hopper.FUSED_DQ_HEAD_DIMS:
@@ -562,8 +584,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     """``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
     enable_gqa=True)``: q (B, Hq, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) with Hq a
     multiple of Hkv; returns (B, Hq, Sq, Dv) in q's dtype. Differentiable in q, k and v (the
-    backward recomputes the probabilities from the saved row log-sum-exp), except with a
-    window or a softcap (forward only, for inference).
+    backward recomputes the probabilities from the saved row log-sum-exp).
 
     Args:
         q: (B, Hq, Sq, D) floating tensor, any strides (a non-unit last stride costs a copy).
@@ -587,7 +608,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         ValueError: a tensor that is not 4-d, shapes that do not agree as above, k or v of
             another dtype or device, a window below 1 or without ``causal``, or a softcap
             that is not above 0.
-        NotImplementedError: a gradient through a call with a window or a softcap.
     """
     args = (q, k, v, causal, scale, window, softcap)
     key, planned = _ATTENTION_CALLS.replayed(*args)
@@ -631,15 +651,16 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                             grad_lse: Optional[torch.Tensor], causal: bool,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             grad_lse: Optional[torch.Tensor], causal: bool, scale: float,
+                             window: int = 0, softcap: float = 0.0
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of ``_attention_impl``'s (out, lse): the kernels where the forward ran
     them, autograd through the float reference otherwise."""
     if not _kernels_take(q, k, v, grad_out):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.enable_grad():
             inputs = [t.detach().to(work).requires_grad_() for t in (q, k, v)]
-            ref_out, ref_lse = attention_reference(*inputs, causal, scale)
+            ref_out, ref_lse = attention_reference(*inputs, causal, scale, window, softcap)
             outputs, grads = [ref_out], [grad_out.to(work)]
             if grad_lse is not None:
                 outputs.append(ref_lse)
@@ -647,7 +668,8 @@ def _attention_backward_impl(grad_out: torch.Tensor, q: torch.Tensor, k: torch.T
             dq, dk, dv = torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
         return tuple((g if g is not None else torch.zeros_like(t)).to(t.dtype)
                      for g, t in zip((dq, dk, dv), (q, k, v)))
-    return _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal, scale)
+    return _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal, scale, window,
+                            softcap)
 
 
 def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0):
@@ -658,25 +680,22 @@ def _attention_fake(q, k, v, causal, scale, window=0, softcap=0.0):
 
 def _save_for_attention_backward(ctx, inputs, output):
     q, k, v, causal, scale, *band = inputs
-    ctx.causal, ctx.scale, ctx.banded = causal, scale, any(band)
+    ctx.causal, ctx.scale, ctx.band = causal, scale, tuple(band) or (0, 0.0)
     ctx.save_for_backward(q, k, v, *output)
 
 
 def _attention_grad(ctx, grad_out, grad_lse, ops):
-    if ctx.banded:
-        raise NotImplementedError("gemslib.attention: gradients through a call with a window "
-                                  "or a softcap are not implemented (it serves inference)")
     q, k, v, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = ops.attention_backward(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
-                                        ctx.scale)
+                                        ctx.scale, *ctx.band)
     return dq, dk, dv, None, None, None, None
 
 
 _attention_backward_op = runtime.CustomOp(
     "attention_backward", _attention_backward_impl,
-    fake=lambda grad_out, q, k, v, out, lse, grad_lse, causal, scale: (
+    fake=lambda grad_out, q, k, v, out, lse, grad_lse, causal, scale, window=0, softcap=0.0: (
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 _attention_op = runtime.CustomOp("attention", _attention_impl, fake=_attention_fake,
                                  setup_context=_save_for_attention_backward,

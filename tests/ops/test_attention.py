@@ -171,12 +171,39 @@ def test_sliding_window_and_softcap_match_reference(case, dtype, use_tma):
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
 
 
-def test_banded_calls_are_forward_only_and_checked():
-    """Gradients through a window or a softcap raise; bad windows and caps name the argument;
-    a planned repeat with another window gives that window's attention."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seq_q,seq_kv,window,softcap", [
+    (70, 70, 5, None), (70, 70, 37, None), (40, 70, 2, None), (70, 70, None, 2.0),
+    (70, 70, 17, 3.0)], ids=str)
+def test_sliding_window_and_softcap_gradients_match_reference(seq_q, seq_kv, window, softcap,
+                                                              dtype):
+    """dq, dk and dv through the window's band and the cap's slope 1 - tanh^2, over key and
+    query blocks smaller than the window (the dK/dV kernel's rows end at the block's last key
+    plus the window; the dq kernel's keys start at its first row's window), GQA."""
+    q = random_tensor((2, 4, seq_q, 32), dtype, scale=1.0)
+    k = random_tensor((2, 2, seq_kv, 32), dtype, scale=1.0)
+    v = random_tensor((2, 2, seq_kv, 32), dtype, scale=1.0)
+    grad = random_tensor((2, 4, seq_q, 32), dtype, scale=1.0)
+    scale = 1.0 if softcap else 0.2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16)), 4, 1)
+    with attention_ops.ATTENTION_BWD_DKDV.forced(config), \
+            attention_ops.ATTENTION_BWD_DQ.forced(config):
+        gemslib.attention(*leaves, causal=True, scale=scale, window=window,
+                          softcap=softcap).backward(grad)
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    attention_ops.attention_reference(*inputs, True, scale, window or 0,
+                                      softcap or 0.0)[0].backward(grad.double())
+    rtol = tolerance(dtype)["rtol"]
+    for ours, reference, name in zip(leaves, inputs, "qkv"):
+        torch.testing.assert_close(ours.grad.double(), reference.grad, rtol=4 * rtol,
+                                   atol=4 * rtol * reference.grad.abs().max().item(), msg=name)
+
+
+def test_banded_calls_are_checked():
+    """Bad windows and caps name the argument; a planned repeat with another window gives
+    that window's attention."""
     q = random_tensor((1, 2, 12, 16), torch.float32, scale=1.0)
-    with pytest.raises(NotImplementedError, match="window or a softcap"):
-        gemslib.attention(q.clone().requires_grad_(), q, q, causal=True, window=3).sum().backward()
     for bad in (0, -2, True, 2.5):
         with pytest.raises(ValueError, match="window must be an int >= 1"):
             gemslib.attention(q, q, q, causal=True, window=bad)
