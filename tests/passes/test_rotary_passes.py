@@ -198,6 +198,17 @@ def _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask, form="stat
     return out
 
 
+def _cache_step_inputs():
+    """A decode step's table (B2, 3 tokens, D16), fp32 caches of 9 positions (and copies for
+    eager), the tokens' rows, and a mask over the caches that keeps position 0."""
+    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
+    caches = [random_tensor((2, 2, 9, 16), torch.float32) for _ in range(2)]
+    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
+    mask[..., 0] = True
+    return (angles.cos(), angles.sin(), caches, [c.clone() for c in caches],
+            torch.tensor([4, 2, 7], device=DEVICE), mask)
+
+
 _CACHE_STEP_FORMS = {"static cache": 1, "v at other rows": 0, "rotated k read again": 0,
                      "k written with accumulation": 0}
 
@@ -214,15 +225,8 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     ReinplaceCounters.clear()
-    dtype = torch.float32
-    q, k, v = (random_tensor((2, 2, 3, 16), dtype, scale=1.0) for _ in range(3))
-    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    caches = [random_tensor((2, 2, 9, 16), dtype) for _ in range(2)]
-    positions = torch.tensor([4, 2, 7], device=DEVICE)
-    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
-    mask[..., 0] = True
-    expected_caches = [c.clone() for c in caches]
+    q, k, v = (random_tensor((2, 2, 3, 16), torch.float32, scale=1.0) for _ in range(3))
+    cos, sin, caches, expected_caches, positions, mask = _cache_step_inputs()
     with torch.no_grad():
         expected = _cache_step(q, k, v, cos, sin, *expected_caches, positions, mask, form)
         compiled = torch.compile(functools.partial(_cache_step, form=form), backend="gemslib",
@@ -259,18 +263,10 @@ def test_a_static_cache_update_takes_the_per_head_norms_into_the_rotary_launch()
     and the cache update); outputs and caches are eager's."""
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
-    dtype = torch.float32
-    q_proj = random_tensor((2, 3, 2 * 16), dtype, scale=1.0)
-    k_proj = random_tensor((2, 3, 2 * 16), dtype, scale=1.0)
-    v = random_tensor((2, 2, 3, 16), dtype, scale=1.0)
+    q_proj, k_proj = (random_tensor((2, 3, 2 * 16), torch.float32, scale=1.0) for _ in range(2))
+    v = random_tensor((2, 2, 3, 16), torch.float32, scale=1.0)
     weights = [torch.rand(16, device=DEVICE) + 0.5 for _ in range(2)]
-    angles = torch.rand(2, 3, 16, device=DEVICE) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    caches = [random_tensor((2, 2, 9, 16), dtype) for _ in range(2)]
-    positions = torch.tensor([4, 2, 7], device=DEVICE)
-    mask = torch.rand(2, 1, 3, 9, device=DEVICE) > 0.3
-    mask[..., 0] = True
-    expected_caches = [c.clone() for c in caches]
+    cos, sin, caches, expected_caches, positions, mask = _cache_step_inputs()
     with torch.no_grad():
         expected = _normed_cache_step(q_proj, k_proj, v, cos, sin, *expected_caches, positions,
                                       mask, *weights)
