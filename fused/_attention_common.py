@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from gemslib import checks, runtime
 
@@ -42,6 +44,13 @@ def _check(q, k, v, scale, name: str = "gemslib.attention") -> None:
         raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of k and v's "
                          f"{k.shape[1]} (grouped-query attention)")
     checks.as_float(name, "scale", scale, optional=True)
+
+
+@triton.jit
+def soft_tanh(b_x, cap):
+    """tanh(b_x / cap), as 2 sigmoid(2x) - 1: the kernels' logit soft-capping is
+    cap * soft_tanh(s, cap) (in whatever units s and cap share), its slope 1 - soft_tanh^2."""
+    return 2.0 * tl.sigmoid(2.0 * b_x / cap) - 1.0
 
 
 def band_arguments(name: str, window, softcap) -> tuple[int, float]:

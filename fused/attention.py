@@ -32,7 +32,7 @@ from gemslib import checks, layout, runtime
 from gemslib.fused import _attention_sdpa as sdpa
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
                                               attention_reference, band_arguments,
-                                              default_scale)
+                                              default_scale, soft_tanh)
 from gemslib.fused.decode_attention import _launch_decode
 from gemslib.layout import LN2, LOG2E
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
@@ -87,8 +87,8 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
             if WINDOW:
                 m_visible = m_visible & (o_n[None, :] > o_m[:, None] - window)
             b_s = b_qk * scale_log2
-            if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
-                b_s = cap_log2 * (2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0)
+            if SOFTCAP:
+                b_s = cap_log2 * soft_tanh(b_s, cap_log2)
             b_s = tl.where(m_visible, b_s, -float("inf"))
             b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
             b_ref_max = b_new_max
@@ -296,7 +296,7 @@ def _softmax_grad_block(b_q, b_k, b_v, b_do, b_lse_log2, b_delta, o_m, o_n, seq_
         m_visible = m_visible & (o_n_2d > o_m_2d - window)
     b_s = b_qk * scale_log2
     if SOFTCAP:
-        b_tanh = 2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0
+        b_tanh = soft_tanh(b_s, cap_log2)
         b_s = cap_log2 * b_tanh
     b_p = tl.where(m_visible, tl.exp2(b_s - b_lse_2d), 0.0)
     b_ds = b_p * (b_dp - b_delta_2d)

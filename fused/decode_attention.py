@@ -25,7 +25,7 @@ from triton.language.extra.cuda import gdc_wait
 from gemslib import checks, runtime
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
                                               attention_reference, band_arguments,
-                                              default_scale)
+                                              default_scale, soft_tanh)
 from gemslib.layout import LN2, LOG2E, unit_last
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
@@ -48,8 +48,8 @@ def _fold_keys(b_q, p_k, p_v, o_n, m_n, o_d, o_dv, head_dim, head_dim_v, stride_
         b_s = tl.dot(b_q, b_k, input_precision="ieee") * scale_log2
     else:
         b_s = tl.dot(b_q, b_k) * scale_log2
-    if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
-        b_s = cap_log2 * (2.0 * tl.sigmoid(2.0 * b_s / cap_log2) - 1.0)
+    if SOFTCAP:
+        b_s = cap_log2 * soft_tanh(b_s, cap_log2)
     b_s = tl.where(m_n[None, :], b_s, -float("inf"))
     b_new_max = tl.maximum(b_row_max, tl.max(b_s, axis=1))
     b_rescale = tl.exp2(b_row_max - b_new_max)
@@ -392,8 +392,8 @@ _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
 
-def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window=None,
-                   softcap=None) -> tuple | None:
+def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window: int = 0,
+                   softcap: float = 0.0) -> tuple | None:
     """What a decode plan depends on, from decode_attention's raw arguments (None for
     arguments that are not tensors)."""
     try:
@@ -506,7 +506,7 @@ def _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask=None) -> None:
 
 
 def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key_mask=None,
-                  window=None, softcap=None):
+                  window: int = 0, softcap: float = 0.0):
     """decode_attention's arguments checked, and the plan of their kernel launch, both once per
     ``layout`` (their ``_decode_layout``; None: nothing is kept). Returns the plan, None where
     the call does not launch the kernel on its arguments as given (it copies them, hands them
@@ -516,7 +516,6 @@ def _checked_plan(q, k_cache, v_cache, seqlens, scale, layout: tuple | None, key
     if plan is not _UNCHECKED:
         return plan
     _check_decode(q, k_cache, v_cache, seqlens, scale, key_mask)
-    window, softcap = band_arguments("gemslib.decode_attention", window, softcap)
     if layout is not None and len(_decode_layouts) < 4096:
         plan = None
         if all(unit_last(t) is t for t in (q, k_cache, v_cache)) and \
@@ -572,10 +571,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if planned is not None:
         return planned
     compiling = torch.compiler.is_compiling()  # traced: no Python caches (locks, dicts)
+    window, softcap = band_arguments("gemslib.decode_attention", window, softcap)
     layout = None if compiling else _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask,
                                                    window, softcap)
     plan = _checked_plan(q, k_cache, v_cache, seqlens, scale, layout, key_mask, window, softcap)
-    window, softcap = band_arguments("gemslib.decode_attention", window, softcap)
     if plan is _UNCHECKED:
         scale = checks.as_float("gemslib.decode_attention", "scale", scale, optional=True)
     elif plan is not None and not (torch.is_grad_enabled() and (
