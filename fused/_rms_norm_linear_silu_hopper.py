@@ -16,9 +16,9 @@ Triton kernel in ``rms_norm_linear_silu.py`` (which serves every other call) cos
 top; this schedule comes close to cuBLAS (see docs/notes/matmul-mlp.md). The operand fed to
 the tensor cores is the same x * g rounded to x's dtype as there.
 
-The same matmul with ``SWIGLU`` (``forward_swiglu``, under ``rms_norm_swiglu`` and
-``linear_swiglu``) computes an MLP's up half, silu(n @ Wg.T) * (n @ Wu.T) over a stacked
-W = [Wg | Wu] (2I, K): each stage brings a [128, 64] block of gate rows and, below it in the
+The same matmul with ``GATED`` (``forward_gated``, under ``rms_norm_swiglu``, ``linear_swiglu``
+and ``linear_geglu``) computes an MLP's up half, act(n @ Wg.T) * (n @ Wu.T) with act silu or
+either GELU, over a stacked W = [Wg | Wu] (2I, K): each stage brings a [128, 64] block of gate rows and, below it in the
 same buffer, the matching block of up rows, so one 64 x 256 wgmma per consumer fills the
 gate and up columns of one accumulator, and the epilogue writes the (M, I) result only,
 never the (M, 2I) projection.
@@ -39,13 +39,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from gemslib import layout, runtime
 from gemslib.layout import LOG2E
+from gemslib.ops.silu import SILU
 
 TILE_ROWS = 64     # rows of a tile per consumer warpgroup (the wgmma M); a tile has two
 BLOCK_N = 256      # columns of a tile
 BLOCK_K = 64       # K per stage
 STAGES = 3         # 3 x (16 + 32) KB of operands, and the epilogue's conversion scratch
 GROUP_M = 8
-SWIGLU_BLOCK_N = 128  # output columns of a SwiGLU tile: a gate and an up block per stage
+GATED_BLOCK_N = 128  # output columns of a gated tile: a gate and an up block per stage
 MIN_ROWS = 128     # below, the Triton kernel's small-M tiles stream W better
 MIN_WAVES = 4      # tiles per SM below which a persistent program's tail and the epilogues
                    # cost more than cuBLAS's split tiles lose (see docs/notes/matmul-mlp.md)
@@ -85,13 +86,13 @@ def _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M: gl.constexpr):
 @gluon.jit
 def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_m, n_tiles_n,
               n_k_steps, up_row, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              SWIGLU: gl.constexpr):
-    """SWIGLU: a stage's W buffer holds two blocks one above the other, the gate rows of the
+              GATED: gl.constexpr):
+    """GATED: a stage's W buffer holds two blocks one above the other, the gate rows of the
     tile's columns and the up rows ``up_row`` further down (W = [gate | up] stacked); else
     one."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
-    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
+    W_BLOCKS: gl.constexpr = 2 if GATED else 1
     i_step = 0
     for i_tile in range(gl.program_id(0), n_tiles_m * n_tiles_n, gl.num_programs(0)):
         i_m, i_n = _tile_coords(i_tile, n_tiles_m, n_tiles_n, GROUP_M)
@@ -113,15 +114,30 @@ def _producer(xg_desc, weight_desc, xg_smem, weight_smem, ready, empty, n_tiles_
 
 
 @gluon.jit
+def _gated(b_gate, b_up, ACTIVATION: gl.constexpr):
+    """act(gate) * up in fp32, act by ACTIVATION as in ops.silu's gated kernels: SILU, GELU_TANH
+    (g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3): 1 + tanh(u) never formed, so no
+    cancellation far below zero) or GELU_ERF (g/2 (1 + erf(g / sqrt(2))))."""
+    if ACTIVATION == 0:
+        b_act = b_gate / (1.0 + gl.exp2(-LOG2E * b_gate))
+    elif ACTIVATION == 1:
+        b_2u = 1.5957691216057308 * (b_gate + 0.044715 * b_gate * b_gate * b_gate)
+        b_act = b_gate / (1.0 + gl.exp2(-LOG2E * b_2u))
+    else:
+        b_act = 0.5 * b_gate * (1.0 + gl.erf(b_gate * 0.7071067811865476))
+    return b_act * b_up
+
+
+@gluon.jit
 def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bias_ptr, n_rows,
               n_out, n_tiles_m, n_tiles_n, n_k_steps, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, SWIGLU: gl.constexpr):
+              STAGES: gl.constexpr, GATED: gl.constexpr, ACTIVATION: gl.constexpr):
     """Rows (2 * i_m + i_half) * ROWS ... of every tile (i_m, i_n) this program visits.
-    SWIGLU: a stage's W buffer is the gate block over the up block, so one wgmma of twice the
+    GATED: a stage's W buffer is the gate block over the up block, so one wgmma of twice the
     width fills [gate | up] columns of one accumulator (xg read once a step), and the epilogue
-    writes silu(r * gate) * (r * up); else silu(r * acc + b)."""
+    writes act(r * gate) * (r * up) (``_gated``); else silu(r * acc + b)."""
     W_ROWS: gl.constexpr = weight_smem.shape[1]
-    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
+    W_BLOCKS: gl.constexpr = 2 if GATED else 1
     BLOCK_N: gl.constexpr = W_ROWS // W_BLOCKS  # output columns of a tile
     ACC_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, W_ROWS, 16])
@@ -149,7 +165,7 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
         # layout trips an assertion in Triton 3.6's lowering; fp32 does not.)
         o_m = (i_m * 2 + i_half) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, OUT_LAYOUT))
         o_n = i_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT_LAYOUT))
-        if SWIGLU:
+        if GATED:
             if rstd_ptr is not None:  # r goes inside silu: applied in the accumulator's layout
                 o_m_acc = (i_m * 2 + i_half) * ROWS + gl.arange(
                     0, ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
@@ -157,8 +173,7 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
                                         other=0.0)[:, None]
             # a thread holds column c and c + BLOCK_N alike: the split moves no data
             b_gate, b_up = gl.split(gl.permute(gl.reshape(b_acc, [ROWS, 2, BLOCK_N]), (0, 2, 1)))
-            b_out = gl.convert_layout(b_gate / (1.0 + gl.exp2(-LOG2E * b_gate)) * b_up,
-                                      OUT_LAYOUT)
+            b_out = gl.convert_layout(_gated(b_gate, b_up, ACTIVATION), OUT_LAYOUT)
         else:
             b_z = gl.convert_layout(b_acc, OUT_LAYOUT)
             if rstd_ptr is not None:
@@ -175,21 +190,23 @@ def _consumer(i_half, xg_smem, weight_smem, ready, empty, out_ptr, rstd_ptr, bia
 
 @gluon.jit
 def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, n_out, n_in,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, SWIGLU: gl.constexpr = False):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, GATED: gl.constexpr = False,
+                     ACTIVATION: gl.constexpr = 0):
     """Persistent grid (at most one program per SM): out (n_rows, n_out) = silu(rstd * (xg @
     W.T) + b), xg (n_rows, n_in) through xg_desc in [64, BLOCK_K] blocks, W (n_out, n_in)
     through weight_desc in [BLOCK_N, BLOCK_K] blocks; out contiguous, rstd (n_rows,) fp32 or
-    None (no scaling), bias (n_out,) or None. SWIGLU: W is (2 n_out, n_in), gate rows then up
-    rows, and out = silu(rstd * (xg @ Wg.T)) * (rstd * (xg @ Wu.T)), no bias."""
+    None (no scaling), bias (n_out,) or None. GATED: W is (2 n_out, n_in), gate rows then up
+    rows, and out = act(rstd * (xg @ Wg.T)) * (rstd * (xg @ Wu.T)), no bias, act as
+    ``_gated`` takes ACTIVATION."""
     BLOCK_K: gl.constexpr = xg_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = weight_desc.block_type.shape[0]
     DTYPE: gl.constexpr = xg_desc.dtype
-    W_BLOCKS: gl.constexpr = 2 if SWIGLU else 1
+    W_BLOCKS: gl.constexpr = 2 if GATED else 1
     n_tiles_m = gl.cdiv(n_rows, 2 * ROWS)
     n_tiles_n = gl.cdiv(n_out, BLOCK_N)
     n_k_steps = gl.cdiv(n_in, BLOCK_K)
     xg_smem = gl.allocate_shared_memory(DTYPE, [STAGES * 2, ROWS, BLOCK_K], xg_desc.layout)
-    # SWIGLU: the [128, BLOCK_K] layout's swizzle repeats every 8 rows, so two blocks stacked
+    # GATED: the [128, BLOCK_K] layout's swizzle repeats every 8 rows, so two blocks stacked
     # are one [256, BLOCK_K] operand in the same layout
     weight_smem = gl.allocate_shared_memory(DTYPE, [STAGES, W_BLOCKS * BLOCK_N, BLOCK_K],
                                             weight_desc.layout)
@@ -202,13 +219,13 @@ def _matmul_epilogue(xg_desc, weight_desc, out_ptr, rstd_ptr, bias_ptr, n_rows, 
     # a None (bias_ptr without a bias) onto the warpgroup's index
     gl.warp_specialize([(_consumer, (gl.to_tensor(0), xg_smem, weight_smem, ready, empty, out_ptr,
                                      rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
-                                     n_k_steps, GROUP_M, STAGES, SWIGLU)),
+                                     n_k_steps, GROUP_M, STAGES, GATED, ACTIVATION)),
                         (_consumer, (gl.to_tensor(1), xg_smem, weight_smem, ready, empty, out_ptr,
                                      rstd_ptr, bias_ptr, n_rows, n_out, n_tiles_m, n_tiles_n,
-                                     n_k_steps, GROUP_M, STAGES, SWIGLU)),
+                                     n_k_steps, GROUP_M, STAGES, GATED, ACTIVATION)),
                         (_producer, (xg_desc, weight_desc, xg_smem, weight_smem, ready, empty,
                                      n_tiles_m, n_tiles_n, n_k_steps, n_out, GROUP_M, STAGES,
-                                     SWIGLU))],
+                                     GATED))],
                        [4, 1], [232, 40])
 
 
@@ -274,8 +291,8 @@ def _scale_rows(x_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float):
     return scaled, rstd
 
 
-def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, swiglu, stages,
-                   group_m) -> None:
+def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, gated, stages,
+                   group_m, activation: int = SILU) -> None:
     """The persistent matmul over ``scaled`` (M, K) rows and weight [block_n, BLOCK_K] blocks,
     one program per SM at most."""
     n_rows, n_in = scaled.shape
@@ -287,7 +304,7 @@ def _launch_matmul(scaled, rstd, weight, bias, out_rows, n_out, block_n, swiglu,
     _matmul_epilogue[(programs,)](
         xg_desc=xg_desc, weight_desc=weight_desc, out_ptr=out_rows, rstd_ptr=rstd,
         bias_ptr=bias, n_rows=n_rows, n_out=n_out, n_in=n_in, GROUP_M=group_m, STAGES=stages,
-        SWIGLU=swiglu, num_warps=4)
+        GATED=gated, ACTIVATION=activation, num_warps=4)
 
 
 def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -302,14 +319,15 @@ def forward(x_rows: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tenso
                        stages, group_m)
 
 
-def forward_swiglu(x_rows: torch.Tensor, norm_weight: torch.Tensor | None,
-                   gate_up_weight: torch.Tensor, eps: float, out_rows: torch.Tensor,
-                   normalize: bool = True, *, stages: int = STAGES,
-                   group_m: int = GROUP_M) -> None:
-    """Write silu(n @ Wg.T) * (n @ Wu.T) into out_rows (M, I), contiguous, for
+def forward_gated(x_rows: torch.Tensor, norm_weight: torch.Tensor | None,
+                  gate_up_weight: torch.Tensor, eps: float, out_rows: torch.Tensor,
+                  normalize: bool = True, activation: int = SILU, *, stages: int = STAGES,
+                  group_m: int = GROUP_M) -> None:
+    """Write act(n @ Wg.T) * (n @ Wu.T) into out_rows (M, I), contiguous, for
     gate_up_weight (2I, K) = [Wg | Wu] stacked; n = rms_norm(x) * norm_weight (a pre-pass as
     ``forward``'s; norm_weight None: no weight) or, without ``normalize``, x itself (read by
-    TMA: contiguous rows). CUDA sm_90, fp16 or bf16, K in whole 16 bytes."""
+    TMA: contiguous rows); act by ``activation`` (ops.silu's SILU, GELU_TANH, GELU_ERF). CUDA
+    sm_90, fp16 or bf16, K in whole 16 bytes."""
     n_in = x_rows.shape[1]
     with torch.cuda.device(x_rows.device):
         scaled, rstd = x_rows, None
@@ -318,4 +336,5 @@ def forward_swiglu(x_rows: torch.Tensor, norm_weight: torch.Tensor | None,
                 norm_weight = torch.ones(n_in, dtype=x_rows.dtype, device=x_rows.device)
             scaled, rstd = _scale_rows(x_rows, norm_weight, eps)
         _launch_matmul(scaled, rstd, gate_up_weight, None, out_rows,
-                       gate_up_weight.shape[0] // 2, SWIGLU_BLOCK_N, True, stages, group_m)
+                       gate_up_weight.shape[0] // 2, GATED_BLOCK_N, True, stages, group_m,
+                       activation)

@@ -10,16 +10,18 @@ for the epilogue; here one x tile feeds two accumulators, the gate and the up ti
 output columns, and only the (M, I) result is written: the (M, 2I) projection and the SwiGLU
 pass over it (what a model's `down(act(gate(x)) * up(x))` costs besides its GEMMs) never
 exist. On sm_90, 16-bit inputs with 128 or more rows and enough tiles to fill the GPU take the
-pre-pass and the Gluon matmul's SwiGLU form (_rms_norm_linear_silu_hopper.forward_swiglu);
+pre-pass and the Gluon matmul's SwiGLU form (_rms_norm_linear_silu_hopper.forward_gated);
 calls whose config says VENDOR_GEMM run gemslib's rms_norm, torch's matmul and gemslib's
 silu_and_mul, where cuBLAS streams the weights faster than this kernel.
 
 In a compiled model (``backend="gemslib"``) the same kernels run as ``linear_swiglu``, the
-form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``: a graph rewrite
-(``gemslib.passes.linear``) replaces the merged gate/up projection and the silu_and_mul after
-it, and the model's (add_)rms_norm before it stays. The backward is torch arithmetic (recomputing the projections). The file reads
-top-down: kernel, launcher, reference, public function, custom op and autograd, linear_swiglu,
-self-check, tuning.
+form without the norm, ``silu(x @ Wg.T) * (x @ Wu.T)``, and as ``linear_geglu``, its GeGLU twin
+``gelu(x @ Wg.T) * (x @ Wu.T)`` (Gemma's MLP; either of F.gelu's forms, the same tiles with
+another epilogue): a graph rewrite (``gemslib.passes.linear``) replaces the merged gate/up
+projection and the silu_and_mul or gelu_and_mul after it, and the model's (add_)rms_norm
+before it stays. The backward is torch arithmetic (recomputing the projections). The file
+reads top-down: kernel, launcher, reference, public function, custom op and autograd,
+linear_swiglu and linear_geglu, self-check, tuning.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
 from gemslib.ops import rms_norm as rms_norm_ops
 from gemslib.ops import silu as silu_ops
+from gemslib.ops.silu import GELU_ERF, GELU_TANH, SILU, _gate_activation
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 try:  # the Hopper path's matmul is written in Gluon (triton.experimental, Triton >= 3.4)
@@ -49,14 +52,16 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 def _rms_norm_swiglu_kernel(
     x_ptr, norm_weight_ptr, weight_ptr, out_ptr, part_ptr, part_sum_squares_ptr, arrivals_ptr,
     n_rows, n_out, n_in, eps, split_len, n_splits, stride_x_row, stride_weight_row,
-    stride_out_row, IEEE: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_out_row, IEEE: tl.constexpr, NORMALIZE: tl.constexpr, ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """One (BLOCK_M, BLOCK_N) tile of out (n_rows, n_out) per program along axis 0, in grouped
     order (GROUP_M row tiles sweep the columns together). x (n_rows, n_in) and W (2 n_out,
     n_in) with unit last strides: the gate tile reads W's rows j, the up tile rows n_out + j.
-    Without NORMALIZE the projections are of x itself (linear_swiglu; norm_weight_ptr is not
-    read).
+    Without NORMALIZE the projections are of x itself (linear_swiglu, linear_geglu;
+    norm_weight_ptr is not read). ACTIVATION (ops.silu's SILU, GELU_TANH, GELU_ERF) is the
+    gate's: silu in the SwiGLU forms, either GELU in linear_geglu.
 
     SPLIT_K > 1 (decode: few rows, and the column tiles alone are too few programs to keep
     every SM streaming W): axis 1 splits K into n_splits ranges of split_len. Each program
@@ -142,7 +147,8 @@ def _rms_norm_swiglu_kernel(
             b_rstd = 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
             b_gate = b_gate * b_rstd[:, None]
             b_up = b_up * b_rstd[:, None]
-        b_out = b_gate / (1.0 + tl.exp(-b_gate)) * b_up
+        b_act, _ = _gate_activation(b_gate, ACTIVATION)
+        b_out = b_act * b_up
         tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
                  b_out.to(out_ptr.dtype.element_ty), mask=m_tile)
 
@@ -194,9 +200,10 @@ def _three_kernels(x: torch.Tensor, norm_weight: torch.Tensor, gate_up_weight: t
 
 
 def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: torch.Tensor,
-            eps: float, normalize: bool = True) -> torch.Tensor:
+            eps: float, normalize: bool = True, activation: int = SILU) -> torch.Tensor:
     """(..., I) in x's dtype; inputs validated, on the kernel device, one kernel dtype. Without
-    ``normalize``: the projections of x itself (linear_swiglu; norm_weight and eps unused)."""
+    ``normalize``: the projections of x itself (linear_swiglu, linear_geglu; norm_weight and
+    eps unused). ``activation``: the gate's (ops.silu's SILU, GELU_TANH, GELU_ERF)."""
     n_out, n_in = gate_up_weight.shape[0] // 2, gate_up_weight.shape[1]
     out = torch.empty((*x.shape[:-1], n_out), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -209,9 +216,9 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
     out_rows = out.view(n_rows, n_out)
     if _hopper_takes(x_rows, weight, normalize):
         runtime.launched_outside_plans()
-        _rms_norm_linear_silu_hopper.forward_swiglu(
+        _rms_norm_linear_silu_hopper.forward_gated(
             x_rows, norm_weight.contiguous() if normalize else None, weight, eps, out_rows,
-            normalize=normalize)
+            normalize=normalize, activation=activation)
         return out
     shape = (n_rows, n_out, n_in, x.element_size())
     config = RMS_NORM_SWIGLU.planned_config(shape)
@@ -219,7 +226,8 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
     if meta["VENDOR_GEMM"]:
         normed = rms_norm_ops._forward(x_rows, norm_weight, eps, False)[0] if normalize \
             else x_rows
-        silu_ops._launch_silu_and_mul(torch.nn.functional.linear(normed, weight), out_rows)
+        silu_ops._launch_silu_and_mul(torch.nn.functional.linear(normed, weight), out_rows,
+                                      activation)
         return out
     n_tiles = runtime.cdiv(n_rows, meta["BLOCK_M"]) * runtime.cdiv(n_out, meta["BLOCK_N"])
     if meta["SPLIT_K"] > 1:
@@ -242,7 +250,7 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
         part, part_sum_squares, arrivals,
         n_rows, n_out, n_in, eps, split_len, n_splits,
         x_rows.stride(0), weight.stride(0), out_rows.stride(0),
-        x.dtype == torch.float32, normalize,
+        x.dtype == torch.float32, normalize, activation,
         shape=shape, config=config)
     return out
 
@@ -255,6 +263,11 @@ def _launch(x: torch.Tensor, norm_weight: torch.Tensor | None, gate_up_weight: t
 def linear_swiglu_reference(x, gate_up_weight):
     gate, up = torch.nn.functional.linear(x, gate_up_weight).chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear_geglu_reference(x, gate_up_weight, approximate: str = "none"):
+    gate, up = torch.nn.functional.linear(x, gate_up_weight).chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
 
 
 def rms_norm_swiglu_reference(x, norm_weight, gate_up_weight, eps=1e-6):
@@ -402,26 +415,47 @@ _rms_norm_swiglu_op = runtime.CustomOp(
 
 
 # --------------------------------------------------------------------------------------------
-# linear_swiglu: the GEMM with the SwiGLU epilogue, without the norm (what the graph passes
-# put in place of a merged gate/up projection and its silu_and_mul)
+# linear_swiglu and linear_geglu: the GEMM with the SwiGLU or GeGLU epilogue, without the norm
+# (what the graph passes put in place of a merged gate/up projection and its silu_and_mul or
+# gelu_and_mul)
 # --------------------------------------------------------------------------------------------
 
 
-def _linear_swiglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor]) -> torch.Tensor:
-    """silu(x @ Wg.T) * (x @ Wu.T), x (M, K), gate_up_weights [Wg, Wu] each (I, K): one GEMM
-    over them where they lie end to end (the merged parameters), else over their copy."""
+def _linear_gated(x: torch.Tensor, gate_up_weights: list[torch.Tensor], activation: int,
+                  reference) -> torch.Tensor:
+    """act(x @ Wg.T) * (x @ Wu.T), x (..., K), gate_up_weights [Wg, Wu] each (I, K): one GEMM
+    over them where they lie end to end (the merged parameters), else over their copy;
+    ``reference(x, W)`` where the kernels do not run."""
     weight = end_to_end(gate_up_weights)
     if weight is None:  # a parameter was replaced since the merge
         weight = torch.cat(gate_up_weights)
     if not runtime.dot_kernel_runs(x):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return linear_swiglu_reference(x.to(work), weight.to(work)).to(x.dtype)
-    return _launch(x, None, weight, 0.0, normalize=False)
+        return reference(x.to(work), weight.to(work)).to(x.dtype)
+    return _launch(x, None, weight, 0.0, normalize=False, activation=activation)
 
 
-_linear_swiglu_op = runtime.CustomOp(
-    "linear_swiglu", _linear_swiglu_impl,
-    fake=lambda x, gate_up_weights: x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0])))
+def _linear_swiglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor]) -> torch.Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T)."""
+    return _linear_gated(x, gate_up_weights, SILU, linear_swiglu_reference)
+
+
+def _linear_geglu_impl(x: torch.Tensor, gate_up_weights: list[torch.Tensor],
+                       tanh: bool) -> torch.Tensor:
+    """gelu(x @ Wg.T) * (x @ Wu.T), F.gelu's tanh form with ``tanh``, else its erf form (as
+    gelu_and_mul's ``tanh`` argument)."""
+    approximate = "tanh" if tanh else "none"
+    return _linear_gated(x, gate_up_weights, GELU_TANH if tanh else GELU_ERF,
+                         lambda x, w: linear_geglu_reference(x, w, approximate))
+
+
+def _linear_gated_fake(x, gate_up_weights, *tanh):
+    return x.new_empty((*x.shape[:-1], gate_up_weights[0].shape[0]))
+
+
+_linear_swiglu_op = runtime.CustomOp("linear_swiglu", _linear_swiglu_impl,
+                                     fake=_linear_gated_fake)
+_linear_geglu_op = runtime.CustomOp("linear_geglu", _linear_geglu_impl, fake=_linear_gated_fake)
 
 
 

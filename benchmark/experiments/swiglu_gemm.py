@@ -3,7 +3,7 @@ cuBLAS's merged gate|up GEMM followed by gemslib's silu_and_mul (what the backen
 
     python -m benchmark.experiments.swiglu_gemm [--quick | --decode | --counters]
 
-``_rms_norm_linear_silu_hopper.forward_swiglu`` (the warp-specialised Gluon matmul with its
+``_rms_norm_linear_silu_hopper.forward_gated`` (the warp-specialised Gluon matmul with its
 SWIGLU epilogue: a stage's gate and up blocks as one 256-wide operand, only the (M, I) result
 written) at the prefill MLP shapes of Llama-2-7B, Llama-3-8B / Mistral-7B, Qwen2-7B and
 Qwen2.5-14B, M = 2048 and 4096, without and with the RMSNorm pre-pass, and at other ring
@@ -54,12 +54,12 @@ def run(quick: bool = False) -> None:
             gate, up = (x.double() @ weight.double().T).chunk(2, dim=-1)
             expected = torch.nn.functional.silu(gate) * up
             out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
-            hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+            hopper.forward_gated(x, None, weight, 1e-6, out, normalize=False)
             unfused = gemslib.silu_and_mul(x @ weight.T)
             errors = (_relative_error(out, expected), _relative_error(unfused, expected))
             xn = torch.nn.functional.rms_norm(x.double(), (k,), norm_weight.double(), 1e-6)
             gate_n, up_n = (xn @ weight.double().T).chunk(2, dim=-1)
-            hopper.forward_swiglu(x, norm_weight, weight, 1e-6, out)
+            hopper.forward_gated(x, norm_weight, weight, 1e-6, out)
             normed_error = _relative_error(out, torch.nn.functional.silu(gate_n) * up_n)
 
             def bench(fn):
@@ -67,11 +67,11 @@ def run(quick: bool = False) -> None:
 
             gemm = bench(lambda: x @ weight.T)
             unfused_ms = bench(lambda: gemslib.silu_and_mul(x @ weight.T))
-            fused_ms = bench(lambda: hopper.forward_swiglu(x, None, weight, 1e-6, out,
+            fused_ms = bench(lambda: hopper.forward_gated(x, None, weight, 1e-6, out,
                                                            normalize=False))
-            normed_ms = bench(lambda: hopper.forward_swiglu(x, norm_weight, weight, 1e-6, out))
+            normed_ms = bench(lambda: hopper.forward_gated(x, norm_weight, weight, 1e-6, out))
             variants = {f"s{stages} g{group}": bench(
-                lambda: hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False,
+                lambda: hopper.forward_gated(x, None, weight, 1e-6, out, normalize=False,
                                               stages=stages, group_m=group))
                 for stages, group in VARIANTS}
             flops = 2 * m * k * 2 * inter
@@ -129,12 +129,12 @@ def run_counters(name: str = "llama3-8b", m: int = 4096, calls: int = 2) -> None
     weight = torch.randn(2 * inter, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     out = torch.empty(m, inter, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):  # compiled and warm before any range
-        hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+        hopper.forward_gated(x, None, weight, 1e-6, out, normalize=False)
         x @ weight.T
     torch.cuda.synchronize()
     for _ in range(calls):
         with torch.cuda.nvtx.range("swiglu"):
-            hopper.forward_swiglu(x, None, weight, 1e-6, out, normalize=False)
+            hopper.forward_gated(x, None, weight, 1e-6, out, normalize=False)
         with torch.cuda.nvtx.range("cublas"):
             x @ weight.T
     torch.cuda.synchronize()

@@ -1,7 +1,8 @@
 """Linear layers: projections of one input -> one merged_linear GEMM (a rewrite that merges
 the parameters once, when the graph is compiled), and the epilogues fused onto a GEMM where
 gemslib's fused path takes the site: silu_and_mul of a merged gate | up projection ->
-linear_swiglu, silu of a projection of an rms_norm -> rms_norm_linear_silu."""
+linear_swiglu, gelu_and_mul of one -> linear_geglu, silu of a projection of an rms_norm ->
+rms_norm_linear_silu."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections import defaultdict
 import torch
 
 from gemslib.fused import rms_norm_linear_silu as _rms_norm_linear_silu_ops  # noqa: F401
-from gemslib.fused import rms_norm_swiglu as _rms_norm_swiglu_ops  # noqa: F401  (linear_swiglu)
+from gemslib.fused import rms_norm_swiglu as _rms_norm_swiglu_ops  # noqa: F401  (linear_*glu)
 from gemslib.fused.merged_linear import MERGED_ROWS, end_to_end
 from gemslib.passes.base import GraphRewrite, in_flight
 from gemslib.passes.forms import call_node, live_users, replace_if, silu_source
@@ -166,13 +167,14 @@ def _merge_projections(graph: torch.fx.Graph, real_value) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# silu_and_mul of a merged [gate | up] projection -> linear_swiglu, the GEMM with the SwiGLU
-# epilogue
+# silu_and_mul / gelu_and_mul of a merged [gate | up] projection -> linear_swiglu /
+# linear_geglu, the GEMM with the gated epilogue
 # --------------------------------------------------------------------------------------------
 #
 # A model's MLP reaches the rewrites as (add_)rms_norm -> merged_linear([Wg, Wu]) ->
-# silu_and_mul. The norm stays the model's own kernel: its normalised rows are what the
-# Hopper matmul reads, where rms_norm_swiglu's own pre-pass would write them again.
+# silu_and_mul (gelu_and_mul in Gemma's). The norm stays the model's own kernel: its
+# normalised rows are what the Hopper matmul reads, where rms_norm_swiglu's own pre-pass would
+# write them again.
 
 
 def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -185,16 +187,29 @@ def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
     nothing else -> ``linear_swiglu(x, [Wg, Wu])``; and the same over one linear layer whose
     weight holds both (Phi-3's ``gate_up_proj``, its output chunked in the model's code):
     ``silu_and_mul(linear(x, W))`` -> ``linear_swiglu(x, [W[:I], W[I:]])``."""
+    return _fuse_linear_gated(graph, torch.ops.gemslib.silu_and_mul.default,
+                              torch.ops.gemslib.linear_swiglu.default)
+
+
+def _fuse_linear_geglu(graph: torch.fx.Graph, real_value) -> list[str]:
+    """``gelu_and_mul(merged_linear(x, [Wg, Wu], [None, None]), tanh)`` -> ``linear_geglu(x,
+    [Wg, Wu], tanh)`` (Gemma's MLP), in every form :func:`_fuse_linear_swiglu` takes."""
+    return _fuse_linear_gated(graph, torch.ops.gemslib.gelu_and_mul.default,
+                              torch.ops.gemslib.linear_geglu.default)
+
+
+def _fuse_linear_gated(graph: torch.fx.Graph, activation_op, fused_op) -> list[str]:
+    """Each ``activation_op(projection, *form)`` node -> ``fused_op(x, [Wg, Wu], *form)`` (the
+    activation's arguments after its input, such as gelu_and_mul's ``tanh``, carried over)."""
     sites = []
-    for act in graph.find_nodes(op="call_function", target=torch.ops.gemslib.silu_and_mul.default):
-        merged = act.args[0]
-        if isinstance(merged, torch.fx.Node) and \
-                merged.target is not torch.ops.gemslib.merged_linear.default:
-            site = _fuse_one_gate_up_weight(graph, act, merged)
+    for act in graph.find_nodes(op="call_function", target=activation_op):
+        merged, form = act.args[0], tuple(act.args[1:])
+        if act.kwargs or not isinstance(merged, torch.fx.Node):
+            continue
+        if merged.target is not torch.ops.gemslib.merged_linear.default:
+            site = _fuse_one_gate_up_weight(graph, act, merged, fused_op, form)
             if site:
                 sites.append(site)
-            continue
-        if not isinstance(merged, torch.fx.Node):
             continue
         x, weights, biases = merged.args
         if len(weights) != 2 or any(b is not None for b in biases) or \
@@ -203,17 +218,17 @@ def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
                 not _takes_graph_site(x.meta["val"], weights[0].meta["val"]):
             continue
         with graph.inserting_before(act):
-            fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x, list(weights))
+            fused = call_node(graph, fused_op, x, list(weights), *form)
         act.replace_all_uses_with(fused)
         graph.erase_node(act)
         sites.append(f"{act.name} over {merged.name}")
     return sites
 
 
-def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node,
-                             source: torch.fx.Node) -> str | None:
-    """``act = silu_and_mul(source)`` with ``source`` a bias-free linear layer (possibly
-    reshaped) of a weight (2I, K) feeding nothing else -> linear_swiglu over the weight's two
+def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node, source: torch.fx.Node,
+                             fused_op, form: tuple) -> str | None:
+    """``act = activation(source, *form)`` with ``source`` a bias-free linear layer (possibly
+    reshaped) of a weight (2I, K) feeding nothing else -> ``fused_op`` over the weight's two
     halves (views: one GEMM over the parameter as it lies); the site's name, or None."""
     mm = source.args[0] if source.target in (_aten.reshape.default, _aten.view.default) \
         else source
@@ -234,7 +249,7 @@ def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node,
     with graph.inserting_before(act):
         gate = call_node(graph, _aten.slice.Tensor, weight, 0, 0, half)
         up = call_node(graph, _aten.slice.Tensor, weight, 0, half, 2 * half)
-        fused = call_node(graph, torch.ops.gemslib.linear_swiglu.default, x_in, [gate, up])
+        fused = call_node(graph, fused_op, x_in, [gate, up], *form)
     if not replace_if(graph, act, fused, fused.meta["val"].shape == out_val.shape, (up, gate)):
         return None
     return f"{act.name} over {mm.name} (one gate/up weight)"
@@ -303,10 +318,12 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
 
 
 
-# merged_linear first: linear_swiglu reads the merged projection (the rounds of rewrites give
-# it the silu_and_mul over it); rms_norm_linear_silu reads the patterns' rms_norm
+# merged_linear first: linear_swiglu and linear_geglu read the merged projection (the rounds
+# of rewrites give them the silu_and_mul or gelu_and_mul over it); rms_norm_linear_silu reads
+# the patterns' rms_norm
 GRAPH_REWRITES = (
     GraphRewrite("merged_linear", _merge_projections),
     GraphRewrite("linear_swiglu", _fuse_linear_swiglu),
+    GraphRewrite("linear_geglu", _fuse_linear_geglu),
     GraphRewrite("rms_norm_linear_silu", _fuse_rms_norm_linear_silu, after_patterns=True),
 )

@@ -601,24 +601,27 @@ for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
     ptx = compiled.asm["ptx"]
     report[f"matmul {name}"] = {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
                                 "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg")}
-    # the SwiGLU epilogue: [128, BLOCK_K] gate and up blocks, with and without the norm's rstd
+    # the gated epilogue: [128, BLOCK_K] gate and up blocks; SiLU with and without the norm's
+    # rstd, and without it both GELUs (linear_geglu)
     element = hopper._GL_DTYPES[dtype]
-    half_layout = hopper.gl.NVMMASharedLayout.get_default_for([hopper.SWIGLU_BLOCK_N, hopper.BLOCK_K],
+    half_layout = hopper.gl.NVMMASharedLayout.get_default_for([hopper.GATED_BLOCK_N, hopper.BLOCK_K],
                                                               element)
-    for rstd in ("*fp32", None):
+    for rstd, activation in (("*fp32", 0), (None, 0), (None, 1), (None, 2)):
         signature = {"xg_desc": f"tensordesc<{name}[{hopper.TILE_ROWS}, {hopper.BLOCK_K}],"
                                 f"{a_layout!r}>",
-                     "weight_desc": f"tensordesc<{name}[{hopper.SWIGLU_BLOCK_N}, {hopper.BLOCK_K}],"
+                     "weight_desc": f"tensordesc<{name}[{hopper.GATED_BLOCK_N}, {hopper.BLOCK_K}],"
                                     f"{half_layout!r}>",
                      "out_ptr": f"*{name}", "rstd_ptr": rstd or "constexpr", "bias_ptr": "constexpr",
                      "n_rows": "i32", "n_out": "i32", "n_in": "i32",
-                     "GROUP_M": "constexpr", "STAGES": "constexpr", "SWIGLU": "constexpr"}
-        constexprs = {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES, "SWIGLU": True,
-                      "bias_ptr": None, **({} if rstd else {"rstd_ptr": None})}
+                     "GROUP_M": "constexpr", "STAGES": "constexpr", "GATED": "constexpr",
+                     "ACTIVATION": "constexpr"}
+        constexprs = {"GROUP_M": hopper.GROUP_M, "STAGES": hopper.STAGES, "GATED": True,
+                      "ACTIVATION": activation, "bias_ptr": None,
+                      **({} if rstd else {"rstd_ptr": None})}
         compiled = triton.compile(GluonASTSource(hopper._matmul_epilogue, signature, constexprs),
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx = compiled.asm["ptx"]
-        report[f"matmul swiglu {name} rstd {rstd}"] = {
+        report[f"matmul gated {activation} {name} rstd {rstd}"] = {
             "shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
             "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
             "n256": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16")}
@@ -638,17 +641,18 @@ print(json.dumps(report))
 def test_hopper_rms_norm_linear_silu_kernels_compile_for_sm90():
     """The two launches of the Hopper path compile to cubins: the pre-pass, and the Gluon
     matmul within an SM's shared memory, with rebalanced registers (setmaxnreg) and its
-    64 x 256 x 64 steps as wgmma; so does the matmul's SwiGLU form (the same 256-wide wgmma
-    over a stage's gate and up blocks), with and without the norm's row scale."""
+    64 x 256 x 64 steps as wgmma; so does the matmul's gated form (the same 256-wide wgmma
+    over a stage's gate and up blocks): SwiGLU with and without the norm's row scale, and
+    both GELUs' epilogues (linear_geglu)."""
     report = _run_compiler(_FUSED_COMPILER)
-    assert len(report) == 8
+    assert len(report) == 12
     for variant, facts in report.items():
         assert facts["cubin"], variant
         assert facts["shared"] <= 232448, f"{variant}: {facts['shared']} B of shared memory"
         if variant.startswith("matmul"):
             assert facts["setmaxnreg"] >= 2, variant
             assert facts["wgmma"] >= 64 // 16, variant
-        if variant.startswith("matmul swiglu"):  # gate and up in one instruction per K step
+        if variant.startswith("matmul gated"):  # gate and up in one instruction per K step
             assert facts["n256"] == facts["wgmma"], variant
 
 

@@ -36,20 +36,23 @@ def _assert_close(actual, x, norm_weight, gate_up_weight, eps=1e-6):
     _assert_swiglu_close(actual, normed, gate_up_weight, x.dtype)
 
 
-def _assert_swiglu_close(actual, normed, gate_up_weight, dtype):
+def _assert_swiglu_close(actual, normed, gate_up_weight, dtype, gelu=None):
     """silu(n @ Wg.T) * (n @ Wu.T) for n = ``normed`` (float64), within the rounding the fused
     form makes: x * g rounded to the input dtype, fp32 sums over K, the output rounded once.
     Each projection's error is bounded as a dot product's (by the sums of absolute values,
     B_G and B_U); the product silu(G) U then errs by at most 1.1 e_G |U| + |G| e_U + e_G e_U
-    (|silu'| <= 1.1, |silu(G)| <= |G|)."""
+    (|silu'| <= 1.1, |silu(G)| <= |G|). ``gelu`` ("tanh" or "none"): gelu(G) U instead, as
+    F.gelu's form (|gelu'| <= 1.13 in both, |gelu(G)| <= |G|)."""
     w64 = gate_up_weight.double()
-    expected = swiglu_ops.linear_swiglu_reference(normed, w64)
+    expected = swiglu_ops.linear_swiglu_reference(normed, w64) if gelu is None else \
+        swiglu_ops.linear_geglu_reference(normed, w64, gelu)
     gate, up = torch.nn.functional.linear(normed, w64).chunk(2, dim=-1)
     bound_gate, bound_up = (normed.abs() @ w64.abs().t()).chunk(2, dim=-1)
     u = _UNIT_ROUNDOFF[dtype]
     relative = 2 * u + normed.shape[-1] * 2.0 ** -24
     error_gate, error_up = relative * bound_gate, relative * bound_up
-    tolerance = 1.1 * error_gate * up.abs() + gate.abs() * error_up + error_gate * error_up \
+    slope = 1.1 if gelu is None else 1.13
+    tolerance = slope * error_gate * up.abs() + gate.abs() * error_up + error_gate * error_up \
         + u * expected.abs() + 1e-30
     error = (actual.double() - expected).abs()
     assert actual.shape == expected.shape and actual.dtype == dtype
@@ -263,8 +266,8 @@ def test_hopper_path_takes_16_bit_row_blocks_and_matches_reference(x_shape, n_ou
     if view:  # rows of a wider tensor: the pre-pass reads them in place
         x = random_tensor((*x_shape[:-1], x_shape[-1] + 24), dtype, scale=1.0)[..., :x_shape[-1]]
     calls = []
-    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_swiglu
-    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_swiglu",
+    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_gated
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_gated",
                         lambda *args, **kwargs: calls.append(args) or hopper_forward(*args, **kwargs))
     out = gemslib.rms_norm_swiglu(x, norm_weight, weight)
     assert len(calls) == int(HOPPER)
@@ -374,10 +377,10 @@ def test_linear_swiglu_matches_reference(x_shape, n_out, dtype, merged, monkeypa
     weights = list(gate_up_weight.chunk(2)) if merged else \
         [w.clone() for w in gate_up_weight.chunk(2)]
     normalized = []
-    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_swiglu
-    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_swiglu",
-                        lambda *args, normalize: normalized.append(normalize) or
-                        hopper_forward(*args, normalize=normalize))
+    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_gated
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_gated",
+                        lambda *args, normalize, **kwargs: normalized.append(normalize) or
+                        hopper_forward(*args, normalize=normalize, **kwargs))
     out = torch.ops.gemslib.linear_swiglu(x, weights)
     _assert_swiglu_close(out, x.double(), gate_up_weight, dtype)
     hopper = HOPPER and dtype != torch.float32 and x_shape[0] >= 128 and \
@@ -396,3 +399,53 @@ def test_linear_swiglu_takes_strided_rows():
 def test_linear_swiglu_passes_opcheck():
     x, _, weight = _inputs((3, 16), 8, torch.float32)
     opcheck_overloads(torch.ops.gemslib.linear_swiglu, (x, list(weight.chunk(2))))
+
+
+# --------------------------------------------------------------------------------------------
+# linear_geglu: the same GEMM with gelu(gate) * up in its epilogue (Gemma's MLP)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("x_shape,n_out", [((1, 64), 48), ((2, 20, 100), 70), ((130, 64), 130)]
+                         + ([((2048, 3072), 24576), ((300, 1000), 777)] if ON_GPU else []))
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_linear_geglu_matches_reference(x_shape, n_out, dtype, approximate, monkeypatch):
+    """Both of F.gelu's forms in the epilogue, against float64; on sm_90, 16-bit inputs of 128
+    or more rows that fill the GPU take the Gluon matmul with that activation (counted: a
+    Gemma-7B MLP at 2048 tokens does), the rest the Triton kernel with it."""
+    x, _, gate_up_weight = _inputs(x_shape, n_out, dtype)
+    x = x * 2  # gates out to +-6 and beyond: both of gelu's tails, where the forms differ most
+    activations = []
+    hopper_forward = swiglu_ops._rms_norm_linear_silu_hopper.forward_gated
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "forward_gated",
+                        lambda *args, activation, **kwargs: activations.append(activation) or
+                        hopper_forward(*args, activation=activation, **kwargs))
+    out = torch.ops.gemslib.linear_geglu(x, list(gate_up_weight.chunk(2)), approximate == "tanh")
+    _assert_swiglu_close(out, x.double(), gate_up_weight, dtype, gelu=approximate)
+    rows = out.numel() // n_out
+    hopper = HOPPER and dtype != torch.float32 and rows >= 128 and \
+        swiglu_ops._rms_norm_linear_silu_hopper.fills_the_gpu(
+            rows, 2 * n_out, runtime.multiprocessor_count(x.get_device()))
+    expected = swiglu_ops.GELU_TANH if approximate == "tanh" else swiglu_ops.GELU_ERF
+    assert activations == ([expected] if hopper else [])
+
+
+def test_linear_geglu_forms_differ_and_each_is_its_own():
+    """The tanh and erf forms are told apart: each output matches its own reference far more
+    closely than the other form's (which differ by ~1e-3 of the gate's scale)."""
+    x, _, weight = _inputs((40, 64), 48, torch.float32)
+    x = x * 3
+    tanh = torch.ops.gemslib.linear_geglu(x, list(weight.chunk(2)), True).double()
+    erf = torch.ops.gemslib.linear_geglu(x, list(weight.chunk(2)), False).double()
+    ref_tanh, ref_erf = (swiglu_ops.linear_geglu_reference(x.double(), weight.double(), form)
+                         for form in ("tanh", "none"))
+    gap = (ref_tanh - ref_erf).abs().max()
+    assert gap > 1e-4
+    assert (tanh - ref_tanh).abs().max() < gap / 20 and (erf - ref_erf).abs().max() < gap / 20
+
+
+def test_linear_geglu_passes_opcheck():
+    x, _, weight = _inputs((3, 16), 8, torch.float32)
+    for tanh in (True, False):
+        opcheck_overloads(torch.ops.gemslib.linear_geglu, (x, list(weight.chunk(2)), tanh))

@@ -1,6 +1,7 @@
 """Graph rewrites of projections: merged_linear (a model's q/k/v and gate/up projections of
 one input in one GEMM, parameters merged once, not kept twice), linear_swiglu (a merged
-gate/up projection and silu_and_mul) and rms_norm_linear_silu (rms_norm -> linear -> silu)."""
+gate/up projection and silu_and_mul), linear_geglu (the same with gelu_and_mul) and
+rms_norm_linear_silu (rms_norm -> linear -> silu)."""
 
 import pytest
 import torch
@@ -172,6 +173,92 @@ def test_backend_fuses_each_mlp_up_half_into_linear_swiglu(dtype, tokens, monkey
     error = ((logits - expected).abs().max() / expected.abs().max()).item()
     assert error <= tolerance, f"max error {error:.2e} of the largest logit"
     assert torch.equal(again, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_geglu: a merged gate/up projection and gelu_and_mul
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if ON_GPU else [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [(2, 64), (2, 11)], ids=["128-rows", "22-rows"])
+def test_backend_fuses_each_gemma_mlp_up_half_into_linear_geglu(dtype, tokens, monkeypatch):
+    """Gemma's MLP (gelu_pytorch_tanh(gate) * up): each layer's merged gate/up projection and
+    gelu_and_mul become one linear_geglu of the tanh form where the Hopper path takes the
+    rows, none below; logits within the dtype's rounding of eager's."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
+    config = transformers.GemmaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(config).to(DEVICE, dtype).eval()
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    ids = torch.randint(3, 96, tokens, device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        compiled = torch.compile(model, backend="gemslib", fullgraph=True)
+        logits = compiled(ids).logits.float()
+    fusions = gemslib.fusion_report()
+    fused = tokens[0] * tokens[1] >= swiglu_ops._rms_norm_linear_silu_hopper.MIN_ROWS
+    assert fusions.get("linear_geglu", 0) == (2 if fused else 0), fusions
+    assert fusions["gelu_and_mul"] == 2 and fusions["merged_linear"] == 4, fusions
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
+
+
+class _GeluMlp(torch.nn.Module):
+    """down(gelu(gate(x)) * up(x)) with F.gelu's ``approximate`` form, and with ``also_up``
+    the up projection used a second time (the merged output then feeds more than the
+    activation)."""
+
+    def __init__(self, approximate, also_up=False, dtype=torch.float32):
+        super().__init__()
+        self.gate, self.up, self.down = (torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=dtype)
+                                         for k, n in ((64, 96), (64, 96), (96, 64)))
+        self.approximate, self.also_up = approximate, also_up
+
+    def forward(self, x):
+        up = self.up(x)
+        out = self.down(torch.nn.functional.gelu(self.gate(x), approximate=self.approximate) * up)
+        return (out, up.sum()) if self.also_up else out
+
+
+@pytest.mark.parametrize("approximate,also_up", [("none", False), ("tanh", False),
+                                                 ("none", True)],
+                         ids=["erf", "tanh", "up-used-twice"])
+def test_linear_geglu_keeps_the_gelu_form_and_leaves_shared_projections(approximate, also_up,
+                                                                        monkeypatch):
+    """The fused op computes the form the model wrote (an erf GELU is not turned into the
+    tanh one: the results match each form's own float64 reference far more closely than the
+    forms differ); a merged projection whose output feeds more than the activation stays
+    merged_linear + gelu_and_mul, right."""
+    monkeypatch.setattr(swiglu_ops._rms_norm_linear_silu_hopper, "MIN_WAVES", 0)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    torch.manual_seed(0)
+    module = _GeluMlp(approximate, also_up).eval()
+    x = torch.randn(2, 64, 64, device=DEVICE) * 4
+    with torch.no_grad():
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(x)
+        module64 = _GeluMlp(approximate, also_up, dtype=torch.float64)
+        module64.load_state_dict(module.state_dict())
+        expected = module64(x.double())
+        other = _GeluMlp("tanh" if approximate == "none" else "none", also_up,
+                         dtype=torch.float64)
+        other.load_state_dict(module.state_dict())
+        other_form = other(x.double())
+    fusions = gemslib.fusion_report()
+    assert fusions.get("linear_geglu", 0) == int(not also_up), fusions
+    assert fusions["gelu_and_mul"] == 1, fusions
+    got, expected, other_form = (t if isinstance(t, torch.Tensor) else t[0]
+                                 for t in (got, expected, other_form))
+    gap = (expected - other_form).abs().max().item()
+    error = (got.double() - expected).abs().max().item()
+    assert error < gap / 20, f"error {error:.2e} against the forms' gap {gap:.2e}"
 
 
 # --------------------------------------------------------------------------------------------
