@@ -149,7 +149,9 @@ def _is_rotary(match, rotations) -> bool:
                 and same_size(table.shape[3], head_dim)):
             return False
     sources = rotations(match, head_dim)
-    if sources is None or len(sources) != 2 or set(sources) != {nodes["q"], nodes["k"]}:
+    # q and k two tensors: the matcher can also map both branches onto one rotary (q's)
+    if nodes["q"] is nodes["k"] or sources is None or len(sources) != 2 or \
+            set(sources) != {nodes["q"], nodes["k"]}:
         return False
     return not _reads_the_match(match, (nodes["q"], nodes["k"]))
 

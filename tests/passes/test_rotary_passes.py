@@ -133,11 +133,13 @@ def test_a_training_graph_of_rotary_keeps_its_gradients():
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item() + 1e-12)
 
 
-def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
+def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", one_input=False,
+                    **rotate):
     """The pattern's check on the whole trace of the rotary of q and k (``rotate``: the form
     of rotate_half), as if the matcher had matched it: what the check proves on its own,
     whatever the matcher's re-trace compares before it (``rotations``: the rotate_half
-    pattern's check, or the interleaved one's)."""
+    pattern's check, or the interleaved one's). ``one_input``: q's rotary alone, both of the
+    pattern's branches and inputs mapped onto it (as the matcher can map them)."""
     from types import SimpleNamespace
 
     from torch._inductor.pattern_matcher import fwd_only
@@ -147,6 +149,14 @@ def _check_on_trace(q, k, cos, sin, k_is_q=False, rotations="half", **rotate):
 
     graph = fwd_only(traced, [q, k, cos, sin]).graph
     inputs = [node for node in graph.nodes if node.op == "placeholder"]
+    if one_input:
+        graph = fwd_only(lambda q, cos, sin: _rope_unsqueezed(q, q, cos, sin, **rotate)[0],
+                         [q, cos, sin]).graph
+        q_node, cos_node, sin_node = [node for node in graph.nodes if node.op == "placeholder"]
+        branch = [node for node in graph.nodes if node.op == "call_function"]
+        match = SimpleNamespace(kwargs={"q": q_node, "k": q_node, "cos": cos_node,
+                                        "sin": sin_node}, nodes=branch + branch)
+        return rotary_passes._is_rotary(match, rotary_passes._half_rotations)
     match = SimpleNamespace(kwargs=dict(zip(("q", "k", "cos", "sin"), inputs)),
                             nodes=[node for node in graph.nodes if node.op == "call_function"])
     return rotary_passes._is_rotary(match, {"half": rotary_passes._half_rotations,
@@ -172,6 +182,7 @@ def test_the_check_alone_refuses_every_other_computation():
         assert not _check_on_trace(q_, k_, cos_, sin), tuple(cos_.shape)
     assert not _check_on_trace(q, k.float(), cos, sin)        # q and k of two dtypes
     assert not _check_on_trace(q, k, cos, sin, k_is_q=True)   # one tensor matched twice
+    assert not _check_on_trace(q, k, cos, sin, one_input=True)  # one rotary matched as both
 
 
 # --------------------------------------------------------------------------------------------
