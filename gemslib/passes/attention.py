@@ -1,10 +1,14 @@
-"""SDPA -> gemslib's attention, or decode_attention for one query row (a rewrite).
+"""SDPA, and transformers' eager attention, -> gemslib's attention, or decode_attention for
+one query row (a rewrite).
 
 A site fuses where its mask is none, causal (``is_causal``, or transformers' causal mask
 proven causal from its index arithmetic), a causal sliding window so proven (the kernel's
-``window``), or lets every query see every key; one query row under a mask of visible cache positions (a static cache's decode step) runs
-decode_attention over the keys the mask keeps. K and V are read before transformers'
-``repeat_kv``: gemslib's kernels take grouped heads.
+``window``), or lets every query see every key; one query row under a mask of visible cache
+positions (a static cache's decode step) runs decode_attention over the keys the mask keeps.
+The eager form (``attn_implementation="eager"``: matmul, scale, Gemma-2's ``tanh`` logit cap,
+the additive mask, an fp32 softmax, matmul) fuses under the same masks, its cap as the
+kernel's ``softcap``. K and V are read before transformers' ``repeat_kv``: gemslib's kernels
+take grouped heads.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from gemslib.fused import attention as _attention_ops  # noqa: F401  (torch.ops.
 from gemslib.fused import decode_attention as _decode_ops  # noqa: F401  (... .decode_attention)
 from gemslib.fused._attention_common import default_scale
 from gemslib.passes.base import GraphRewrite
-from gemslib.passes.forms import call_node, same_size
+from gemslib.passes.forms import call_node, live_users, same_size
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 # the SDPA backend operators a post-grad graph holds, and where their mask argument is
@@ -317,6 +321,29 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
     return f"{node.name} (decode under a key mask, 1 x {seq_kv})"
 
 
+def _mask_form(mask, seq_q, seq_kv, bands: dict):
+    """(causal, window) of the kernel call that computes attention under ``mask`` (window 0:
+    none), when its band is proven (:func:`_visible_band`, :func:`_evaluated_band`) and one
+    the kernel computes: every key, causal, or a causal sliding window; else None. ``bands``
+    caches each mask's band (every layer reads the one mask)."""
+    key = mask, str(seq_q), str(seq_kv)  # symbolic sizes do not hash
+    if key not in bands:
+        bands[key] = _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv)
+    if bands[key] is None:
+        return None
+    lo, hi = bands[key]
+    window = 0
+    if lo is not None and not statically_known_true(lo <= 1 - seq_q):
+        if hi != 0 or not isinstance(lo, int) or lo > 0:
+            return None  # a band the kernel does not compute
+        window = 1 - lo  # j - i >= lo: i - window < j <= i, a sliding window
+    if hi == 0:
+        return True, window
+    if hi is None or statically_known_true(hi >= seq_kv - 1):
+        return False, window  # every key visible
+    return None
+
+
 def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     """SDPA whose mask is none, causal (``is_causal``, or transformers' causal mask proven from
     its index arithmetic), a causal sliding window so proven, or lets every query see every
@@ -343,28 +370,15 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
             else:
                 if args.get("is_causal"):
                     continue
-                key = mask, str(seq_q), str(seq_kv)  # symbolic sizes do not hash
-                if key not in bands:
-                    bands[key] = _visible_band(mask) or _evaluated_band(mask, seq_q, seq_kv)
-                band = bands[key]
-                if band is None:
+                form = _mask_form(mask, seq_q, seq_kv, bands)
+                if form is None:
                     key_mask = _decode_key_mask(mask, q_val, seq_kv)
                     site = key_mask is not None and _fuse_decode(graph, node, args, q, k, v,
                                                                  key_mask, extents)
                     if site:
                         sites.append(site)
                     continue
-                lo, hi = band
-                if lo is not None and not statically_known_true(lo <= 1 - seq_q):
-                    if hi != 0 or not isinstance(lo, int) or lo > 0:
-                        continue  # a band the kernel does not compute
-                    window = 1 - lo  # j - i >= lo: i - window < j <= i, a sliding window
-                if hi == 0:
-                    causal = True
-                elif hi is None or statically_known_true(hi >= seq_kv - 1):
-                    causal = False  # every key visible
-                else:
-                    continue
+                causal, window = form
             scale = _sdpa_scale(args, q_val)
             if scale is None:
                 continue
@@ -379,4 +393,150 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     return sites
 
 
-GRAPH_REWRITES = (GraphRewrite("attention", _fuse_sdpa),)
+# --------------------------------------------------------------------------------------------
+# transformers' eager attention (``attn_implementation="eager"``)
+# --------------------------------------------------------------------------------------------
+#
+# As a post-grad graph holds it (torch.matmul of 4-d tensors is a bmm between reshapes of
+# expands; softmax(dim=-1, dtype=float32) is its decomposition):
+#   S = reshape(bmm(Q3, K3T), (B, H, Sq, Skv)) * scale
+#   S = tanh(S / cap) * cap                                  (Gemma-2's logit soft-capping)
+#   Z = S + mask                                             (where(visible, 0, hidden))
+#   P = exp(Z32 - amax(Z32)) / sum(exp(...)),  Z32 = Z in fp32, P cast back to q's dtype
+#   O = reshape(bmm(P3, V3), (B, H, Sq, Dv))
+
+
+def _batched(node):
+    """x (4-d) when ``node`` is the 3-d operand torch.matmul makes of it: ``reshape`` of an
+    ``expand`` to x's own shape (no broadcast), possibly through a ``clone``; else None."""
+    if not isinstance(node, torch.fx.Node) or node.target is not _aten.reshape.default:
+        return None
+    node = node.args[0]
+    if node.target is _aten.clone.default:
+        node = node.args[0]
+    if node.target is not _aten.expand.default:
+        return None
+    source = node.args[0]
+    shape, expanded = source.meta["val"].shape, node.meta["val"].shape
+    if len(shape) != 4 or len(expanded) != 4 or not all(
+            same_size(a, b) for a, b in zip(shape, expanded)):
+        return None
+    return source
+
+
+def _is_last_dim_reduction(node, target, source) -> bool:
+    """``node`` is ``target(source, [-1], keepdim=True)`` (amax or sum over the last dim)."""
+    if not (isinstance(node, torch.fx.Node) and node.target is target and
+            node.args[0] is source):
+        return False
+    dims = list(node.args[1]) if len(node.args) > 1 else None
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    rank = source.meta["val"].dim()
+    return dims is not None and len(dims) == 1 and dims[0] % rank == rank - 1 and keepdim
+
+
+def _softmax_input(probs):
+    """Z when ``probs`` is softmax(Z, dim=-1) as decomposed (in fp32 from a 16-bit Z, and cast
+    back to Z's dtype); else None."""
+    if probs.target is _prims.convert_element_type.default:
+        probs = probs.args[0]
+    if probs.target is not _aten.div.Tensor:
+        return None
+    exp, total = probs.args
+    if not (isinstance(exp, torch.fx.Node) and exp.target is _aten.exp.default and
+            _is_last_dim_reduction(total, _aten.sum.dim_IntList, exp)):
+        return None
+    shifted = exp.args[0]
+    if shifted.target is not _aten.sub.Tensor:
+        return None
+    scores, row_max = shifted.args
+    if not _is_last_dim_reduction(row_max, _aten.amax.default, scores):
+        return None
+    if scores.target is _prims.convert_element_type.default:
+        scores = scores.args[0]
+    return scores
+
+
+def _scores(node):
+    """(q, k, scale, softcap) when ``node`` is the scaled, possibly capped, q @ k.T of 4-d q
+    and k (k as repeat_kv gave it; softcap 0.0: none); else None."""
+    softcap = 0.0
+    if node.target is _aten.mul.Tensor and isinstance(node.args[1], float) and \
+            node.args[0].target is _aten.tanh.default:
+        inner = node.args[0].args[0]
+        if not (inner.target is _aten.div.Tensor and inner.args[1] == node.args[1] > 0):
+            return None
+        softcap, node = node.args[1], inner.args[0]
+    scale = 1.0
+    if node.target is _aten.mul.Tensor and isinstance(node.args[1], float):
+        scale, node = node.args[1], node.args[0]
+    if node.target is not _aten.reshape.default or node.args[0].target is not _aten.bmm.default:
+        return None
+    q, k_t = (_batched(a) for a in node.args[0].args)
+    if q is None or k_t is None or k_t.target is not _aten.permute.default or \
+            list(k_t.args[1]) != [0, 1, 3, 2]:
+        return None
+    return q, k_t.args[0], scale, softcap
+
+
+def _eager_attention(bmm: torch.fx.Node):
+    """(q, k, v, mask or None, scale, softcap, out) when ``bmm`` is eager attention's P @ V
+    (out its reshape to (B, H, Sq, Dv)) with softmax weights read by nothing else; else
+    None."""
+    probs3, v3 = bmm.args
+    probs, v = _batched(probs3), _batched(v3)
+    users = live_users(bmm)
+    # the weights feed this product alone (not returned, as output_attentions would)
+    if probs is None or v is None or len(users) != 1 or \
+            users[0].target is not _aten.reshape.default or \
+            users[0].meta["val"].dim() != 4 or len(live_users(probs)) != 1:
+        return None
+    logits = _softmax_input(probs)
+    if logits is None:
+        return None
+    for scores, mask in ((logits, None),) if logits.target is not _aten.add.Tensor else \
+            (logits.args, logits.args[::-1]):
+        found = isinstance(scores, torch.fx.Node) and _scores(scores)
+        if found:
+            return (*found[:2], v, mask, *found[2:], users[0])
+    return None
+
+
+def _fuse_eager(graph: torch.fx.Graph, real_value) -> list[str]:
+    """transformers' eager attention -> gemslib's attention (its ``softcap`` for a ``tanh``
+    cap) under the masks :func:`_fuse_sdpa` takes; the grouped K/V before repeat_kv."""
+    sites, bands = [], {}
+    for bmm in graph.find_nodes(op="call_function", target=_aten.bmm.default):
+        found = _eager_attention(bmm)
+        if found is None:
+            continue
+        q, k, v, mask, scale, softcap, out = found
+        q_val, k_val, v_val = q.meta["val"], k.meta["val"], v.meta["val"]
+        if q_val.dtype not in runtime.KERNEL_DTYPES or not (
+                q_val.dtype == k_val.dtype == v_val.dtype) or not all(
+                same_size(a, b) for a, b in zip(q_val.shape[:2], k_val.shape[:2])) or \
+                not same_size(k_val.shape[2], v_val.shape[2]):
+            continue
+        seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
+        form = (False, 0) if mask is None else _mask_form(mask, seq_q, seq_kv, bands)
+        if form is None:
+            continue
+        causal, window = form
+        k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
+        with graph.inserting_before(out):
+            fused = call_node(graph, torch.ops.gemslib.attention.default, q, k, v, causal,
+                              scale, window, softcap)
+            result = call_node(graph, operator.getitem, fused, 0)
+        out.replace_all_uses_with(result)
+        graph.erase_node(out)
+        form = f"window {window}" if window else "causal" if causal else "full"
+        sites.append(f"{bmm.name} (eager, {form}{f', cap {softcap}' if softcap else ''}, "
+                     f"{seq_q} x {seq_kv})")
+    return sites
+
+
+def _fuse_attention(graph: torch.fx.Graph, real_value) -> list[str]:
+    return _fuse_sdpa(graph, real_value) + _fuse_eager(graph, real_value)
+
+
+GRAPH_REWRITES = (GraphRewrite("attention", _fuse_attention),)

@@ -157,3 +157,107 @@ def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():
                             backend="gemslib", fullgraph=True)(q, k, v)
     assert "attention" not in gemslib.fusion_report()
     assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, bias), atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' eager attention (attn_implementation="eager"), Gemma-2's logit cap included
+# --------------------------------------------------------------------------------------------
+
+
+class _EagerAttention(torch.nn.Module):
+    """transformers' Gemma-2 eager attention (matmul, scale, ``tanh`` cap, additive mask,
+    fp32 softmax, matmul) over grouped K/V, under a causal mask with an optional sliding
+    ``window``, a random float ``bias`` instead, or no mask; ``cap_form`` (divisor,
+    multiplier) writes the cap by hand instead (a look-alike when they differ); with
+    ``weights`` the softmax weights are returned too."""
+
+    def __init__(self, softcap=None, mask="causal", window=None, cap_form=None, weights=False):
+        super().__init__()
+        self.head_dim, self.num_key_value_groups, self.scaling = 16, 2, 0.3
+        self.softcap, self.mask, self.window = softcap, mask, window
+        self.cap_form, self.weights = cap_form, weights
+
+    def forward(self, q, k, v):
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+        keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
+        queries = torch.arange(q.shape[2], device=q.device)[None, None, :, None]
+        visible = keys <= queries
+        if self.window is not None:
+            visible = visible & (keys > queries - self.window)
+        mask = torch.where(visible, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+        if self.mask == "bias":
+            mask = torch.linspace(-1, 1, q.shape[2] * k.shape[2], device=q.device).view(
+                1, 1, q.shape[2], k.shape[2]).to(q.dtype)
+        if self.cap_form is not None:
+            divisor, multiplier = self.cap_form
+            scores = torch.matmul(q, k.repeat_interleave(2, 1).transpose(2, 3)) * self.scaling
+            scores = torch.tanh(scores / divisor) * multiplier + mask
+            weights = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(weights, v.repeat_interleave(2, 1))
+        out, weights = eager_attention_forward(self, q, k, v, None if self.mask is None else mask,
+                                               scaling=self.scaling, softcap=self.softcap)
+        return (out, weights) if self.weights else out
+
+
+@pytest.mark.parametrize("softcap, mask, window, cap_form, weights, fused", [
+    (2.0, "causal", None, None, False, True),     # Gemma-2's capped causal layer
+    (2.0, "causal", 4, None, False, True),        # its capped sliding-window layer
+    (None, "causal", None, None, False, True),    # any model's eager attention
+    (None, None, None, None, False, True),        # no mask: every key
+    (2.0, "bias", None, None, False, False),      # a float bias: left to inductor
+    (None, "causal", None, (2.0, 3.0), False, False),  # tanh(s / 2) * 3: not a cap
+    (None, "causal", None, (2.0, 2.0), False, True),   # the cap written by hand
+    (2.0, "causal", None, None, True, False),     # the weights returned: not fusible
+], ids=["cap", "cap-window", "causal", "no-mask", "bias", "not-a-cap", "cap-by-hand",
+        "weights-returned"])
+def test_eager_attention_runs_gemslib_attention_with_its_cap_and_window(
+        softcap, mask, window, cap_form, weights, fused):
+    """The eager form fuses under the masks SDPA's does, its tanh cap as the kernel's softcap
+    (the result matches eager's, and differs from the uncapped one: the cap is computed) and
+    its window as the kernel's; look-alikes and a returned softmax stay inductor's, right."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    module = _EagerAttention(softcap, mask, window, cap_form, weights)
+    torch.manual_seed(0)
+    q = random_tensor((2, 4, 9, 16), torch.float32, scale=3.0)
+    k, v = (random_tensor((2, 2, 9, 16), torch.float32, scale=3.0) for _ in range(2))
+    with torch.no_grad():
+        expected = module(q, k, v)
+        got = torch.compile(module, backend="gemslib", fullgraph=True)(q, k, v)
+        uncapped = _EagerAttention(None, mask, window)(q, k, v)
+    assert gemslib.fusion_report().get("attention", 0) == fused, gemslib.fusion_report()
+    for g, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, expected))):
+        assert torch.allclose(g, e, atol=1e-5), (g - e).abs().max()
+    if softcap:
+        assert (uncapped - (expected[0] if weights else expected)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemma2_in_eager_mode_fuses_its_capped_and_windowed_attention(dtype):
+    """A tiny Gemma-2 with attn_implementation="eager", a cap that matters (1.0) and a window
+    shorter than the prompt: both layers' attention on gemslib's kernel, the other forms
+    fused as under SDPA, logits within the dtype's rounding of eager's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, sliding_window=4, attn_logit_softcapping=1.0,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config).eval().to(dtype)
+    for layer in model.model.layers:  # scores beyond the cap
+        layer.self_attn.q_proj.weight.data.mul_(4)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    ids = torch.randint(3, 96, (2, 11))
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
+    # every form once a layer: one rotary launch for q and k each (not q's rotary matched
+    # as both of the pattern's branches)
+    assert gemslib.fusion_report() == {
+        "attention": 2, "rotary": 2, "merged_linear": 4, "gelu_and_mul": 2, "add_rms_norm": 4,
+        "rms_norm": 5}, gemslib.fusion_report()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    error = ((logits - expected).abs().max() / expected.abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest logit"
