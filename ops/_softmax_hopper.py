@@ -34,6 +34,7 @@ import functools
 import math
 
 import torch
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -165,7 +166,9 @@ def _softmax_cluster_fwd_kernel(x_ptr, y_ptr, partial_ptr, n_cols, stride_x_row,
         o_w = o_tile + i_chunk * CHUNK
         b_x = gl.where((o_w >= w_lo) & (o_w < w_hi),
                        slice_smem.index(i_chunk).load(TILE).to(gl.float32), float("-inf"))
-        b_new_max = gl.maximum(b_max, b_x)
+        # NaN kept (sm_90's max drops it): a lane whose first value is NaN would otherwise
+        # stay at -inf and its sum at zero, and the row would lose the NaN torch gives it
+        b_new_max = gl.maximum(b_max, b_x, propagate_nan=tl.PropagateNan.ALL)
         # lanes still at -inf (nothing of the row yet) keep a zero sum, not exp(-inf + inf)
         b_sum = gl.where(b_new_max == float("-inf"), 0.0,
                          b_sum * gl.exp2((b_max - b_new_max) * LOG2E)
