@@ -148,7 +148,10 @@ def test_a_weight_offset_scales_by_offset_plus_weight(shape, dtype):
     assert_close_to_reference(normed, rms_ops.rms_norm_reference(
         total.double(), weight.double(), 1e-6, weight_offset=1.0), dtype, reduction_len=shape[-1])
     zeros = torch.zeros_like(weight)
-    assert torch.equal(gemslib.rms_norm(x, zeros, 1e-6, weight_offset=1.0), gemslib.rms_norm(x))
+    # x_hat within rounding (not bit for bit: the weight-less call compiles another kernel)
+    assert_close_to_reference(gemslib.rms_norm(x, zeros, 1e-6, weight_offset=1.0),
+                              rms_ops.rms_norm_reference(x.double(), None, 1e-6), dtype,
+                              reduction_len=shape[-1])
     in_x, in_residual = x.clone(), residual.clone()
     gemslib.add_rms_norm(in_x, in_residual, weight, 1e-6, inplace=True, weight_offset=1.0)
     assert torch.equal(in_x, normed) and torch.equal(in_residual, total)
@@ -189,7 +192,7 @@ def test_a_weight_offset_needs_a_weight_and_a_number():
     with pytest.raises(ValueError, match=r"gemslib.add_rms_norm: weight_offset .* needs a wei"):
         gemslib.add_rms_norm(x, x.clone(), None, weight_offset=1.0)
     with pytest.raises(TypeError, match=r"weight_offset"):
-        gemslib.rms_norm(x, torch.ones(8), 1e-6, weight_offset="1")
+        gemslib.rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, weight_offset="1")
     assert torch.equal(gemslib.rms_norm(x, None, 1e-6, weight_offset=0.0), gemslib.rms_norm(x))
 
 

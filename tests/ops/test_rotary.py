@@ -552,7 +552,7 @@ def test_rotary_into_cache_passes_opcheck():
         q, k, v, cos, sin, positions, k_cache, v_cache = args
         opcheck_overloads(torch.ops.gemslib.rotary_into_cache,
                           (q, k, v, cos, sin, interleaved, positions, k_cache, v_cache))
-    weights = [torch.randn(16) for _ in range(2)]
+    weights = [torch.randn(16, device=q.device) for _ in range(2)]
     opcheck_overloads(torch.ops.gemslib.rotary_into_cache,
                       (q, k, v, cos, sin, False, positions, k_cache, v_cache, *weights, 1e-6))
 

@@ -178,6 +178,10 @@ def test_a_run_writes_the_file_after_each_operator_and_reports_one_it_cannot_tun
     monkeypatch.setattr(tune_search, "environment", lambda: {"gpu": "Toy GPU", "torch": "2.x",
                                                       "triton": "3.6.0", "date": "today"})
     monkeypatch.setattr(tune_search, "do_bench_ms", lambda quick: timer)
+    # the file in use default.yaml, whatever GPU runs the test: a GPU's own shipped file
+    # would add the operators it records as tuned to the run's list
+    default = runtime.load_tune_config(runtime.shipped_configs_dir() / "default.yaml")
+    monkeypatch.setattr(runtime, "active_configs", lambda: (default, default))
     out = tmp_path / "toy.yaml"
     written = []
     real_load = runtime.load_tune_config
