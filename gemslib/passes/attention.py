@@ -236,7 +236,7 @@ def _unrepeated(kv: torch.fx.Node, n_q_heads):
     """K or V before transformers' repeat_kv (``expand`` of a new dim 2, ``clone``,
     ``reshape`` to (B, Hq, S, D)), which gemslib's attention does not need; else ``kv``."""
     node = kv
-    if node.target is _aten.reshape.default:
+    if node.target in _RESHAPES:
         node = node.args[0]
         if node.target is _aten.clone.default:
             node = node.args[0]
@@ -403,13 +403,17 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
 #   S = tanh(S / cap) * cap                                  (Gemma-2's logit soft-capping)
 #   Z = S + mask                                             (where(visible, 0, hidden))
 #   P = exp(Z32 - amax(Z32)) / sum(exp(...)),  Z32 = Z in fp32, P cast back to q's dtype
+#       (on CUDA inductor has already put amax and sum into one prepare_softmax_online)
 #   O = reshape(bmm(P3, V3), (B, H, Sq, Dv))
+
+
+_RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 
 
 def _batched(node):
     """x (4-d) when ``node`` is the 3-d operand torch.matmul makes of it: ``reshape`` of an
     ``expand`` to x's own shape (no broadcast), possibly through a ``clone``; else None."""
-    if not isinstance(node, torch.fx.Node) or node.target is not _aten.reshape.default:
+    if not isinstance(node, torch.fx.Node) or node.target not in _RESHAPES:
         return None
     node = node.args[0]
     if node.target is _aten.clone.default:
@@ -437,24 +441,48 @@ def _is_last_dim_reduction(node, target, source) -> bool:
 
 def _softmax_input(probs):
     """Z when ``probs`` is softmax(Z, dim=-1) as decomposed (in fp32 from a 16-bit Z, and cast
-    back to Z's dtype); else None."""
+    back to Z's dtype), its max and sum as amax and sum or, as inductor's CUDA graphs hold
+    them, the two outputs of one prepare_softmax_online; else None."""
     if probs.target is _prims.convert_element_type.default:
         probs = probs.args[0]
     if probs.target is not _aten.div.Tensor:
         return None
     exp, total = probs.args
     if not (isinstance(exp, torch.fx.Node) and exp.target is _aten.exp.default and
-            _is_last_dim_reduction(total, _aten.sum.dim_IntList, exp)):
+            isinstance(total, torch.fx.Node) and isinstance(exp.args[0], torch.fx.Node)
+            and exp.args[0].target is _aten.sub.Tensor):
         return None
-    shifted = exp.args[0]
-    if shifted.target is not _aten.sub.Tensor:
-        return None
-    scores, row_max = shifted.args
-    if not _is_last_dim_reduction(row_max, _aten.amax.default, scores):
+    scores, row_max = exp.args[0].args
+    online = _online_statistics(total)
+    if online is not None:
+        if online != (scores, row_max):
+            return None
+    elif not (_is_last_dim_reduction(total, _aten.sum.dim_IntList, exp) and
+              _is_last_dim_reduction(row_max, _aten.amax.default, scores)):
         return None
     if scores.target is _prims.convert_element_type.default:
         scores = scores.args[0]
     return scores
+
+
+def _online_statistics(total):
+    """(Z, its row max node) when ``total`` is the sum output of ``prepare_softmax_online(Z,
+    -1)`` (inductor's pass on CUDA), the max being the same call's other output; else None."""
+    from torch._inductor import inductor_prims
+
+    if total.target is not operator.getitem or total.args[1] != 1:
+        return None
+    online = total.args[0]
+    if not (isinstance(online, torch.fx.Node)
+            and online.target is inductor_prims.prepare_softmax_online):
+        return None
+    scores, dim = online.args[:2]
+    rank = scores.meta["val"].dim()
+    maxes = [user for user in online.users
+             if user.target is operator.getitem and user.args[1] == 0]
+    if not isinstance(dim, int) or dim % rank != rank - 1 or len(maxes) != 1:
+        return None
+    return scores, maxes[0]
 
 
 def _scores(node):
@@ -470,13 +498,21 @@ def _scores(node):
     scale = 1.0
     if node.target is _aten.mul.Tensor and isinstance(node.args[1], float):
         scale, node = node.args[1], node.args[0]
-    if node.target is not _aten.reshape.default or node.args[0].target is not _aten.bmm.default:
+    if node.target not in _RESHAPES or node.args[0].target is not _aten.bmm.default:
         return None
     q, k_t = (_batched(a) for a in node.args[0].args)
-    if q is None or k_t is None or k_t.target is not _aten.permute.default or \
-            list(k_t.args[1]) != [0, 1, 3, 2]:
+    if q is None or k_t is None or not _swaps_last_two(k_t):
         return None
     return q, k_t.args[0], scale, softcap
+
+
+def _swaps_last_two(node) -> bool:
+    """``node`` is a 4-d tensor's transpose of its last two dims (``permute(x, [0, 1, 3, 2])``
+    as post-grad graphs hold it, or ``transpose(x, 2, 3)``)."""
+    if node.target is _aten.permute.default:
+        return list(node.args[1]) == [0, 1, 3, 2]
+    return node.target is _aten.transpose.int and \
+        sorted(d % 4 for d in node.args[1:3]) == [2, 3]
 
 
 def _eager_attention(bmm: torch.fx.Node):
@@ -487,8 +523,7 @@ def _eager_attention(bmm: torch.fx.Node):
     probs, v = _batched(probs3), _batched(v3)
     users = live_users(bmm)
     # the weights feed this product alone (not returned, as output_attentions would)
-    if probs is None or v is None or len(users) != 1 or \
-            users[0].target is not _aten.reshape.default or \
+    if probs is None or v is None or len(users) != 1 or users[0].target not in _RESHAPES or \
             users[0].meta["val"].dim() != 4 or len(live_users(probs)) != 1:
         return None
     logits = _softmax_input(probs)

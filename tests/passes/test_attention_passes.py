@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import gemslib
-from helpers import random_tensor
+from helpers import DEVICE, random_tensor
 
 
 class _MaskedAttention(torch.nn.Module):
@@ -232,6 +232,36 @@ def test_eager_attention_runs_gemslib_attention_with_its_cap_and_window(
         assert (uncapped - (expected[0] if weights else expected)).abs().max() > 1e-2
 
 
+def _eager_attention_cuda_form(q, k, v):
+    """Capped eager attention as inductor's CUDA post-grad graph holds it: the softmax's max
+    and sum from one prepare_softmax_online (its pass runs before gemslib's on CUDA only)."""
+    from torch._inductor import inductor_prims
+
+    k, v = (t[:, :, None].expand(2, 2, 2, 9, 16).reshape(2, 4, 9, 16) for t in (k, v))
+    scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.3 / 2.0) * 2.0
+    row_max, total = inductor_prims.prepare_softmax_online(scores, -1)
+    return torch.matmul(torch.exp(scores - row_max) / total, v)
+
+
+def test_eager_attention_is_read_through_the_online_softmax_of_cuda_graphs():
+    """The rewrite on a graph of that form (traced here, on any device): one site, the
+    kernel reading the grouped K/V (repeat_kv's copies gone), the result eager's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gemslib.passes import attention as attention_passes
+
+    q = random_tensor((2, 4, 9, 16), torch.float32, scale=3.0)
+    k, v = (random_tensor((2, 2, 9, 16), torch.float32, scale=3.0) for _ in range(2))
+    traced = make_fx(_eager_attention_cuda_form, tracing_mode="fake")(q, k, v)
+    assert len(attention_passes._fuse_eager(traced.graph, None)) == 1
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    targets = [node.target for node in traced.graph.nodes]
+    assert torch.ops.gemslib.attention.default in targets
+    assert torch.ops.aten.clone.default not in targets and torch.ops.aten.bmm.default not in targets
+    assert torch.allclose(traced(q, k, v), _eager_attention_cuda_form(q, k, v), atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemma2_in_eager_mode_fuses_its_capped_and_windowed_attention(dtype):
     """A tiny Gemma-2 with attn_implementation="eager", a cap that matters (1.0) and a window
@@ -244,12 +274,12 @@ def test_gemma2_in_eager_mode_fuses_its_capped_and_windowed_attention(dtype):
         bos_token_id=1, eos_token_id=2, sliding_window=4, attn_logit_softcapping=1.0,
         attn_implementation="eager")
     torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config).eval().to(dtype)
+    model = transformers.Gemma2ForCausalLM(config).eval().to(DEVICE, dtype)
     for layer in model.model.layers:  # scores beyond the cap
         layer.self_attn.q_proj.weight.data.mul_(4)
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
-    ids = torch.randint(3, 96, (2, 11))
+    ids = torch.randint(3, 96, (2, 11), device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits.float()
         logits = torch.compile(model, backend="gemslib", fullgraph=True)(ids).logits.float()
