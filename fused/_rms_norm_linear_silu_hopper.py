@@ -264,9 +264,11 @@ def eligible(x_rows: torch.Tensor, weight: torch.Tensor) -> bool:
                           runtime.multiprocessor_count(x_rows.get_device()))
 
 
-def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor, weight_rows=None) -> bool:
     """Whether a graph rewrite should hand a site of these (fake) x (M, K) and weight values
-    to a fused op of this path (rms_norm_linear_silu, linear_swiglu): on CUDA where the call
+    to a fused op of this path (rms_norm_linear_silu, linear_swiglu, linear_geglu; a gated
+    op's matmul reads ``weight_rows`` = 2I rows, gate and up, where weight is one half of
+    them): on CUDA where the call
     will take it (static M >= MIN_ROWS with enough tiles to fill the GPU, fp16 or bf16, one
     dtype, sm_90: what is known before the weights' alignment), since elsewhere cuBLAS and
     gemslib's norm and activation kernels are faster than the fused op's other forms; without
@@ -277,8 +279,9 @@ def graph_site_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.device.type != "cuda":
         return x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    weight_rows = weight.shape[0] if weight_rows is None else weight_rows
     return x.dtype in _GL_DTYPES and torch.cuda.get_device_capability(x.device) == (9, 0) and \
-        fills_the_gpu(rows, weight.shape[0], runtime.multiprocessor_count(x.device.index or 0))
+        fills_the_gpu(rows, weight_rows, runtime.multiprocessor_count(x.device.index or 0))
 
 
 def _scale_rows(x_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float):

@@ -177,9 +177,11 @@ def _merge_projections(graph: torch.fx.Graph, real_value) -> list[str]:
 # write them again.
 
 
-def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _takes_graph_site(x: torch.Tensor, weight: torch.Tensor, weight_rows=None) -> bool:
+    """The Hopper path's verdict on a site; ``weight_rows``: the rows its matmul reads when
+    ``weight`` is a part of them (a gated op's gate half: 2I, as the op itself counts them)."""
     hopper = _rms_norm_linear_silu_hopper
-    return hopper is not None and hopper.graph_site_fuses(x, weight)
+    return hopper is not None and hopper.graph_site_fuses(x, weight, weight_rows)
 
 
 def _fuse_linear_swiglu(graph: torch.fx.Graph, real_value) -> list[str]:
@@ -215,7 +217,8 @@ def _fuse_linear_gated(graph: torch.fx.Graph, activation_op, fused_op) -> list[s
         if len(weights) != 2 or any(b is not None for b in biases) or \
                 weights[0].meta["val"].shape != weights[1].meta["val"].shape or \
                 any(user is not act for user in live_users(merged)) or \
-                not _takes_graph_site(x.meta["val"], weights[0].meta["val"]):
+                not _takes_graph_site(x.meta["val"], weights[0].meta["val"],
+                                      2 * weights[0].meta["val"].shape[0]):
             continue
         with graph.inserting_before(act):
             fused = call_node(graph, fused_op, x, list(weights), *form)
@@ -244,7 +247,7 @@ def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node, source: 
         return None
     x_in = x if mm is not source else x2d
     values = (x_in.meta["val"], w_val)
-    if values[0].dtype != w_val.dtype or not _takes_graph_site(x2d.meta["val"], w_val[:half]):
+    if values[0].dtype != w_val.dtype or not _takes_graph_site(x2d.meta["val"], w_val):
         return None
     with graph.inserting_before(act):
         gate = call_node(graph, _aten.slice.Tensor, weight, 0, 0, half)
