@@ -27,19 +27,24 @@ EXTRA_DECODE = [(1, 32768), (1, 131072), (16, 8192)]
 # (batch, cache length, visible prefix)
 STATIC_CACHE_DECODE = [(16, 4096, 2048)]
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
+# the other families' heads (batch, cache length, q heads, kv heads, head dim): Llama-3.2-1B's
+# 64, Phi-3's 96 (no grouping), Gemma-7B's 256 (no grouping)
+FAMILY_DECODE = [(16, 8192, 32, 8, 64), (16, 8192, 32, 32, 96), (16, 8192, 16, 16, 256)]
 
 
 def cases(quick: bool = False, backward: bool = False):
-    for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE):
-        q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
-        k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
+    shapes = [(batch, cache_len, DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM)
+              for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE)]
+    for batch, cache_len, heads, kv_heads, dim in shapes + ([] if quick else FAMILY_DECODE):
+        q = torch.randn(batch, heads, dim, device="cuda", dtype=DTYPE)
+        k_cache, v_cache = (torch.randn(batch, kv_heads, cache_len, dim,
                                         device="cuda", dtype=DTYPE) for _ in range(2))
         impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
                  "SDPA default": lambda: F.scaled_dot_product_attention(
                      q[:, :, None], k_cache, v_cache, enable_gqa=True)}
         bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
-        yield Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
-                   f"L{cache_len} D{DECODE_DIM}", "bf16", bytes_moved, impls,
+        yield Case("decode_attention", f"B{batch} Hq{heads} Hk{kv_heads} L{cache_len} D{dim}",
+                   "bf16", bytes_moved, impls,
                    outputs_agree=outputs_close(
                        lambda: gemslib.decode_attention(q, k_cache, v_cache),
                        lambda: decode_ops.decode_attention_reference(

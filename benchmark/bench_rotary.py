@@ -1,10 +1,13 @@
-"""apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems.
+"""apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems;
+rotary_qk_norm (Qwen3's per-head q/k RMSNorm and the rotary in one launch) against the same
+computed as a model writes it (eager, torch.compile) and Liger-Kernel's RMSNorm and rotary.
 
-    python -m benchmark --ops rotary [--forward-only]
+    python -m benchmark --ops rotary rotary_qk_norm [--forward-only]
 
-Bytes moved: q and k read and written once (2 * (q + k) elements); cos and sin are small.
-The eager peer is the Hugging Face formulation, ``x * cos + rotate_half(x) * sin`` with cos and
-sin expanded to the full head dim.
+Bytes moved: q and k read and written once (2 * (q + k) elements); cos, sin and the norm
+weights are small. The eager peer is the Hugging Face formulation, ``x * cos + rotate_half(x)
+* sin`` with cos and sin expanded to the full head dim (after Qwen3RMSNorm over each head for
+rotary_qk_norm).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from gemslib.ops import rotary as rotary_ops
 QUICK_SHAPES = [(8, 4096, 32, 8, 128), (1, 4096, 32, 8, 128)]
 EXTRA_SHAPES = [(1, 4096, 40, 8, 128), (16, 1, 32, 8, 128), (4, 2048, 64, 8, 64)]
 # the Case names cases() yields (python -m benchmark --ops selects among them)
-OPS = ("rotary", "rotary_backward")
+OPS = ("rotary", "rotary_backward", "rotary_qk_norm")
+EPS = 1e-6
 DTYPE = torch.bfloat16
 
 
@@ -33,6 +37,45 @@ def _eager_rotary(q, k, cos_full, sin_full):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def _heads_normed(x, weight):
+    """Qwen3RMSNorm over each head: fp32 arithmetic, cast back, times the (D,) weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def _eager_rotary_qk_norm(q, k, q_weight, k_weight, cos_full, sin_full):
+    return _eager_rotary(_heads_normed(q, q_weight), _heads_normed(k, k_weight), cos_full,
+                         sin_full)
+
+
+def _qk_norm_cases(q, k, cos, sin, cos_full, sin_full, shape, bytes_moved, liger_rope,
+                   liger_norm):
+    """rotary_qk_norm at one shape (q, k (B, S, H, D); cos, sin (S, D/2) and full width)."""
+    head_dim = q.shape[-1]
+    q_weight, k_weight = (torch.rand(head_dim, device=q.device, dtype=DTYPE) + 0.5
+                          for _ in range(2))
+    fused = torch.ops.gemslib.rotary_qk_norm
+    impls = {"gemslib": lambda: fused(q, k, cos, sin, None, False, q_weight, k_weight, EPS),
+             "torch eager": lambda: _eager_rotary_qk_norm(q, k, q_weight, k_weight, cos_full,
+                                                         sin_full),
+             "torch.compile": (lambda f: lambda: f(q, k, q_weight, k_weight, cos_full,
+                                                   sin_full))(compiled(_eager_rotary_qk_norm))}
+    if liger_rope and liger_norm:  # two launches: the norm of each head, then the rotary
+        def liger():
+            q_normed = liger_norm.LigerRMSNormFunction.apply(q, q_weight, EPS)
+            k_normed = liger_norm.LigerRMSNormFunction.apply(k, k_weight, EPS)
+            return liger_rope.LigerRopeFunction.apply(
+                q_normed.transpose(1, 2), k_normed.transpose(1, 2), cos_full[None],
+                sin_full[None])
+        impls["Liger-Kernel"] = liger
+    return Case("rotary_qk_norm", shape, "bf16", bytes_moved, impls,
+                outputs_agree=outputs_close(
+                    lambda: fused(q, k, cos, sin, None, False, q_weight, k_weight, EPS)[0],
+                    lambda: rotary_ops.rotary_qk_norm_reference(
+                        q.float(), k.float(), cos.float(), sin.float(), None, False,
+                        q_weight.float(), k_weight.float(), EPS)[0]))
+
+
 def _grads(fn, q, k):
     leaves = (q.clone().requires_grad_(), k.clone().requires_grad_())
     outs = fn(*leaves)
@@ -43,6 +86,7 @@ def _grads(fn, q, k):
 def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
     liger = optional_peer("liger_kernel.ops.rope")
+    liger_norm = optional_peer("liger_kernel.ops.rms_norm")
     size = torch.finfo(DTYPE).bits // 8
     for batch, seq, q_heads, kv_heads, head_dim in QUICK_SHAPES + ([] if quick else EXTRA_SHAPES):
         q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE)
@@ -75,6 +119,8 @@ def cases(quick: bool = False, backward: bool = False):
                          (lambda f: lambda a, b: f(a, b, cos_full, sin_full))(compiled(_eager_rotary)),
                          q, k)}
             yield Case("rotary_backward", shape, "bf16", bytes_moved, impls)
+        yield _qk_norm_cases(q, k, cos, sin, cos_full, sin_full, shape, bytes_moved, liger,
+                             liger_norm)
         del q, k
 
 
