@@ -77,10 +77,11 @@ def _load_heads(x_ptr, stride_x_h, head_start, n_heads, n_pairs,
 
 
 @triton.jit
-def _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps,
+def _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps, norm_offset,
                   INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
     """(x_a, x_b) of BLOCK_H heads, each head RMS-normalised over its head_dim features and
-    scaled by norm_ptr's (head_dim,) weight (a full rotary: the pairs are every feature)."""
+    scaled by norm_offset + norm_ptr's (head_dim,) weight (a full rotary: the pairs are every
+    feature; the offset 1 for Gemma-3's (1 + w) norm, else 0)."""
     o_r = tl.arange(0, BLOCK_R)[None, :]
     m_r = o_r < n_pairs
     if INTERLEAVED:
@@ -89,8 +90,8 @@ def _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps,
         o_a, o_b = o_r, o_r + n_pairs
     b_squares = tl.sum(b_xa * b_xa, axis=1) + tl.sum(b_xb * b_xb, axis=1)
     b_rstd = (1.0 / tl.sqrt(b_squares / head_dim + norm_eps))[:, None]
-    b_wa = tl.load(norm_ptr + o_a, mask=m_r, other=0.0).to(tl.float32)
-    b_wb = tl.load(norm_ptr + o_b, mask=m_r, other=0.0).to(tl.float32)
+    b_wa = tl.load(norm_ptr + o_a, mask=m_r, other=0.0).to(tl.float32) + norm_offset
+    b_wb = tl.load(norm_ptr + o_b, mask=m_r, other=0.0).to(tl.float32) + norm_offset
     return b_xa * b_rstd * b_wa, b_xb * b_rstd * b_wb
 
 
@@ -118,7 +119,7 @@ def _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, 
 @triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads, n_heads_out,
-    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, norm_ptr, norm_eps,
+    b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, norm_ptr, norm_eps, norm_offset,
     INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
 ):
@@ -129,7 +130,7 @@ def _rotate_heads(
                              BLOCK_H, BLOCK_R)
     if norm_ptr is not None:
         b_xa, b_xb = _normed_heads(b_xa, b_xb, norm_ptr, n_pairs, head_dim, norm_eps,
-                                   INTERLEAVED, BLOCK_R)
+                                   norm_offset, INTERLEAVED, BLOCK_R)
     _store_heads(x_ptr, out_ptr, stride_x_h, stride_out_h, head_start, n_heads_out, b_xa, b_xb,
                  b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim, INTERLEAVED, COPY_REST,
                  BLOCK_H, BLOCK_R, BLOCK_REST)
@@ -161,7 +162,7 @@ def _rotary_kernel(
     stride_v_b, stride_v_s, stride_v_h,
     stride_v_out_b, stride_v_out_s, stride_v_out_h,
     stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
-    stride_positions_b, stride_positions_s, n_positions, n_out_rows, norm_eps,
+    stride_positions_b, stride_positions_s, n_positions, n_out_rows, norm_eps, norm_offset,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, FULL_TABLE: tl.constexpr,
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -255,9 +256,9 @@ def _rotary_kernel(
                                      INTERLEAVED, BLOCK_HK, BLOCK_R)
             if q_norm_ptr is not None:  # q's and k's heads RMS-normalised first (Qwen3)
                 b_qa, b_qb = _normed_heads(b_qa, b_qb, q_norm_ptr, n_pairs, head_dim, norm_eps,
-                                           INTERLEAVED, BLOCK_R)
+                                           norm_offset, INTERLEAVED, BLOCK_R)
                 b_ka, b_kb = _normed_heads(b_ka, b_kb, k_norm_ptr, n_pairs, head_dim, norm_eps,
-                                           INTERLEAVED, BLOCK_R)
+                                           norm_offset, INTERLEAVED, BLOCK_R)
             _store_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
                          i_h * BLOCK_H, n_q_heads, b_qa, b_qb, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
                          n_pairs, head_dim,
@@ -274,13 +275,14 @@ def _rotary_kernel(
         if i_h < n_q_blocks:
             _rotate_heads(p_q, p_q_out, stride_q_h, stride_q_out_h,
                           i_h * BLOCK_H, n_q_heads, n_q_heads, b_cos_a, b_sin_a, b_cos_b, b_sin_b,
-                          n_pairs, head_dim, q_norm_ptr, norm_eps,
+                          n_pairs, head_dim, q_norm_ptr, norm_eps, norm_offset,
                           INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
         else:
             i_hk = (i_h - n_q_blocks) * BLOCK_H
             _rotate_heads(p_k, p_k_out, stride_k_h, stride_k_out_h, i_hk, n_k_heads,
                           n_k_heads_out, b_cos_a, b_sin_a, b_cos_b, b_sin_b, n_pairs, head_dim,
-                          k_norm_ptr, norm_eps, INTERLEAVED, COPY_REST, BLOCK_H, BLOCK_R, BLOCK_REST)
+                          k_norm_ptr, norm_eps, norm_offset, INTERLEAVED, COPY_REST, BLOCK_H,
+                          BLOCK_R, BLOCK_REST)
             if v_ptr is not None:
                 _copy_heads(p_v, p_v_out, stride_v_h, stride_v_out_h, i_hk, n_k_heads,
                             n_k_heads_out, head_dim, BLOCK_H, BLOCK_D)
@@ -302,11 +304,12 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse: bool,
             v=None, v_out=None, out_rows=None, q_norm=None, k_norm=None,
-            norm_eps: float = 0.0) -> None:
+            norm_eps: float = 0.0, norm_offset: float = 0.0) -> None:
     """The rotation of q into q_out and of k into k_out; with ``out_rows`` (S,) k's token s goes
     to row out_rows[s] of k_out's sequence dim (k_out (B, L, Hk, D), a cache), and with ``v``
     v (like k) is copied unrotated into v_out (like k_out) at the same rows. With ``q_norm``
-    and ``k_norm`` ((D,) weights; a full rotary) each head is RMS-normalised first."""
+    and ``k_norm`` ((D,) weights; a full rotary) each head is RMS-normalised first, scaled by
+    norm_offset + weight."""
     q4, k4, q_out4, k_out4 = _as_4d(q), _as_4d(k), _as_4d(q_out), _as_4d(k_out)
     batch, seq_len, n_q_heads, head_dim = q4.shape
     n_k_heads = k4.shape[2]
@@ -342,7 +345,7 @@ def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, inverse:
         q4, k4, q_out4, k_out4, cos, sin, positions, v, v_out, out_rows, q_norm, k_norm,
         seq_len, n_q_heads, n_k_heads, half, head_dim,
         *strides, *v_strides,
-        *table_strides, *position_strides, cos.shape[0], k_out4.shape[1], norm_eps,
+        *table_strides, *position_strides, cos.shape[0], k_out4.shape[1], norm_eps, norm_offset,
         interleaved, inverse, full_table, copy_rest, block_r, block_rest,
         runtime.next_power_of_2(head_dim),
         shape=(n_tokens, n_q_heads + n_k_heads, head_dim),
@@ -618,44 +621,48 @@ _rotary_op = runtime.CustomOp(
     setup_context=_rotary_setup, backward=_rotary_grad, differentiable_backward=True)
 
 
-def heads_rms_normed(x, weight, eps):
-    """Each head (last dim) of ``x`` RMS-normalised and scaled by its (D,) weight."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def heads_rms_normed(x, weight, eps, weight_offset=0.0):
+    """Each head (last dim) of ``x`` RMS-normalised and scaled by weight_offset + its (D,)
+    weight."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + weight_offset)
 
 
-def rotary_qk_norm_reference(q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps):
-    """Each head of q and k RMS-normalised over head_dim and scaled by its (D,) weight, then
-    rotated (Qwen3's and OLMo-2's per-head q/k norm before the rotary)."""
-    return rotary_reference(heads_rms_normed(q, q_weight, eps), heads_rms_normed(k, k_weight, eps),
+def rotary_qk_norm_reference(q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps,
+                             weight_offset=0.0):
+    """Each head of q and k RMS-normalised over head_dim and scaled by weight_offset + its (D,)
+    weight, then rotated (the per-head q/k norm before the rotary: Qwen3's, Gemma-3's with
+    weight_offset 1)."""
+    return rotary_reference(heads_rms_normed(q, q_weight, eps, weight_offset),
+                            heads_rms_normed(k, k_weight, eps, weight_offset),
                             cos, sin, positions, interleaved)
 
 
 def _rotary_qk_norm_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          positions: torch.Tensor | None, interleaved: bool,
-                         q_weight: torch.Tensor, k_weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                         weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The graph passes' fusion of a per-head q/k RMSNorm with the rotary after it, forward
     only (compiled inference graphs): q (B, S, Hq, D), k (B, S, Hk, D), any strides with a unit
-    last one; weights (D,) of q's dtype; a full rotary (rot_dim D). One launch; what the kernel
-    does not take is computed by torch in fp32."""
+    last one; weights (D,) of q's dtype, each scaling by weight_offset + weight; a full rotary
+    (rot_dim D). One launch; what the kernel does not take is computed by torch in fp32."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     _check_positions_in_table(positions, cos.shape[0])
     if not (_kernel_runs(q, k, cos, sin) and q_weight.dtype == q.dtype == k_weight.dtype):
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         q_rot, k_rot = rotary_qk_norm_reference(
             q.to(work), k.to(work), cos.to(work), sin.to(work), positions, interleaved,
-            q_weight.to(work), k_weight.to(work), eps)
+            q_weight.to(work), k_weight.to(work), eps, weight_offset)
         return q_out.copy_(q_rot), k_out.copy_(k_rot)
     _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_out, cos, sin, positions,
             interleaved, False, q_norm=q_weight.contiguous(), k_norm=k_weight.contiguous(),
-            norm_eps=eps)
+            norm_eps=eps, norm_offset=weight_offset)
     return q_out, k_out
 
 
 _rotary_qk_norm_op = runtime.CustomOp(
     "rotary_qk_norm", _rotary_qk_norm_impl,
-    fake=lambda q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps: (
-        torch.empty_like(q), torch.empty_like(k)))
+    fake=lambda q, k, cos, sin, positions, interleaved, q_weight, k_weight, eps,
+    weight_offset=0.0: (torch.empty_like(q), torch.empty_like(k)))
 
 
 def _rotary_inplace_impl(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -669,11 +676,11 @@ _rotary_inplace_op = runtime.CustomOp("rotary_", _rotary_inplace_impl, mutates_a
 
 
 def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_weight,
-                       k_weight, eps) -> None:
+                       k_weight, eps, weight_offset=0.0) -> None:
     """rotary_into_cache's arguments: q (B, S, Hq, D), k and v (B, S, Hk, D), a per-token
     table, caches (B, Hk, L, D) of k's dtype, cache_position (S,) integers, no write that
     lands on what is read (or on the other cache), and both per-head norm weights (D,) of q's
-    dtype with a float eps, or neither."""
+    dtype with a float eps and weight_offset, or neither."""
     name = "gemslib.rotary_into_cache"
     if (q_weight is None) != (k_weight is None):
         raise ValueError(f"{name}: q_weight and k_weight go together (the per-head q/k norm), "
@@ -687,6 +694,8 @@ def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_we
     if q_weight is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float))
                                  or not eps >= 0):
         raise ValueError(f"{name}: eps must be a number >= 0, got {eps!r}")
+    if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
+        raise TypeError(f"{name}: weight_offset must be a number, got {weight_offset!r}")
     for arg, t in (("q", q), ("cos", cos)):
         checks.float_tensor(name, arg, t, expected="floating-point")
     if q.dim() != 4 or cos.dim() != 3:
@@ -735,13 +744,13 @@ def _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_we
 
 
 def rotary_into_cache_reference(q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache,
-                                q_weight=None, k_weight=None, eps=0.0):
+                                q_weight=None, k_weight=None, eps=0.0, weight_offset=0.0):
     """The rotation of q and k by a per-token table (q returned), rotated k and v written into
     the (B, Hk, L, D) caches at rows cache_position, as a static cache's update does; with the
     weights, each head of q and k RMS-normalised first (:func:`rotary_qk_norm_reference`)."""
     if q_weight is not None:
         q_rot, k_rot = rotary_qk_norm_reference(q, k, cos, sin, None, interleaved, q_weight,
-                                                k_weight, eps)
+                                                k_weight, eps, weight_offset)
     else:
         q_rot, k_rot = rotary_reference(q, k, cos, sin, None, interleaved)
     k_cache[:, :, cache_position] = k_rot.transpose(1, 2).to(k_cache.dtype)
@@ -754,14 +763,14 @@ def _rotary_into_cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             k_cache: torch.Tensor, v_cache: torch.Tensor,
                             q_weight: torch.Tensor | None = None,
                             k_weight: torch.Tensor | None = None,
-                            eps: float = 0.0) -> torch.Tensor:
+                            eps: float = 0.0, weight_offset: float = 0.0) -> torch.Tensor:
     """q (B, S, Hq, D) rotated by a per-token (B or 1, S, rot_dim) table into a new tensor;
     k (B, S, Hk, D) rotated and v copied into the caches (B, Hk, L, D), token s at row
     cache_position[s]: a decode step's rotary and its static cache's update in one launch.
     With q_weight and k_weight ((D,), a full rotary), each head of q and k is RMS-normalised
-    with its weight first (Qwen3's per-head q/k norm)."""
+    with weight_offset + its weight first (Qwen3's per-head q/k norm; Gemma-3's with offset 1)."""
     _check_cache_write(q, k, v, cos, sin, cache_position, k_cache, v_cache, q_weight, k_weight,
-                       eps)
+                       eps, weight_offset)
     q_out = torch.empty_like(q)
     normed = q_weight is not None
     rot_dim = cos.shape[-1] if cos.dim() == 3 else 2 * cos.shape[-1]
@@ -771,19 +780,20 @@ def _rotary_into_cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         weights = (q_weight.to(work), k_weight.to(work)) if normed else (None, None)
         q_rot = rotary_into_cache_reference(q.to(work), k.to(work), v, cos.to(work),
                                             sin.to(work), interleaved, cache_position,
-                                            k_cache, v_cache, *weights, eps)
+                                            k_cache, v_cache, *weights, eps, weight_offset)
         return q_out.copy_(q_rot)
     _launch(layout.unit_last(q), layout.unit_last(k), q_out, k_cache.transpose(1, 2), cos, sin,
             None, interleaved, False, v=layout.unit_last(v), v_out=v_cache.transpose(1, 2),
             out_rows=cache_position, q_norm=q_weight.contiguous() if normed else None,
-            k_norm=k_weight.contiguous() if normed else None, norm_eps=float(eps))
+            k_norm=k_weight.contiguous() if normed else None, norm_eps=float(eps),
+            norm_offset=float(weight_offset))
     return q_out
 
 
 _rotary_into_cache_op = runtime.CustomOp(
     "rotary_into_cache", _rotary_into_cache_impl, mutates_args=("k_cache", "v_cache"),
     fake=lambda q, k, v, cos, sin, interleaved, cache_position, k_cache, v_cache,
-    q_weight=None, k_weight=None, eps=0.0: torch.empty_like(q))
+    q_weight=None, k_weight=None, eps=0.0, weight_offset=0.0: torch.empty_like(q))
 
 
 

@@ -311,10 +311,11 @@ def _fuse_qk_norms(graph: torch.fx.Graph, real_value) -> list[str]:
         norms = _fusible_norms(first, second, cos, rotary)
         if norms is None:
             continue
-        q, k, q_weight, k_weight, eps = norms
+        q, k, q_weight, k_weight, eps, offset = norms
         with graph.inserting_before(rotary):
             fused = call_node(graph, torch.ops.gemslib.rotary_qk_norm.default, q, k, cos, sin,
-                              positions, interleaved, q_weight, k_weight, eps)
+                              positions, interleaved, q_weight, k_weight, eps,
+                              *((offset,) if offset else ()))
         if replace_if(graph, rotary, fused, [t.stride() for t in fused.meta["val"]]
                       == [t.stride() for t in rotary.meta["val"]]):
             sites.append(f"{rotary.name} over {first.name}, {second.name}")
@@ -327,22 +328,23 @@ def _fuse_qk_norms(graph: torch.fx.Graph, real_value) -> list[str]:
         norms = _fusible_norms(first, second, write.kwargs["cos"], write)
         if norms is None:
             continue
-        q, k, q_weight, k_weight, eps = norms
+        q, k, q_weight, k_weight, eps, offset = norms
         for name, value in (("q", q), ("k", k), ("q_weight", q_weight), ("k_weight", k_weight),
-                            ("eps", eps)):
+                            ("eps", eps), ("weight_offset", offset)):
             write.update_kwarg(name, value)
         sites.append(f"{write.name} over {first.name}, {second.name}")
     return sites
 
 
 def _fusible_norms(first, second, cos, reader):
-    """(q, k, q_weight, k_weight, eps) when ``first`` and ``second`` (a rotary's inputs, read
-    by ``reader``) are per-head RMSNorms of q and k with one eps, weights of q's dtype, read by
-    nothing else, and the table ``cos`` rotates whole heads; else None."""
+    """(q, k, q_weight, k_weight, eps, weight_offset) when ``first`` and ``second`` (a rotary's
+    inputs, read by ``reader``) are per-head RMSNorms of q and k with one eps and one weight
+    offset (Gemma-3's 1), weights of q's dtype, read by nothing else, and the table ``cos``
+    rotates whole heads; else None."""
     normed = [_normed_heads(node) for node in (first, second)]
-    if None in normed or normed[0][2] != normed[1][2]:
+    if None in normed or normed[0][2:4] != normed[1][2:4]:
         return None
-    (q, q_weight, eps, q_chain), (k, k_weight, _, k_chain) = normed
+    (q, q_weight, eps, offset, q_chain), (k, k_weight, _, _, k_chain) = normed
     head_dim = first.meta["val"].shape[-1]
     table = cos.meta["val"]
     rot_dim = table.shape[-1] if table.dim() == 3 else 2 * table.shape[-1]
@@ -351,33 +353,39 @@ def _fusible_norms(first, second, cos, reader):
             any(set(live_users(node)) - set(chain) - {reader}
                 for chain in (q_chain, k_chain) for node in chain):
         return None
-    return q, k, q_weight, k_weight, eps
+    return q, k, q_weight, k_weight, eps, offset
 
 
 def _normed_heads(node):
-    """(x, weight, eps, the nodes from ``node`` down to the norm) when ``node`` is gemslib's
-    rms_norm of x (no weight offset, a weight) read through permutes that compose to none;
-    else None."""
+    """(x, weight, eps, weight offset, the nodes from ``node`` down to the norm) when ``node``
+    is gemslib's rms_norm of x with a weight (and a float offset, or none) read through
+    permutes that compose to none, or that undo a permute of the norm's input that keeps the
+    last dim (Gemma-3 norms the heads after their transpose: the norm, over the last dim,
+    commutes with it; x is then that permute's input); else None."""
     chain, order = [], None
     while isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.permute.default:
         dims = list(node.args[1])
         order = dims if order is None else [dims[i] for i in order]
         chain.append(node)
         node = node.args[0]
-    if order is not None and order != sorted(order):
-        return None
     if not (isinstance(node, torch.fx.Node) and node.target is operator.getitem
             and node.args[1] == 0):
         return None
     norm = node.args[0]
     if not (isinstance(norm, torch.fx.Node)
             and norm.target is torch.ops.gemslib.rms_norm_forward.default
-            and len(norm.args) == 3 and not norm.kwargs):
+            and len(norm.args) in (3, 4) and not norm.kwargs):
         return None
-    x, weight, eps = norm.args
-    if weight is None or not isinstance(eps, float):
+    x, weight, eps, offset = (*norm.args, 0.0)[:4]
+    if weight is None or not isinstance(eps, float) or not isinstance(offset, float):
         return None
-    return x, weight, eps, [*chain, node, norm]
+    if order is not None and order != sorted(order):
+        inner = list(x.args[1]) if x.target is torch.ops.aten.permute.default else None
+        if inner is None or inner[-1] != len(inner) - 1 or \
+                [inner[i] for i in order] != sorted(order):
+            return None
+        x = x.args[0]
+    return x, weight, eps, offset, [*chain, node, norm]
 
 
 # the cache write first: a decode step's rotary keeps its write, its norms then join it

@@ -241,6 +241,29 @@ def test_rotary_with_the_heads_rms_normalised_first(interleaved, block_h, loop_h
     assert_close_to_reference(k_rot, expected[1], dtype, reduction_len=dim)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_qk_norm_scales_by_offset_plus_weight(dtype):
+    """Gemma-3's (1 + w) per-head norm: weight_offset 1 scales each head by 1 + weight, against
+    float64, in both layouts of the launch (one head block a program, and looped heads)."""
+    q = random_tensor((2, 5, 4, 32), dtype, scale=3.0)
+    k = random_tensor((2, 5, 2, 32), dtype, scale=3.0)
+    angles = torch.rand(1, 5, 32, device=DEVICE, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_weight, k_weight = (random_tensor((32,), dtype, scale=0.5) for _ in range(2))
+    args64 = (q.double(), k.double(), cos.double(), sin.double(), None, False,
+              q_weight.double(), k_weight.double(), 1e-6)
+    expected = rotary_ops.rotary_qk_norm_reference(*args64, 1.0)
+    for loop_heads in (0, 1):
+        config = runtime.LaunchConfig((("BLOCK_H", 2), ("LOOP_HEADS", loop_heads)), 2, 1)
+        with rotary_ops.ROTARY.forced(config):
+            q_rot, k_rot = torch.ops.gemslib.rotary_qk_norm(q, k, cos, sin, None, False,
+                                                            q_weight, k_weight, 1e-6, 1.0)
+        assert_close_to_reference(q_rot, expected[0], dtype, reduction_len=32)
+        assert_close_to_reference(k_rot, expected[1], dtype, reduction_len=32)
+    without = rotary_ops.rotary_qk_norm_reference(*args64)
+    assert (expected[0] - without[0]).abs().max() > 0.1  # the offset is not a no-op here
+
+
 def test_rotary_qk_norm_passes_opcheck_and_falls_back_for_float64():
     q, k = random_tensor((2, 3, 4, 8), torch.float32), random_tensor((2, 3, 2, 8), torch.float32)
     angles = torch.rand(1, 3, 8, device=DEVICE)
@@ -506,19 +529,21 @@ def test_rotary_into_cache_matches_reference(case, dtype, interleaved):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", [CACHE_CASES[0], CACHE_CASES[1], CACHE_CASES[2]],
                          ids=["decode", "tokens", "partial-rotary"])
-def test_rotary_into_cache_with_the_per_head_qk_norm_matches_reference(case, dtype):
-    """With q_weight and k_weight (Qwen3's per-head q/k RMSNorm), each head of q and k is
-    normalised and scaled before it is rotated; the caches get the normed, rotated k and v as
-    it was. A partial rotary (rot_dim < D) is computed by torch, to the same result."""
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w", "1+w"])
+def test_rotary_into_cache_with_the_per_head_qk_norm_matches_reference(case, dtype, offset):
+    """With q_weight and k_weight (Qwen3's per-head q/k RMSNorm; Gemma-3's (1 + w) with
+    weight_offset 1), each head of q and k is normalised and scaled before it is rotated; the
+    caches get the normed, rotated k and v as it was. A partial rotary (rot_dim < D) is
+    computed by torch, to the same result."""
     q, k, v, cos, sin, positions, k_cache, v_cache = _cache_inputs(*case, dtype)
     head_dim, eps = q.shape[-1], 1e-6
     q_weight, k_weight = (random_tensor((head_dim,), dtype, scale=1.0) for _ in range(2))
     k_ref, v_ref = k_cache.double(), v_cache.double()
     q_ref = rotary_ops.rotary_into_cache_reference(
         q.double(), k.double(), v.double(), cos.double(), sin.double(), False, positions,
-        k_ref, v_ref, q_weight.double(), k_weight.double(), eps)
+        k_ref, v_ref, q_weight.double(), k_weight.double(), eps, offset)
     q_rot = torch.ops.gemslib.rotary_into_cache(q, k, v, cos, sin, False, positions, k_cache,
-                                                v_cache, q_weight, k_weight, eps)
+                                                v_cache, q_weight, k_weight, eps, offset)
     assert_close_to_reference(q_rot, q_ref, dtype, reduction_len=head_dim, msg="q")
     assert_close_to_reference(k_cache, k_ref, dtype, reduction_len=head_dim, msg="k_cache")
     torch.testing.assert_close(v_cache, v_ref.to(dtype), rtol=0, atol=0, msg="v_cache")

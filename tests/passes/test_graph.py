@@ -369,7 +369,7 @@ def test_the_rotary_is_matched_before_the_norms_after_it():
 # interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
 # projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
 # computed in fp32, fused with weight_offset 1, and its GELU MLP), OLMo-2 (norms after each
-# sublayer, q and k normed whole)
+# sublayer, q and k normed whole), Gemma-3 (Gemma-2's norms and per-head q/k norms)
 _OTHER_FAMILIES = {
     "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "qwen3": {**_decoder_fusions(2), "rms_norm": 5, "rotary_qk_norm": 2},
@@ -382,6 +382,10 @@ _OTHER_FAMILIES = {
     # Gemma-2: four (1 + w) norms a layer, the two after their sublayer alone (norm, then add)
     "gemma2": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4,
                "rms_norm": 5, "gelu_and_mul": 2},
+    # Gemma-3: Gemma-2's four (1 + w) norms a layer, and its per-head q/k (1 + w) norms after
+    # the heads' transpose, in the rotary's launch (weight_offset 1)
+    "gemma3_text": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4,
+                    "rms_norm": 9, "gelu_and_mul": 2, "rotary_qk_norm": 2},
     # OLMo-2: q and k normed over the whole projection (before the heads' view), each
     # sublayer's output normed before its residual add: four norms a layer, the final one
     # after the last add

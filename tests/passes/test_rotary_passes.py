@@ -376,8 +376,9 @@ def test_interleaved_rotary_runs_rotary(form, fused):
 
 class _HeadNormsThenRotary(torch.nn.Module):
     """Qwen3's attention input: q and k projections viewed as heads, each head RMS-normalised
-    (transformers' RMSNorm over head_dim), transposed to head-major, rotated; and forms that
-    must keep their norms: k's norm with another eps, q's normalised heads read again."""
+    (transformers' RMSNorm over head_dim), transposed to head-major, rotated; Gemma-3's, its
+    (1 + w) norm applied after the transpose; and forms that must keep their norms: k's norm
+    with another eps, q's normalised heads read again, q's norm Gemma's and k's Qwen's."""
 
     def __init__(self, form, dim=16):
         super().__init__()
@@ -389,6 +390,18 @@ class _HeadNormsThenRotary(torch.nn.Module):
         from gemslib.passes.forms import transformers_rms_norm
 
         batch, seq, dim = q_proj.shape[0], q_proj.shape[1], self.q_weight.shape[0]
+        if self.form in ("gemma3", "mixed_offsets"):
+            def gemma_norm(x, weight):  # Gemma3RMSNorm's arithmetic: x_hat * (1 + w) in fp32
+                x32 = x.float()
+                x_hat = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+                return (x_hat * (1.0 + weight.float())).type_as(x)
+            q = gemma_norm(q_proj.view(batch, seq, -1, dim).transpose(1, 2), self.q_weight)
+            if self.form == "gemma3":
+                k = gemma_norm(k_proj.view(batch, seq, -1, dim).transpose(1, 2), self.k_weight)
+            else:
+                k = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), self.k_weight,
+                                          1e-6).transpose(1, 2)
+            return _rope(q, k, cos, sin)
         q_heads = transformers_rms_norm(q_proj.view(batch, seq, -1, dim), self.q_weight, 1e-6)
         k_eps = 1e-5 if self.form == "other_eps" else 1e-6
         k_heads = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), self.k_weight, k_eps)
@@ -399,8 +412,9 @@ class _HeadNormsThenRotary(torch.nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form, fused", [("qwen3", True), ("other_eps", False),
-                                         ("normed_read_again", False)])
+@pytest.mark.parametrize("form, fused", [("qwen3", True), ("gemma3", True), ("other_eps", False),
+                                         ("normed_read_again", False),
+                                         ("mixed_offsets", False)])
 def test_per_head_norms_before_the_rotary_run_in_its_launch(form, fused, dtype):
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
