@@ -291,17 +291,26 @@ def _replace_sdpa(graph: torch.fx.Graph, node, out) -> None:
 def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
                  extents: dict) -> str | None:
     """Replace the one-row SDPA ``node`` by decode_attention under ``key_mask``; its site, or
-    None where the scale is not a number. ``extents``: (mask, batch, length) -> the node of
-    each sequence's extent, one past its last visible position, made once for all the layers
-    that read the mask: decode_attention takes it as the lengths its splits divide (a static
-    cache's mask keeps a prefix of a longer cache)."""
-    q_val = q.meta["val"]
-    batch, seq_kv = q_val.shape[0], k.meta["val"].shape[2]
-    scale = _sdpa_scale(args, q_val)
+    None where the scale is not a number."""
+    scale = _sdpa_scale(args, q.meta["val"])
     if scale is None:
         return None
+    out = _decode_call(graph, node, q, k, v, scale, key_mask, extents)
+    _replace_sdpa(graph, node, out)
+    return f"{node.name} (decode under a key mask, 1 x {k.meta['val'].shape[2]})"
+
+
+def _decode_call(graph: torch.fx.Graph, before, q, k, v, scale: float, key_mask, extents: dict,
+                 softcap: float = 0.0) -> torch.fx.Node:
+    """decode_attention of q's one row (q (B, H, 1, D), k and v as repeat_kv gave them) under
+    ``key_mask``, inserted before ``before``: its output (B, H, 1, Dv). ``extents``: (mask,
+    batch, length) -> the node of each sequence's extent, one past its last visible position,
+    made once for all the layers that read the mask: decode_attention takes it as the lengths
+    its splits divide (a static cache's mask keeps a prefix of a longer cache)."""
+    q_val = q.meta["val"]
+    batch, seq_kv = q_val.shape[0], k.meta["val"].shape[2]
     k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
-    with graph.inserting_before(node):
+    with graph.inserting_before(before):
         keys = call_node(graph, _aten.reshape.default, key_mask,
                          [key_mask.meta["val"].shape[0], seq_kv])
         keys = call_node(graph, _aten.expand.default, keys, [batch, seq_kv])
@@ -315,10 +324,8 @@ def _fuse_decode(graph: torch.fx.Graph, node, args, q, k, v, key_mask,
             extents[key_mask, str(batch), str(seq_kv)] = seqlens
         rows = call_node(graph, _aten.select.int, q, 2, 0)
         fused = call_node(graph, torch.ops.gemslib.decode_attention.default, rows, k, v, seqlens,
-                          scale, keys)
-        out = call_node(graph, _aten.unsqueeze.default, fused, 2)
-    _replace_sdpa(graph, node, out)
-    return f"{node.name} (decode under a key mask, 1 x {seq_kv})"
+                          scale, keys, *((0, softcap) if softcap else ()))
+        return call_node(graph, _aten.unsqueeze.default, fused, 2)
 
 
 def _mask_form(mask, seq_q, seq_kv, bands: dict):
@@ -539,8 +546,9 @@ def _eager_attention(bmm: torch.fx.Node):
 
 def _fuse_eager(graph: torch.fx.Graph, real_value) -> list[str]:
     """transformers' eager attention -> gemslib's attention (its ``softcap`` for a ``tanh``
-    cap) under the masks :func:`_fuse_sdpa` takes; the grouped K/V before repeat_kv."""
-    sites, bands = [], {}
+    cap) under the masks :func:`_fuse_sdpa` takes, or decode_attention for one query row
+    under a key mask (a static cache's step); the grouped K/V before repeat_kv."""
+    sites, bands, extents = [], {}, {}
     for bmm in graph.find_nodes(op="call_function", target=_aten.bmm.default):
         found = _eager_attention(bmm)
         if found is None:
@@ -555,6 +563,13 @@ def _fuse_eager(graph: torch.fx.Graph, real_value) -> list[str]:
         seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
         form = (False, 0) if mask is None else _mask_form(mask, seq_q, seq_kv, bands)
         if form is None:
+            key_mask = _decode_key_mask(mask, q_val, seq_kv)
+            if key_mask is not None:
+                result = _decode_call(graph, out, q, k, v, scale, key_mask, extents, softcap)
+                out.replace_all_uses_with(result)
+                graph.erase_node(out)
+                sites.append(f"{bmm.name} (eager, decode under a key mask"
+                             f"{f', cap {softcap}' if softcap else ''}, 1 x {seq_kv})")
             continue
         causal, window = form
         k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])

@@ -232,6 +232,37 @@ def test_eager_attention_runs_gemslib_attention_with_its_cap_and_window(
         assert (uncapped - (expected[0] if weights else expected)).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-cap", "cap"])
+def test_one_query_row_of_eager_attention_under_a_key_mask_runs_decode_attention(softcap):
+    """A static cache's decode step in eager attention (Gemma-2's, capped or not): one query
+    row under the additive form of a boolean key mask that is a graph input -> decode_attention
+    with that mask and the cap; every sequence sees some key (eager averages the values of a
+    row that sees none, where decode_attention gives 0, as for SDPA's boolean mask)."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    class Step(torch.nn.Module):
+        head_dim, num_key_value_groups = 16, 2
+
+        def forward(self, q, k, v, mask):
+            additive = torch.where(mask, 0.0, torch.finfo(q.dtype).min)
+            return eager_attention_forward(self, q, k, v, additive, scaling=0.3,
+                                           softcap=softcap)[0]
+
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q = random_tensor((3, 4, 1, 16), torch.float32, scale=3.0)
+    k, v = (random_tensor((3, 2, 40, 16), torch.float32, scale=3.0) for _ in range(2))
+    mask = torch.rand((3, 1, 1, 40), generator=torch.Generator().manual_seed(3)) < 0.4
+    mask[:, :, :, 0] = True
+    mask = mask.to(q.device)
+    step = Step().eval()
+    with torch.no_grad():
+        expected = step(q, k, v, mask)
+        got = torch.compile(step, backend="gemslib", fullgraph=True)(q, k, v, mask)
+    assert gemslib.fusion_report().get("attention", 0) == 1, gemslib.fusion_report()
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+
+
 def _eager_attention_cuda_form(q, k, v):
     """Capped eager attention as inductor's CUDA post-grad graph holds it: the softmax's max
     and sum from one prepare_softmax_online (its pass runs before gemslib's on CUDA only)."""
