@@ -32,6 +32,7 @@ class ModelSpec:
     eps: float
     layers: int
     max_positions: int
+    attention: str = "sdpa"  # transformers' attn_implementation
 
     def tiny(self) -> "ModelSpec":
         """The same family at a size the Triton interpreter runs in seconds."""
@@ -74,6 +75,12 @@ MODELS = {
     "gemma2-9b": ModelSpec("Gemma-2-9B", "gemma2", hidden=3584, intermediate=14336, heads=16,
                            kv_heads=8, head_dim=256, vocab=256000, rope_theta=10000.0,
                            eps=1e-6, layers=6, max_positions=8192),
+    # Gemma-2 as it computes with its logit cap: eager attention (transformers' SDPA path drops
+    # the cap), which the backend fuses into attention with its softcap
+    "gemma2-9b-eager": ModelSpec("Gemma-2-9B (eager, capped)", "gemma2", hidden=3584,
+                                 intermediate=14336, heads=16, kv_heads=8, head_dim=256,
+                                 vocab=256000, rope_theta=10000.0, eps=1e-6, layers=6,
+                                 max_positions=8192, attention="eager"),
 }
 
 # family -> (transformers config class, model class, config arguments of the family's own):
@@ -90,7 +97,8 @@ FAMILIES = {
 }
 
 def hf_config(spec: ModelSpec):
-    """The transformers config of ``spec`` (sdpa attention, untied embeddings)."""
+    """The transformers config of ``spec`` (its attention implementation, sdpa unless it says
+    otherwise; untied embeddings)."""
     import transformers
 
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden,
@@ -98,7 +106,7 @@ def hf_config(spec: ModelSpec):
                   num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                   head_dim=spec.head_dim, rms_norm_eps=spec.eps, rope_theta=spec.rope_theta,
                   max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
-                  attn_implementation="sdpa")
+                  attn_implementation=spec.attention)
     if spec.family not in FAMILIES:
         raise ValueError(f"unknown model family {spec.family!r}; known: {', '.join(FAMILIES)}")
     config_class, _, own = FAMILIES[spec.family]

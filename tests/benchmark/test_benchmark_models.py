@@ -209,6 +209,7 @@ def test_every_model_of_the_table_builds_its_family(name):
     config = models.hf_config(spec)
     config_class, model_class, _ = models.FAMILIES[spec.family]
     assert type(config) is getattr(transformers, config_class)
+    assert config._attn_implementation == spec.attention
     assert config.hidden_size // config.num_attention_heads == spec.head_dim or \
         config.head_dim == spec.head_dim
     tiny = models.build_model(realmodels.model_spec(name, tiny=True), "cpu", torch.float32)
