@@ -538,7 +538,8 @@ def _eager_attention(bmm: torch.fx.Node):
         return None
     for scores, mask in ((logits, None),) if logits.target is not _aten.add.Tensor else \
             (logits.args, logits.args[::-1]):
-        found = isinstance(scores, torch.fx.Node) and _scores(scores)
+        found = isinstance(scores, torch.fx.Node) and (
+            mask is None or isinstance(mask, torch.fx.Node)) and _scores(scores)
         if found:
             return (*found[:2], v, mask, *found[2:], users[0])
     return None
