@@ -9,7 +9,8 @@ downloaded), seeded and built on the target device in float32 and cast to bf16, 
 process holds the same weights and the float32 model is the reference. Prefill of B sequences
 of S tokens (``--shapes``, default B1 S4096 and B4 S2048) computes the logits of the last
 position only (``logits_to_keep=1``, ``use_cache=False``), under ``torch.no_grad()``, with
-``attn_implementation="sdpa"``. The ways (``--ways``):
+``attn_implementation="sdpa"`` (``"eager"`` for a spec that says so: Gemma-2 with its logit
+cap). The ways (``--ways``):
 
 - ``eager``: the bf16 model as transformers runs it (the baseline of every ratio);
 - ``enable``: the same under ``with gemslib.enable():`` (aten overrides);
@@ -326,7 +327,8 @@ def format_markdown(report: dict) -> str:
     peers = ", ".join(f"{k} {v}" for k, v in (env.get("peers") or {}).items())
     lines.append(f"**{where}; {software}{'; ' + peers if peers else ''}; {env.get('date', '')}; "
                  f"`{report.get('command', '')}`.**")
-    lines += ["", "bf16, random weights (transformers' init, seeded), sdpa attention, "
+    lines += ["", "bf16, random weights (transformers' init, seeded), sdpa attention (eager where "
+              "a title says so), "
               "`logits_to_keep=1`, no KV cache. Time: median of CUDA-event timed calls. "
               "Speed-ups: the other way's time over this way's. time/floor: over the matmuls "
               "at the run's cuBLAS rate plus attention at torch SDPA's rate. compile s: the "
