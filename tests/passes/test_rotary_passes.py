@@ -257,32 +257,44 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
 
 
 def _normed_cache_step(q_proj, k_proj, v, cos, sin, k_cache, v_cache, positions, mask,
-                       q_weight, k_weight):
+                       q_weight, k_weight, gemma=False):
     """Qwen3's decode step over a static cache: each head of q and k RMS-normalised before
-    the rotary, then :func:`_cache_step`."""
+    the rotary, then :func:`_cache_step`; with ``gemma``, Gemma-3's: the (1 + w) norm in fp32
+    after the heads' transpose."""
     from gemslib.passes.forms import transformers_rms_norm
 
     batch, seq, dim = q_proj.shape[0], q_proj.shape[1], q_weight.shape[0]
-    q = transformers_rms_norm(q_proj.view(batch, seq, -1, dim), q_weight, 1e-6).transpose(1, 2)
-    k = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), k_weight, 1e-6).transpose(1, 2)
+    if gemma:
+        def norm(x, weight):
+            x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (x_hat * (1.0 + weight.float())).type_as(x)
+        q = norm(q_proj.view(batch, seq, -1, dim).transpose(1, 2), q_weight)
+        k = norm(k_proj.view(batch, seq, -1, dim).transpose(1, 2), k_weight)
+    else:
+        q = transformers_rms_norm(q_proj.view(batch, seq, -1, dim), q_weight,
+                                  1e-6).transpose(1, 2)
+        k = transformers_rms_norm(k_proj.view(batch, seq, -1, dim), k_weight,
+                                  1e-6).transpose(1, 2)
     return _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask)
 
 
-def test_a_static_cache_update_takes_the_per_head_norms_into_the_rotary_launch():
-    """Qwen3's decode step: the cache write goes into the rotary's launch, and then the
-    per-head q/k norms too (rotary_into_cache with its weights, one launch for norms, rotary
-    and the cache update); outputs and caches are eager's."""
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
+def test_a_static_cache_update_takes_the_per_head_norms_into_the_rotary_launch(gemma):
+    """Qwen3's and Gemma-3's decode steps: the cache write goes into the rotary's launch, and
+    then the per-head q/k norms too (rotary_into_cache with its weights, and Gemma's weight
+    offset 1: one launch for norms, rotary and the cache update); outputs and caches are
+    eager's."""
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     q_proj, k_proj = (random_tensor((2, 3, 2 * 16), torch.float32, scale=1.0) for _ in range(2))
     v = random_tensor((2, 2, 3, 16), torch.float32, scale=1.0)
-    weights = [torch.rand(16, device=DEVICE) + 0.5 for _ in range(2)]
+    weights = [torch.rand(16, device=DEVICE) + (-0.5 if gemma else 0.5) for _ in range(2)]
     cos, sin, caches, expected_caches, positions, mask = _cache_step_inputs()
     with torch.no_grad():
         expected = _normed_cache_step(q_proj, k_proj, v, cos, sin, *expected_caches, positions,
-                                      mask, *weights)
+                                      mask, *weights, gemma)
         got = torch.compile(_normed_cache_step, backend="gemslib", fullgraph=True)(
-            q_proj, k_proj, v, cos, sin, *caches, positions, mask, *weights)
+            q_proj, k_proj, v, cos, sin, *caches, positions, mask, *weights, gemma)
     report = gemslib.fusion_report()
     assert report.get("rotary_into_cache") == 1 and report.get("rotary_qk_norm") == 1, report
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
