@@ -304,6 +304,29 @@ def test_matmuls_keep_their_shape_unless_padding_is_asked_for(monkeypatch, optio
     assert seen == [padding]
 
 
+@pytest.mark.parametrize("options, asserted", [(None, False), ({"size_asserts": True}, True)])
+def test_fallback_outputs_are_not_checked_per_call_unless_asked(options, asserted):
+    """Inductor's per-call size/stride checks of fallback outputs (host time on every launch
+    of a gemslib op) are off under the backend, on again where its options ask for them."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    x = torch.randn(6, 32, device=DEVICE)
+    weight = torch.nn.Parameter(torch.randn(32, device=DEVICE))
+
+    def norm(x):
+        v = x.float()
+        return weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    with torch.no_grad():
+        compiled = torch.compile(norm, backend="gemslib", options=options)
+        out, (code, *_) = run_and_get_code(compiled, x)
+    torch.testing.assert_close(out, norm(x))
+    assert "torch.ops.gemslib.rms_norm_forward" in code
+    checked = re.findall(r"assert_size_stride\((\w+), .*'torch\.ops\.gemslib", code)
+    assert bool(checked) == asserted, code
+
+
 def test_a_training_graph_keeps_its_gradients():
     """With gradients the forward's intermediates are saved for the backward, so a norm can
     only be replaced where the backward does not read inside it; the gradients stay eager's."""
