@@ -42,6 +42,7 @@ from gemslib.passes import fusion_report, reset_fusion_report
 from gemslib.runtime import TuneConfigError
 from gemslib.fused.attention import attention
 from gemslib.fused.decode_attention import decode_attention
+from gemslib.fused.decode_gemv import decode_gemv
 from gemslib.ops.rms_norm import add_rms_norm, rms_norm
 from gemslib.ops.rotary import apply_rotary
 from gemslib.ops.silu import gelu_and_mul, silu, silu_and_mul
@@ -56,5 +57,5 @@ __all__ = [
     "fusion_report", "reset_fusion_report",
     "rms_norm", "add_rms_norm", "silu", "silu_and_mul", "gelu_and_mul", "softmax", "log_softmax",
     "apply_rotary", "attention", "decode_attention", "rms_norm_linear_silu",
-    "rms_norm_swiglu",
+    "rms_norm_swiglu", "decode_gemv",
 ]

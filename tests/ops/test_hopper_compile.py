@@ -240,6 +240,12 @@ CALLS = [
     # a decode step's rotary writing k and v into a static cache, both program layouts
     lambda: _rotary_into_cache(loop_heads=0),
     lambda: _rotary_into_cache(loop_heads=1),
+    # decode_gemv: one row (multiply-and-sum, K split), rows on the tl.dot tile, fp32 (IEEE)
+    lambda: gemslib.decode_gemv(_bf16(1, 256), _bf16(100, 256), residual=_bf16(1, 100),
+                                norm_weight=_bf16(256)),
+    lambda: gemslib.decode_gemv(_bf16(3, 512), _bf16(100, 256), _bf16(100), gated="silu"),
+    lambda: gemslib.decode_gemv(*(random_tensor(s, torch.float32) for s in ((5, 64), (40, 64))),
+                                residual=random_tensor((5, 40), torch.float32)),
 ]
 
 
@@ -250,7 +256,7 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel",
             "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
-            "_attention_bwd_dq_kernel", "_decode_kernel"} <= kernels
+            "_attention_bwd_dq_kernel", "_decode_kernel", "_decode_gemv_kernel"} <= kernels
     # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     # the kernels built for dependent launch (sm_90, the default): each launch also as the GPU
@@ -259,7 +265,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
                                      "launch_pdl": {"value": True}}}
                  for launch in launches if launch["args"].get("PDL") == {"value": False}]
     assert {launch["kernel"] for launch in dependent} == {
-        "_rms_norm_fwd_kernel", "_silu_and_mul_fwd_kernel", "_rotary_kernel", "_decode_kernel"}
+        "_rms_norm_fwd_kernel", "_silu_and_mul_fwd_kernel", "_rotary_kernel", "_decode_kernel",
+        "_decode_gemv_kernel"}
     failures = _compile_failures(launches + dependent)
     assert not failures, "\n\n".join(failures)
 
@@ -306,6 +313,15 @@ def _decode_sample(tensors, head_dim, seq_kv):
         gemslib.decode_attention(q, k, v, seqlens, key_mask=key_mask)
 
 
+def _decode_gemv_sample(tensors, rows, n_out, n_in):
+    """decode_gemv's three prologues, the plain one with both epilogues."""
+    x, weight = tensors(rows, n_in), tensors(n_out, n_in)
+    gemslib.decode_gemv(x, weight, tensors(n_out), residual=tensors(rows, n_out))
+    gemslib.decode_gemv(x, weight, norm_weight=tensors(n_in), weight_offset=1.0)
+    gemslib.decode_gemv(tensors(rows, 2 * n_in), weight, residual=tensors(rows, n_out),
+                        gated="gelu_erf")
+
+
 # One small call per tuned kernel that launches it for a dtype at given shape keys: the keys a
 # bucket bounds take their bound (its largest shapes, the most resources), the others
 # ``_UNBOUNDED``'s value. Only the launch is recorded (nothing runs), so sizes cost nothing.
@@ -336,6 +352,7 @@ _SAMPLES = {
         t(s["rows"], s["k"]), t(s["k"]), t(s["n"], s["k"]), t(s["n"])),
     "rms_norm_swiglu.rms_norm_swiglu": lambda t, s: gemslib.rms_norm_swiglu(
         t(s["rows"], s["k"]), t(s["k"]), t(2 * s["n"], s["k"])),
+    "decode_gemv.decode_gemv": lambda t, s: _decode_gemv_sample(t, s["rows"], s["n"], s["k"]),
 }
 
 

@@ -856,7 +856,7 @@ def test_a_tensor_map_parameter_is_passed_as_tritons_launcher_expands_it():
 
 
 DEPENDENT_KERNELS = ("rms_norm.rms_norm_fwd", "silu.silu_and_mul_fwd", "rotary.rotary",
-                     "decode_attention.decode_attention")
+                     "decode_attention.decode_attention", "decode_gemv.decode_gemv")
 
 
 def _fresh_launches():
@@ -867,7 +867,7 @@ def _fresh_launches():
 
 @pytest.mark.parametrize("here", [False, True], ids=["plain", "dependent"])
 def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here, monkeypatch):
-    """The decode step's small kernels (norm, silu * mul, rotary, decode attention) take PDL
+    """The decode step's kernels (norm, silu * mul, rotary, decode attention, GEMV) take PDL
     and Triton's launch_pdl exactly where dependent launch is on here (sm_90, GEMSLIB_PDL not 0);
     the other kernels never do. On a GPU, under it a CUDA graph of GEMM -> rms_norm -> GEMM
     -> silu_and_mul (each reading its predecessor's output at once) gives the eager result

@@ -1,0 +1,552 @@
+"""The projections of a decode step, each in one kernel with the small ops around it folded in:
+out = epilogue(prologue(x) @ W.T).
+
+    out[m, n] = residual[m, n] + (sum_k a[m, k] W[n, k] + b[n])    (residual, b: when given)
+    a = x                                                                   no prologue
+    a = round(x[m, k] * r[m] * (g[k] + weight_offset)),                     norm
+        r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps)
+    a = round(act(x[m, k]) * x[m, I + k]),  act silu, gelu (tanh) or gelu (erf)   gated
+
+x (M, K), or (M, 2I) = [gate | up] with the gated prologue (then K = I); W (N, K) as in
+``nn.Linear``; b (N,); residual (M, N); g (K,). round() is to x's dtype: the prologue is
+computed in fp32 and rounded once before the products, as transformers' RMSNorm and
+``act(gate) * up`` hand a 16-bit tensor to the next projection; the products accumulate in
+fp32 and the epilogue adds in fp32 before the one rounding of the output.
+
+At batch <= 16 a projection is memory-bound: its time is reading W once. The point of the
+kernel is to read W at full bandwidth and to fold into that read what a transformer layer
+otherwise launches on its own (docs/notes/decode.md, the plan of issue 56): the RMSNorm before
+the q/k/v and gate/up projections, SwiGLU's (or GeGLU's) act(gate) * up before the down
+projection, and the residual add after the o and down projections. A layer then needs about
+five launches instead of nine. Each program recomputes what it needs of the activations
+instead of waiting for another kernel: with the norm it first reads its rows whole (a few KB
+each at decode, from L2) for their rms; with the gate it forms act(gate) * up as it loads.
+
+Tiling: a program per BLOCK_N rows of W (per K range with SPLIT_K), all M rows of x in it, K
+in BLOCK_K steps. M = 1 (and the config's GEMV 1) multiplies the W tile by the row and sums
+over K (tl.sum): a plain GEMV, fp32 products on the CUDA cores, nothing padded; M in 2..16
+takes tl.dot on a 16-row tile (tensor cores): a multiply-and-sum there would cost M fp32 FMAs
+per weight element, near the CUDA cores' rate at Hopper's bandwidth for 16 rows, where the
+tensor cores spend nothing that matters. More than 16 rows are not a decode step: they are
+computed by torch (the prologue, torch.matmul, the epilogue), correct but not fused.
+
+SPLIT_K > 1 where the column tiles alone are too few programs to keep every SM streaming W
+(Llama-3.2-1B's o and down projections: N 2048 is 64 tiles of 32 rows for 132 SMs): K is split
+into ranges of whole BLOCK_K steps; each program stores its fp32 partial tile, counts itself in
+its column tile's arrival counter, and the last to arrive adds the partials in split order
+and runs the epilogue (decode_attention's and rms_norm_linear_silu's scheme; no second
+kernel). Not fp32 atomic adds into a zeroed buffer: the sum would depend on the arrival order
+(not bit-reproducible), and the buffer would need zeroing before every call, where the kept
+``runtime.split_scratch`` pair needs none (its counters are reset by the last program), so a
+call plan replays the launch alone. The partials cost a write and a read of M x N fp32 per
+split, in L2 (16 x 2048 x 4 splits x 4 B = 0.5 MB against 8 MB of weights).
+
+The file reads top-down: kernel, launcher, reference, public function and custom op,
+self-check, tuning.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from gemslib import checks, runtime
+from gemslib.ops import silu as silu_ops
+from gemslib.ops.silu import GELU_ERF, GELU_TANH, SILU, _gate_activation
+from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
+
+NAME = "gemslib.decode_gemv"
+MAX_ROWS = 16  # rows of x the kernel takes; more are computed by torch
+# the kernel's PROLOGUE
+NO_PROLOGUE, NORM, GATED = 0, 1, 2
+# ``gated=`` -> ops.silu's ACTIVATION codes (NO_GATE: no gated prologue)
+ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu_erf": GELU_ERF}
+NO_GATE = -1
+_GATED_NAMES = {code: name for name, code in ACTIVATIONS.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """r[m] = 1 / sqrt(mean_k x[m, k]^2 + eps) in fp32 over all n_in columns of the rows at
+    p_x ((BLOCK_M, 1) row pointers; m_m: the rows that exist)."""
+    b_sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for i_k in range(0, n_in, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & (o_k[None, :] < n_in),
+                      other=0.0).to(tl.float32)
+        b_sum_squares += tl.sum(b_x * b_x, axis=1)
+    return 1.0 / tl.sqrt(b_sum_squares / n_in + eps)
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr, weight_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, part_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+    stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
+    PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
+    against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
+    (n_rows, n_in), or (n_rows, 2 n_in) = [gate | up] with PROLOGUE GATED (ACTIVATION: ops.silu's
+    SILU, GELU_TANH or GELU_ERF); norm_weight (n_in,) is read with PROLOGUE NORM only; bias
+    (n_out,) and residual (n_rows, n_out) are added where not None. BLOCK_M 1: products by
+    multiply and tl.sum; else tl.dot (IEEE: fp32 products in full precision).
+
+    SPLIT_K > 1: axis 1 splits K into n_splits ranges of split_len (whole BLOCK_K steps). Each
+    program stores its fp32 partial tile in part (n_splits, n_rows, n_out) and counts itself in
+    arrivals[i_n] (int32, zero between launches); the last to arrive adds the splits in order
+    (the result does not depend on the arrival order), puts the counter back to 0 and runs the
+    epilogue. With SPLIT_K 1, part and arrivals are None. PDL: launched dependent
+    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
+    if PDL:
+        gdc_wait()
+    i_n = tl.program_id(0)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < n_rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_out
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
+    p_w = weight_ptr + o_n.to(tl.int64)[:, None] * stride_weight_row
+    if SPLIT_K > 1:
+        i_split = tl.program_id(1)
+        k_begin = i_split * split_len
+        k_end = tl.minimum(n_in, k_begin + split_len)
+    else:
+        k_begin = 0
+        k_end = n_in
+    if PROLOGUE == 1:  # NORM: each program's own pass over its rows, whole, for their rms
+        b_rstd = _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M, BLOCK_K)
+
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i_k in range(k_begin, k_end, BLOCK_K):
+        o_k = i_k + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_end
+        m_x = m_m[:, None] & m_k[None, :]
+        if PROLOGUE == 2:  # GATED: a = act(gate) * up, gate in x's first n_in columns
+            b_gate = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
+            b_up = tl.load(p_x + n_in + o_k[None, :], mask=m_x, other=0.0)
+            b_act, _ = _gate_activation(b_gate.to(tl.float32), ACTIVATION)
+            b_a = (b_act * b_up.to(tl.float32)).to(b_gate.dtype)
+        elif PROLOGUE == 1:  # NORM: a = x * r * (g + weight_offset)
+            b_x = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
+            b_g = tl.load(norm_weight_ptr + o_k, mask=m_k, other=0.0).to(tl.float32) \
+                + weight_offset
+            b_a = (b_x.to(tl.float32) * b_rstd[:, None] * b_g[None, :]).to(b_x.dtype)
+        else:
+            b_a = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
+        b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+        if BLOCK_M == 1:  # one row: (BLOCK_N, BLOCK_K) products summed over K
+            b_acc += tl.sum(b_w.to(tl.float32) * b_a.to(tl.float32), axis=1)[None, :]
+        elif IEEE:
+            b_acc = tl.dot(b_a, tl.trans(b_w), b_acc, input_precision="ieee")
+        else:
+            b_acc = tl.dot(b_a, tl.trans(b_w), b_acc)
+
+    m_tile = m_m[:, None] & m_n[None, :]
+    finish = True
+    if SPLIT_K > 1:
+        o_part_row = (i_split * n_rows + o_m).to(tl.int64)
+        tl.store(part_ptr + o_part_row[:, None] * n_out + o_n[None, :], b_acc, mask=m_tile)
+        tl.debug_barrier()  # every thread's stores issued before this program counts itself
+        # acq_rel: the stores above are visible to whichever program arrives last
+        finish = tl.atomic_add(arrivals_ptr + i_n, 1, sem="acq_rel") == n_splits - 1
+        if finish:
+            b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i_s in range(0, n_splits):  # in split order: deterministic sums
+                o_s_row = (i_s * n_rows + o_m).to(tl.int64)
+                # .cg: the other programs' partials from L2, never from a stale L1 line
+                b_acc += tl.load(part_ptr + o_s_row[:, None] * n_out + o_n[None, :],
+                                 mask=m_tile, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrivals_ptr + i_n, 0)  # ready for the next launch
+    if finish:
+        if bias_ptr is not None:
+            b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if residual_ptr is not None:
+            b_acc = tl.load(residual_ptr + o_m.to(tl.int64)[:, None] * stride_residual_row
+                            + o_n[None, :], mask=m_tile, other=0.0).to(tl.float32) + b_acc
+        tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
+                 b_acc.to(out_ptr.dtype.element_ty), mask=m_tile)
+
+
+# GEMV 1: a call of one row takes the multiply-and-sum products (BLOCK_M 1), GEMV 0 the 16-row
+# tl.dot tile as more rows do; the launcher decides BLOCK_M from it and the rows
+DECODE_GEMV = runtime.TunedKernel(
+    "decode_gemv", "decode_gemv", _decode_gemv_kernel,
+    tunables=("BLOCK_N", "BLOCK_K", "SPLIT_K"), launcher_knobs=("GEMV",),
+    shape_keys=("rows", "n", "k", "elem_bytes"), dependent_launch=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The kernel computes the call: 1 to MAX_ROWS rows, a non-empty W, kernel dtypes on the
+    kernel device (bf16 not under the interpreter, whose bf16 tl.dot is wrong)."""
+    return 0 < x.shape[0] <= MAX_ROWS and weight.numel() > 0 and \
+        runtime.dot_kernel_runs(x, weight, *others)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+            weight_offset: float, activation: int) -> torch.Tensor:
+    """(M, N) in x's dtype; inputs validated and taken by the kernel (``_kernel_takes``)."""
+    n_rows = x.shape[0]
+    n_out, n_in = weight.shape
+    out = torch.empty((n_rows, n_out), dtype=x.dtype, device=x.device)
+    # elem_bytes: fp32 tiles take twice the shared memory and registers of 16-bit ones
+    shape = (n_rows, n_out, n_in, x.element_size())
+    config = DECODE_GEMV.planned_config(shape)
+    meta = config.meta_dict
+    block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
+    n_tiles = runtime.cdiv(n_out, meta["BLOCK_N"])
+    if meta["SPLIT_K"] > 1:
+        # whole BLOCK_K steps per split
+        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
+            * meta["BLOCK_K"]
+        n_splits = runtime.cdiv(n_in, split_len)
+        arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
+    else:
+        split_len, n_splits = n_in, 1
+        arrivals = part = None
+    prologue = NORM if norm_weight is not None else GATED if activation != NO_GATE \
+        else NO_PROLOGUE
+    # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors; sizes
+    # and scalars; strides; flags and BLOCK_M
+    DECODE_GEMV.launch(
+        lambda meta: (n_tiles, n_splits),
+        x, weight, bias.contiguous() if bias is not None else None, residual,
+        norm_weight.contiguous() if norm_weight is not None else None, out, part, arrivals,
+        n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+        x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        prologue, max(activation, 0), x.dtype == torch.float32, block_m,
+        shape=shape, config=config)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch: the reference (tests run it in float64) and the path of the calls the
+# kernel does not take
+# --------------------------------------------------------------------------------------------
+
+
+def _prologue(x, norm_weight, eps, weight_offset, gated: str | None):
+    if norm_weight is not None:
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) \
+            * (norm_weight + weight_offset)
+    if gated == "silu":
+        return silu_ops.silu_and_mul_reference(x)
+    if gated is not None:
+        return silu_ops.gelu_and_mul_reference(x, "tanh" if gated == "gelu_tanh" else "none")
+    return x
+
+
+def decode_gemv_reference(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6,
+                          weight_offset=0.0, gated=None):
+    """decode_gemv's arithmetic in x's dtype, nothing rounded between the steps."""
+    out = F.linear(_prologue(x, norm_weight, eps, weight_offset, gated), weight, bias)
+    return out if residual is None else residual + out
+
+
+def _torch_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                   weight_offset: float, activation: int) -> torch.Tensor:
+    """The call in torch, rounded where the kernel rounds and once more: the prologue in fp32
+    (fp64 for fp64) rounded to x's dtype, torch.matmul in x's dtype, the epilogue in fp32."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    activations = _prologue(x.to(work), norm_weight.to(work) if norm_weight is not None else None,
+                            eps, weight_offset, _GATED_NAMES.get(activation)).to(x.dtype)
+    out = torch.matmul(activations, weight.t()).to(work)
+    if bias is not None:
+        out = out + bias.to(work)
+    if residual is not None:
+        out = residual.to(work) + out
+    return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Public function, custom op, autograd
+# --------------------------------------------------------------------------------------------
+
+
+def _activation_code(gated) -> int:
+    if gated is None:
+        return NO_GATE
+    if not isinstance(gated, str):
+        raise TypeError(f"{NAME}: gated must be None or one of {', '.join(map(repr, ACTIVATIONS))}"
+                        f", got {type(gated).__name__}")
+    if gated not in ACTIVATIONS:
+        raise ValueError(f"{NAME}: gated must be None or one of "
+                         f"{', '.join(map(repr, ACTIVATIONS))}, got {gated!r}")
+    return ACTIVATIONS[gated]
+
+
+def _check(x, weight, bias, residual, norm_weight, activation: int) -> None:
+    checks.float_tensor(NAME, "x", x, expected="floating-point")
+    for arg, t in (("weight", weight), ("bias", bias), ("residual", residual),
+                   ("norm_weight", norm_weight)):
+        if t is None and arg != "weight":
+            continue
+        checks.float_tensor(NAME, arg, t, expected="floating-point")
+        checks.like(NAME, arg, t, x, "x")
+    if x.dim() != 2:
+        raise ValueError(f"{NAME}: x must be 2-d (M, K), got shape {tuple(x.shape)}")
+    if norm_weight is not None and activation != NO_GATE:
+        raise ValueError(f"{NAME}: norm_weight and gated are mutually exclusive (the norm "
+                         f"prologue normalises x, the gated one reads x as [gate | up]); got "
+                         f"both, with gated={_GATED_NAMES[activation]!r}")
+    n_in = x.shape[1]
+    if activation != NO_GATE:
+        if n_in % 2:
+            raise ValueError(f"{NAME}: with gated={_GATED_NAMES[activation]!r}, x must be "
+                             f"(M, 2I) = [gate | up], an even last dim; got shape "
+                             f"{tuple(x.shape)}")
+        n_in //= 2
+    if weight.dim() != 2 or weight.shape[1] != n_in:
+        what = "x.shape[1] // 2" if activation != NO_GATE else "x.shape[1]"
+        raise ValueError(f"{NAME}: weight must be (N, K) with K = {what} = {n_in}, got shape "
+                         f"{tuple(weight.shape)}")
+    n_out = weight.shape[0]
+    if norm_weight is not None and norm_weight.shape != (n_in,):
+        raise ValueError(f"{NAME}: norm_weight must be ({n_in},) to match x's last dim, got "
+                         f"shape {tuple(norm_weight.shape)}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"{NAME}: bias must be ({n_out},) to match weight's rows, got shape "
+                         f"{tuple(bias.shape)}")
+    if residual is not None and residual.shape != (x.shape[0], n_out):
+        raise ValueError(f"{NAME}: residual must be (M, N) = ({x.shape[0]}, {n_out}) like the "
+                         f"output, got shape {tuple(residual.shape)}")
+    for arg, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{NAME}: {arg}'s last dim must be contiguous (stride 1), got "
+                             f"strides {t.stride()}")
+
+
+def _decode_gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                      eps: float, weight_offset: float, activation: int) -> torch.Tensor:
+    """The kernel where it takes the call; torch (``_torch_forward``) elsewhere."""
+    if _kernel_takes(x, weight, bias, residual, norm_weight):
+        return _launch(x, weight, bias, residual, norm_weight, eps, weight_offset, activation)
+    return _torch_forward(x, weight, bias, residual, norm_weight, eps, weight_offset, activation)
+
+
+_CALLS = runtime.CallPlans("decode_gemv")
+
+
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, weight_offset: float = 0.0,
+                gated: str | None = None) -> torch.Tensor:
+    """``residual + F.linear(prologue(x), weight, bias)`` in one kernel, for decode's few rows.
+
+    The prologue is none, RMSNorm (``norm_weight``: ``x * rsqrt(mean(x**2, -1) + eps) *
+    (norm_weight + weight_offset)``) or a gate (``gated``: ``act(x[:, :I]) * x[:, I:]``), computed
+    in fp32 and rounded to x's dtype before the products; products and epilogue in fp32, one
+    rounding of the output. Up to 16 rows run one Triton kernel that reads the weight once;
+    more rows are computed by torch (the prologue, torch.matmul, the epilogue). Differentiable
+    in every tensor argument (the backward uses torch).
+
+    Args:
+        x: (M, K) floating tensor, or (M, 2I) = [gate | up] with ``gated`` (then K = I); unit
+            last stride, any row stride. The kernel takes fp16, bf16 and fp32 on the kernel
+            device; other dtypes and devices are computed by torch, in fp32 (fp64 for fp64).
+        weight: (N, K), as ``nn.Linear.weight``; x's dtype and device, unit last stride.
+        bias: (N,) or None; x's dtype and device.
+        residual: (M, N) or None, added last; x's dtype and device, unit last stride.
+        norm_weight: (K,) RMSNorm weight g, or None (no norm); x's dtype and device.
+        eps: added to mean(x**2) before the square root; a float or 0-d tensor.
+        weight_offset: added to norm_weight (in fp32) before it scales: 1.0 for Gemma's
+            ``(1 + g)``; needs a norm_weight.
+        gated: None, or the gate's activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` or
+            ``"gelu_erf"`` (GeGLU, F.gelu's tanh and erf forms). Not with norm_weight.
+
+    Returns:
+        (M, N) contiguous tensor of x's dtype.
+
+    Raises:
+        TypeError: a tensor argument that is not a floating-point tensor, eps or weight_offset
+            not a real number, gated not a string.
+        ValueError: x not 2-d, shapes that do not agree as above, another dtype or device than
+            x's, a last dim with a stride other than 1, an unknown gated, gated and norm_weight
+            together, or weight_offset without norm_weight.
+    """
+    activation = _activation_code(gated)
+    eps = checks.as_float(NAME, "eps", eps)
+    weight_offset = checks.as_float(NAME, "weight_offset", weight_offset)
+    # a decided signature replays: the checks and the choice cost more host time than a
+    # decode step's GEMV takes on the GPU. More than 16 rows are a kept route to torch
+    args = (x, weight, bias, residual, norm_weight, eps, weight_offset, activation)
+    key, planned = _CALLS.replayed(*args)
+    if planned is not None:
+        return planned
+    _check(x, weight, bias, residual, norm_weight, activation)
+    if norm_weight is None and weight_offset != 0.0:
+        raise ValueError(f"{NAME}: weight_offset scales by (norm_weight + weight_offset) and "
+                         f"needs a norm_weight; got norm_weight=None with "
+                         f"weight_offset={weight_offset}")
+    if runtime.wants_custom_op(x, weight, bias, residual, norm_weight):
+        return _decode_gemv_op(*args)
+    if key is None:
+        return _decode_gemv_impl(*args)
+    if not _kernel_takes(x, weight, bias, residual, norm_weight):
+        if x.shape[0] > MAX_ROWS:
+            _CALLS.keep(key, _torch_forward)
+        return _torch_forward(*args)
+    return _CALLS.plan(key, args, lambda: _launch(*args))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, residual, norm_weight, eps, weight_offset, activation = inputs
+    ctx.eps, ctx.weight_offset, ctx.activation = eps, weight_offset, activation
+    ctx.has_residual = residual is not None
+    ctx.save_for_backward(x, weight, bias, norm_weight)
+
+
+def _grad(ctx, grad_out, ops):
+    """Gradients by the chain rule in fp32 (float64 stays float64), the prologue's a
+    recomputed (unrounded): d_residual = dy, db = sum_m dy, dW = dy.T a, da = dy W; then the
+    prologue's: norm: dg = sum_m da * x_hat, dx = r * (da g' - x_hat * mean(da g' * x_hat))
+    with x_hat = x r and g' = g + weight_offset; gated: ops.silu's gated backward; none:
+    dx = da."""
+    x, weight, bias, norm_weight = ctx.saved_tensors
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dy, x_work, w_work = grad_out.to(work), x.to(work), weight.to(work)
+    d_norm_weight = None
+    if norm_weight is not None:
+        rstd = torch.rsqrt(x_work.pow(2).mean(dim=-1, keepdim=True) + ctx.eps)
+        x_hat = x_work * rstd
+        scale = norm_weight.to(work) + ctx.weight_offset
+        activations = x_hat * scale
+    else:
+        activations = _prologue(x_work, None, 0.0, 0.0, _GATED_NAMES.get(ctx.activation))
+    d_weight = dy.t() @ activations
+    d_activations = dy @ w_work
+    if norm_weight is not None:
+        d_norm_weight = (d_activations * x_hat).sum(0).to(norm_weight.dtype)
+        d_x_hat = d_activations * scale
+        dx = rstd * (d_x_hat - x_hat * (d_x_hat * x_hat).mean(dim=-1, keepdim=True))
+    elif ctx.activation == SILU:
+        dx = silu_ops.silu_and_mul_backward_reference(d_activations, x_work)
+    elif ctx.activation != NO_GATE:
+        dx = silu_ops.gelu_and_mul_backward_reference(
+            d_activations, x_work, "tanh" if ctx.activation == GELU_TANH else "none")
+    else:
+        dx = d_activations
+    return (dx.to(x.dtype), d_weight.to(weight.dtype),
+            dy.sum(0).to(bias.dtype) if bias is not None else None,
+            grad_out.clone() if ctx.has_residual else None, d_norm_weight, None, None, None)
+
+
+# torch arithmetic all the way: the backward is itself differentiable
+_decode_gemv_op = runtime.CustomOp(
+    "decode_gemv", _decode_gemv_impl,
+    fake=lambda x, weight, bias, residual, norm_weight, eps, weight_offset, activation:
+        x.new_empty((x.shape[0], weight.shape[0])),
+    setup_context=_setup, backward=_grad, differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Self-check for `python -m gemslib`
+# --------------------------------------------------------------------------------------------
+
+
+def _check_inputs(device, dtype, rows):
+    """x (M, K) with M = min(rows, 16) (a decode step's rows), its norm weight, W (N, K) and a
+    residual (M, N): small at the check's size, a Llama-3-8B gate/up projection (K 4096,
+    N 28672) at the timing size."""
+    n_in, n_out = (4096, 28672) if rows >= 1024 else (256, 200)
+    rows = min(rows, MAX_ROWS)
+    return (torch.randn(rows, n_in, device=device, dtype=dtype),
+            torch.randn(n_in, device=device, dtype=dtype),
+            torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5,
+            torch.randn(rows, n_out, device=device, dtype=dtype))
+
+
+def _term_scale(x, norm_weight, weight, residual):
+    """The size of the sums: |rms_norm(x)| @ |W|.T + |residual|."""
+    x, norm_weight, weight, residual = (t.double() for t in (x, norm_weight, weight, residual))
+    normed = _prologue(x, norm_weight, 1e-6, 0.0, None)
+    return (normed.abs() @ weight.abs().t() + residual.abs()).max().item()
+
+
+SELF_CHECKS = (
+    SelfCheck("decode_gemv",
+              _check_inputs,
+              run=lambda x, g, w, r: decode_gemv(x, w, residual=r, norm_weight=g),
+              reference=lambda x, g, w, r: decode_gemv_reference(x, w, residual=r,
+                                                                 norm_weight=g),
+              torch_peer=lambda x, g, w, r: r + F.linear(
+                  F.rms_norm(x, (x.shape[-1],), g, 1e-6), w),
+              # bf16 tl.dot is wrong in Triton 3.6's interpreter
+              dtypes=(torch.float16, torch.float32) if runtime.INTERPRETER else
+              (torch.float16, torch.bfloat16, torch.float32),
+              term_scale=_term_scale),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning (python -m gemslib.tune): candidates, and a problem per bucket
+# --------------------------------------------------------------------------------------------
+
+def _tune_problem(rows: int, n_out: int, n_in: int, prologue: str,
+                  dtype: torch.dtype = torch.bfloat16):
+    """One projection of a decode step: ``"gated"`` the down projection (x = [gate | up],
+    with the residual), ``"norm"`` a merged gate/up projection, ``"plain"`` the o projection
+    (with the residual)."""
+    def make(device):
+        width = 2 * n_in if prologue == "gated" else n_in
+        x = torch.randn(rows, width, device=device, dtype=dtype)
+        weight = torch.randn(n_out, n_in, device=device, dtype=dtype) * n_in ** -0.5
+        norm_weight = torch.randn(n_in, device=device, dtype=dtype) \
+            if prologue == "norm" else None
+        residual = torch.randn(rows, n_out, device=device, dtype=dtype) \
+            if prologue != "norm" else None
+        gated = "silu" if prologue == "gated" else None
+
+        def run():
+            return decode_gemv(x, weight, residual=residual, norm_weight=norm_weight,
+                               gated=gated)
+        return run
+    return make
+
+
+TUNING = (
+    TuneSpace(
+        DECODE_GEMV,
+        # column tiles of 16-64 W rows, K steps of 128-512, K split over up to 8 programs; GEMV
+        # (one row by multiply-and-sum, or the 16-row tl.dot tile) matters at one row only
+        tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": gemv, "num_warps": w,
+               "num_stages": 3}
+              for n, k in ((32, 256), (16, 256), (64, 128), (32, 512), (64, 256))
+              for split in (1, 2, 4, 8) for gemv in (1, 0) for w in (4, 8)),
+        # by rows (one, or up to 16) and width: the narrow projections (N 2048, 4096: the o and
+        # down projections) have few column tiles and want more of K split
+        (TuneBucket({"rows": 1, "n": 2048, "elem_bytes": 2}, "M1 N2048 K8192 gated",
+                    _tune_problem(1, 2048, 8192, "gated")),
+         TuneBucket({"rows": 1, "n": 4096, "elem_bytes": 2}, "M1 N4096 K14336 gated",
+                    _tune_problem(1, 4096, 14336, "gated")),
+         TuneBucket({"rows": 1, "elem_bytes": 2}, "M1 N28672 K4096 norm",
+                    _tune_problem(1, 28672, 4096, "norm")),
+         TuneBucket({"rows": 16, "n": 2048, "elem_bytes": 2}, "M16 N2048 K8192 gated",
+                    _tune_problem(16, 2048, 8192, "gated")),
+         TuneBucket({"rows": 16, "n": 4096, "elem_bytes": 2}, "M16 N4096 K14336 gated",
+                    _tune_problem(16, 4096, 14336, "gated")),
+         TuneBucket({"rows": 16, "elem_bytes": 2}, "M16 N28672 K4096 norm",
+                    _tune_problem(16, 28672, 4096, "norm")),
+         # fp32 (twice the bytes a weight): a smaller problem
+         TuneBucket(None, "M16 N4096 K4096 fp32",
+                    _tune_problem(16, 4096, 4096, "plain", dtype=torch.float32)))),
+)
