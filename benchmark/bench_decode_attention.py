@@ -1,4 +1,5 @@
-"""decode_attention (bf16) against SDPA with one query row per sequence.
+"""decode_attention (bf16) against SDPA with one query row per sequence and FlashInfer's batch
+decode (each sequence's cache one page of its paged-KV layout, HND: the same tensors).
 
     python -m benchmark --ops decode_attention
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import gemslib
-from benchmark.harness import Case, outputs_close
+from benchmark.harness import Case, optional_peer, outputs_close
 from gemslib.fused import decode_attention as decode_ops
 
 # the Case names cases() yields (python -m benchmark --ops selects among them)
@@ -32,7 +33,32 @@ DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
 FAMILY_DECODE = [(16, 8192, 32, 8, 64), (16, 8192, 32, 32, 96), (16, 8192, 16, 16, 256)]
 
 
+def _flashinfer_decode(flashinfer, q, k_cache, v_cache, visible: int | None = None):
+    """FlashInfer's batch decode over gemslib's caches as they are: (B, Hkv, L, D) is its HND
+    paged layout with one page of L positions per sequence, ``visible`` of them used (all by
+    default). Planned once here, as an engine plans once per step."""
+    try:
+        return _planned_flashinfer_decode(flashinfer, q, k_cache, v_cache, visible)
+    except Exception as err:  # a shape it does not build for: reported as the peer's failure
+        def failed(err=err):
+            raise err
+        return failed
+
+
+def _planned_flashinfer_decode(flashinfer, q, k_cache, v_cache, visible):
+    batch, kv_heads, cache_len, dim = k_cache.shape
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
+    pages = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    last_page_len = torch.full((batch,), visible or cache_len, dtype=torch.int32,
+                               device=q.device)
+    wrapper.plan(pages, pages[:-1], last_page_len, q.shape[1], kv_heads, dim, cache_len,
+                 pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+    return lambda: wrapper.run(q, (k_cache, v_cache))
+
+
 def cases(quick: bool = False, backward: bool = False):
+    flashinfer = optional_peer("flashinfer")
     shapes = [(batch, cache_len, DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM)
               for batch, cache_len in QUICK_DECODE + ([] if quick else EXTRA_DECODE)]
     for batch, cache_len, heads, kv_heads, dim in shapes + ([] if quick else FAMILY_DECODE):
@@ -42,6 +68,8 @@ def cases(quick: bool = False, backward: bool = False):
         impls = {"gemslib": lambda: gemslib.decode_attention(q, k_cache, v_cache),
                  "SDPA default": lambda: F.scaled_dot_product_attention(
                      q[:, :, None], k_cache, v_cache, enable_gqa=True)}
+        if flashinfer:
+            impls["FlashInfer"] = _flashinfer_decode(flashinfer, q, k_cache, v_cache)
         bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
         yield Case("decode_attention", f"B{batch} Hq{heads} Hk{kv_heads} L{cache_len} D{dim}",
                    "bf16", bytes_moved, impls,
@@ -51,12 +79,13 @@ def cases(quick: bool = False, backward: bool = False):
                            q.float(), k_cache.float(), v_cache.float())))
         del q, k_cache, v_cache
     for batch, cache_len, visible in STATIC_CACHE_DECODE:
-        yield _static_cache_case(batch, cache_len, visible)
+        yield _static_cache_case(batch, cache_len, visible, flashinfer)
 
 
-def _static_cache_case(batch: int, cache_len: int, visible: int) -> Case:
+def _static_cache_case(batch: int, cache_len: int, visible: int, flashinfer=None) -> Case:
     """decode_attention as the graph pass runs a static cache's step (lengths and the mask),
-    beside it with only one of them, and SDPA under the mask (what inductor runs)."""
+    beside it with only one of them, SDPA under the mask (what inductor runs) and FlashInfer
+    over the visible prefix of each sequence's page."""
     q = torch.randn(batch, DECODE_HEADS, DECODE_DIM, device="cuda", dtype=DTYPE)
     k_cache, v_cache = (torch.randn(batch, DECODE_KV_HEADS, cache_len, DECODE_DIM,
                                     device="cuda", dtype=DTYPE) for _ in range(2))
@@ -71,6 +100,8 @@ def _static_cache_case(batch: int, cache_len: int, visible: int) -> Case:
              "SDPA default": lambda: F.scaled_dot_product_attention(
                  q[:, :, None], k_cache, v_cache, attn_mask=key_mask[:, None, None],
                  enable_gqa=True)}
+    if flashinfer:
+        impls["FlashInfer"] = _flashinfer_decode(flashinfer, q, k_cache, v_cache, visible)
     bytes_moved = 2 * batch * DECODE_KV_HEADS * visible * DECODE_DIM * k_cache.element_size()
     return Case("decode_attention", f"B{batch} Hq{DECODE_HEADS} Hk{DECODE_KV_HEADS} "
                 f"L{cache_len} D{DECODE_DIM}, {visible} visible", "bf16", bytes_moved, impls,

@@ -1,6 +1,7 @@
-"""apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems;
-rotary_qk_norm (Qwen3's per-head q/k RMSNorm and the rotary in one launch) against the same
-computed as a model writes it (eager, torch.compile) and Liger-Kernel's RMSNorm and rotary.
+"""apply_rotary (bf16, NeoX layout) against torch eager, torch.compile, Liger-Kernel, FlagGems,
+FlashInfer (``apply_rope_with_cos_sin_cache``); rotary_qk_norm (Qwen3's per-head q/k RMSNorm and
+the rotary in one launch) against the same computed as a model writes it (eager,
+torch.compile), Liger-Kernel's and FlashInfer's RMSNorm and rotary.
 
     python -m benchmark --ops rotary rotary_qk_norm [--forward-only]
 
@@ -48,8 +49,20 @@ def _eager_rotary_qk_norm(q, k, q_weight, k_weight, cos_full, sin_full):
                          sin_full)
 
 
+def _flashinfer_rotary(flashinfer, batch, seq, head_dim, angles):
+    """FlashInfer's rotary as its API takes it, its inputs made once here: tokens flattened to
+    (B*S, H*D), a position per token, and one fp32 (S, D) table of cos | sin (the table it
+    requires; gemslib's is bf16 cos and sin of (S, D/2) each). Returns rotate(q, k) for
+    (B, S, H, D) q and k."""
+    table = torch.cat([angles.cos(), angles.sin()], -1).float().contiguous()
+    positions = torch.arange(seq, device=angles.device).repeat(batch)
+    return lambda q, k: flashinfer.rope.apply_rope_with_cos_sin_cache(
+        positions, q.reshape(batch * seq, -1), k.reshape(batch * seq, -1), head_dim, table,
+        True)
+
+
 def _qk_norm_cases(q, k, cos, sin, cos_full, sin_full, shape, bytes_moved, liger_rope,
-                   liger_norm):
+                   liger_norm, flashinfer=None, angles=None):
     """rotary_qk_norm at one shape (q, k (B, S, H, D); cos, sin (S, D/2) and full width)."""
     head_dim = q.shape[-1]
     q_weight, k_weight = (torch.rand(head_dim, device=q.device, dtype=DTYPE) + 0.5
@@ -68,6 +81,14 @@ def _qk_norm_cases(q, k, cos, sin, cos_full, sin_full, shape, bytes_moved, liger
                 q_normed.transpose(1, 2), k_normed.transpose(1, 2), cos_full[None],
                 sin_full[None])
         impls["Liger-Kernel"] = liger
+    if flashinfer:  # three launches: its RMSNorm over q's heads, over k's, then its rotary
+        rotate = _flashinfer_rotary(flashinfer, q.shape[0], q.shape[1], head_dim, angles)
+
+        def flashinfer_norm_rope():
+            q_normed = flashinfer.norm.rmsnorm(q.reshape(-1, head_dim), q_weight, EPS)
+            k_normed = flashinfer.norm.rmsnorm(k.reshape(-1, head_dim), k_weight, EPS)
+            return rotate(q_normed, k_normed)
+        impls["FlashInfer"] = flashinfer_norm_rope
     return Case("rotary_qk_norm", shape, "bf16", bytes_moved, impls,
                 outputs_agree=outputs_close(
                     lambda: fused(q, k, cos, sin, None, False, q_weight, k_weight, EPS)[0],
@@ -87,6 +108,7 @@ def cases(quick: bool = False, backward: bool = False):
     flag_gems = optional_peer("flag_gems")
     liger = optional_peer("liger_kernel.ops.rope")
     liger_norm = optional_peer("liger_kernel.ops.rms_norm")
+    flashinfer = optional_peer("flashinfer")
     size = torch.finfo(DTYPE).bits // 8
     for batch, seq, q_heads, kv_heads, head_dim in QUICK_SHAPES + ([] if quick else EXTRA_SHAPES):
         q = torch.randn(batch, seq, q_heads, head_dim, device="cuda", dtype=DTYPE)
@@ -106,6 +128,9 @@ def cases(quick: bool = False, backward: bool = False):
                 q.transpose(1, 2), k.transpose(1, 2), cos_full[None], sin_full[None])
         if flag_gems:
             impls["FlagGems"] = lambda: flag_gems.apply_rotary_pos_emb(q, k, cos, sin)
+        if flashinfer:
+            rotate = _flashinfer_rotary(flashinfer, batch, seq, head_dim, angles)
+            impls["FlashInfer"] = lambda: rotate(q, k)
         bytes_moved = 2 * (q.numel() + k.numel()) * size
         yield Case("rotary", shape, "bf16", bytes_moved, impls,
                    outputs_agree=outputs_close(
@@ -120,7 +145,7 @@ def cases(quick: bool = False, backward: bool = False):
                          q, k)}
             yield Case("rotary_backward", shape, "bf16", bytes_moved, impls)
         yield _qk_norm_cases(q, k, cos, sin, cos_full, sin_full, shape, bytes_moved, liger,
-                             liger_norm)
+                             liger_norm, flashinfer, angles)
         del q, k
 
 
