@@ -227,3 +227,27 @@ def only_live_user(node: torch.fx.Node) -> torch.fx.Node | None:
     """The one live user of ``node`` (see :func:`live_users`), or None."""
     users = live_users(node)
     return users[0] if len(users) == 1 else None
+
+
+def projection(mm: torch.fx.Node):
+    """(x 2-d node, its source, W placeholder, b placeholder or None) when ``mm`` is a linear
+    layer as inductor's post-grad graph holds it: ``mm(x, permute(W, [1, 0]))`` or
+    ``addmm(b, x, permute(W, [1, 0]))`` (beta = alpha = 1), with W (N, K) and b (N,) graph
+    inputs, x either a graph value or its ``reshape`` to (M, K)."""
+    if mm.target is _aten.mm.default and len(mm.args) == 2 and not mm.kwargs:
+        bias, x2d, weight_t = None, *mm.args
+    elif mm.target is _aten.addmm.default and len(mm.args) == 3 and not mm.kwargs:
+        bias, x2d, weight_t = mm.args
+        if not (isinstance(bias, torch.fx.Node) and bias.op == "placeholder"):
+            return None
+    else:
+        return None
+    if not (isinstance(weight_t, torch.fx.Node) and weight_t.target is _aten.permute.default
+            and list(weight_t.args[1]) == [1, 0]
+            and isinstance(weight_t.args[0], torch.fx.Node)
+            and weight_t.args[0].op == "placeholder"):
+        return None
+    source = x2d
+    if x2d.target in (_aten.reshape.default, _aten.view.default):
+        source = x2d.args[0]
+    return x2d, source, weight_t.args[0], bias

@@ -16,7 +16,8 @@ from gemslib.fused import rms_norm_linear_silu as _rms_norm_linear_silu_ops  # n
 from gemslib.fused import rms_norm_swiglu as _rms_norm_swiglu_ops  # noqa: F401  (linear_*glu)
 from gemslib.fused.merged_linear import MERGED_ROWS, end_to_end
 from gemslib.passes.base import GraphRewrite, in_flight
-from gemslib.passes.forms import call_node, live_users, replace_if, silu_source
+from gemslib.passes.forms import (call_node, live_users, projection, replace_if,
+                                  silu_source)
 
 try:  # the fused path's verdict on a site comes from its Hopper path (Gluon, Triton >= 3.4)
     from gemslib.fused import _rms_norm_linear_silu_hopper
@@ -43,30 +44,6 @@ def _was_merged(t: torch.Tensor) -> bool:
 def _remember_merged(t: torch.Tensor) -> None:
     key = id(t)
     _merged[key] = weakref.ref(t, lambda _, key=key: _merged.pop(key, None))
-
-
-def _projection(mm: torch.fx.Node):
-    """(x 2-d node, its source, W placeholder, b placeholder or None) when ``mm`` is a linear
-    layer as inductor's post-grad graph holds it: ``mm(x, permute(W, [1, 0]))`` or
-    ``addmm(b, x, permute(W, [1, 0]))`` (beta = alpha = 1), with W (N, K) and b (N,) graph
-    inputs, x either a graph value or its ``reshape`` to (M, K)."""
-    if mm.target is _aten.mm.default and len(mm.args) == 2 and not mm.kwargs:
-        bias, x2d, weight_t = None, *mm.args
-    elif mm.target is _aten.addmm.default and len(mm.args) == 3 and not mm.kwargs:
-        bias, x2d, weight_t = mm.args
-        if not (isinstance(bias, torch.fx.Node) and bias.op == "placeholder"):
-            return None
-    else:
-        return None
-    if not (isinstance(weight_t, torch.fx.Node) and weight_t.target is _aten.permute.default
-            and list(weight_t.args[1]) == [1, 0]
-            and isinstance(weight_t.args[0], torch.fx.Node)
-            and weight_t.args[0].op == "placeholder"):
-        return None
-    source = x2d
-    if x2d.target in (_aten.reshape.default, _aten.view.default):
-        source = x2d.args[0]
-    return x2d, source, weight_t.args[0], bias
 
 
 def _site_key(x2d: torch.fx.Node, source: torch.fx.Node, weight, bias):
@@ -133,7 +110,7 @@ def _merge_projections(graph: torch.fx.Graph, real_value) -> list[str]:
     groups = defaultdict(list)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in (_aten.mm.default, _aten.addmm.default):
-            found = _projection(node)
+            found = projection(node)
             if found is not None:
                 groups[_site_key(*found[:2], *found[2:])].append((node, *found))
     sites = []
@@ -235,7 +212,7 @@ def _fuse_one_gate_up_weight(graph: torch.fx.Graph, act: torch.fx.Node, source: 
     halves (views: one GEMM over the parameter as it lies); the site's name, or None."""
     mm = source.args[0] if source.target in (_aten.reshape.default, _aten.view.default) \
         else source
-    found = _projection(mm) if isinstance(mm, torch.fx.Node) else None
+    found = projection(mm) if isinstance(mm, torch.fx.Node) else None
     if found is None:
         return None
     x2d, x, weight, bias = found
@@ -289,7 +266,7 @@ def _fuse_rms_norm_linear_silu(graph: torch.fx.Graph, real_value) -> list[str]:
             continue
         mm = source.args[0] if source.target in (torch.ops.aten.reshape.default,
                                                  torch.ops.aten.view.default) else source
-        found = _projection(mm) if isinstance(mm, torch.fx.Node) else None
+        found = projection(mm) if isinstance(mm, torch.fx.Node) else None
         if found is None:
             continue
         x2d, normed, weight, bias = found
