@@ -41,11 +41,18 @@ kernel). Not fp32 atomic adds into a zeroed buffer: the sum would depend on the 
 call plan replays the launch alone. The partials cost a write and a read of M x N fp32 per
 split, in L2 (16 x 2048 x 4 splits x 4 B = 0.5 MB against 8 MB of weights).
 
-The file reads top-down: kernel, launcher, reference, public function and custom op,
+``torch.ops.gemslib.decode_gemv_merged`` is the op over a list of weights (and biases), as
+merged_linear takes them: the graph rewrite (``gemslib.passes.decode``) puts it where a decode
+step's projections of one input were merged. It computes over one view of them where they lie
+end to end (merged_linear's parameters, merged once at compile time), else over a copy.
+
+The file reads top-down: kernel, launcher, reference, public function and custom ops,
 self-check, tuning.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +61,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from gemslib import checks, runtime
+from gemslib.fused.merged_linear import end_to_end
 from gemslib.ops import silu as silu_ops
 from gemslib.ops.silu import GELU_ERF, GELU_TANH, SILU, _gate_activation
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
@@ -337,10 +345,17 @@ def _check(x, weight, bias, residual, norm_weight, activation: int) -> None:
 def _decode_gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
                       eps: float, weight_offset: float, activation: int) -> torch.Tensor:
-    """The kernel where it takes the call; torch (``_torch_forward``) elsewhere."""
-    if _kernel_takes(x, weight, bias, residual, norm_weight):
+    """The kernel where it takes the call; torch (``_torch_forward``) elsewhere: also where a
+    compiled graph hands the op a last dim that is not contiguous (the public function refuses
+    one; a graph's layouts are inductor's choice)."""
+    if _kernel_takes(x, weight, bias, residual, norm_weight) and \
+            _unit_last_strides(x, weight, residual):
         return _launch(x, weight, bias, residual, norm_weight, eps, weight_offset, activation)
     return _torch_forward(x, weight, bias, residual, norm_weight, eps, weight_offset, activation)
+
+
+def _unit_last_strides(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or t.shape[-1] <= 1 or t.stride(-1) == 1 for t in tensors)
 
 
 _CALLS = runtime.CallPlans("decode_gemv")
@@ -456,6 +471,50 @@ _decode_gemv_op = runtime.CustomOp(
     fake=lambda x, weight, bias, residual, norm_weight, eps, weight_offset, activation:
         x.new_empty((x.shape[0], weight.shape[0])),
     setup_context=_setup, backward=_grad, differentiable_backward=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Over merged_linear's weights: the op the graph rewrite (gemslib.passes.decode) puts where a
+# decode step's projections of one input were merged
+# --------------------------------------------------------------------------------------------
+
+
+def merged_weights(weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W, b): ``weights`` (N_i, K) as one (sum_i N_i, K) weight and ``biases`` (one per
+    weight, each (N_i,) or None) as one bias or None, as merged_linear computes them: a view
+    where they lie end to end (the parameters merged_linear's rewrite merged at compile time),
+    else a copy (a parameter replaced since: correct, and a copy of the weights every call); a
+    missing bias beside others is zeros."""
+    weight = end_to_end(weights)
+    if weight is None:
+        weight = torch.cat(weights)
+    if all(b is None for b in biases):
+        return weight, None
+    bias = end_to_end(biases) if all(b is not None for b in biases) else None
+    if bias is None:
+        bias = torch.cat([torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None
+                          else b for w, b in zip(weights, biases)])
+    return weight, bias
+
+
+def _decode_gemv_merged_impl(x: torch.Tensor, weights: list[torch.Tensor],
+                             biases: list[Optional[torch.Tensor]],
+                             residual: Optional[torch.Tensor], norm_weight: Optional[torch.Tensor],
+                             eps: float, weight_offset: float, activation: int) -> torch.Tensor:
+    """decode_gemv over the weights ``weights`` concatenated (biases: one per weight, each a
+    tensor or None; see :func:`merged_weights`): out (M, sum_i N_i), whose column block i is
+    the projection by weights[i], as merged_linear's output is."""
+    weight, bias = merged_weights(weights, biases)
+    return _decode_gemv_impl(x, weight, bias, residual, norm_weight, eps, weight_offset,
+                             activation)
+
+
+# no autograd: only the graph passes put it in a graph, after autograd has been split off
+_decode_gemv_merged_op = runtime.CustomOp(
+    "decode_gemv_merged", _decode_gemv_merged_impl,
+    fake=lambda x, weights, biases, residual, norm_weight, eps, weight_offset, activation:
+        x.new_empty((x.shape[0], sum(w.shape[0] for w in weights))))
 
 
 # --------------------------------------------------------------------------------------------

@@ -349,3 +349,51 @@ def test_bad_inputs_name_the_argument(prologue, change, error, match):
     change(inputs)
     with pytest.raises(error, match=match):
         _call(inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# decode_gemv_merged: over merged_linear's weights (what the decode graph rewrite calls)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["end to end", "apart", "one bias missing"])
+@pytest.mark.parametrize("prologue", ["norm", "norm+1", "none"])
+def test_over_merged_weights_is_over_their_concatenation(prologue, layout):
+    """decode_gemv_merged computes decode_gemv over the weights (and biases) concatenated: a
+    view of them where they lie end to end in one buffer (merged_linear's parameters), else
+    a copy; a missing bias beside others adds nothing to its columns."""
+    widths = (40, 24, 24)
+    inputs = _inputs(3, torch.float32, prologue, "bias+residual", n_out=sum(widths), n_in=N_IN)
+    weights = list(inputs["weight"].split(widths))
+    biases = list(inputs["bias"].split(widths))
+    if layout == "apart":
+        weights, biases = [w.clone() for w in weights], [b.clone() for b in biases]
+    if layout == "one bias missing":
+        biases[1] = None
+        inputs["bias"] = torch.cat([biases[0], torch.zeros(widths[1], device=biases[0].device),
+                                    biases[2]])
+    merged, _ = gemv_ops.merged_weights(weights, biases)
+    assert (merged.data_ptr() == inputs["weight"].data_ptr()) == (layout != "apart")
+    out = torch.ops.gemslib.decode_gemv_merged(
+        inputs["x"], weights, biases, inputs["residual"], inputs["norm_weight"], 1e-6,
+        inputs["weight_offset"], gemv_ops.NO_GATE)
+    _assert_close(out, inputs)
+
+
+def test_over_merged_weights_passes_opcheck():
+    inputs = _inputs(2, torch.float32, "norm", "residual", n_out=20, n_in=24)
+    weights = list(inputs["weight"].split([12, 8]))
+    opcheck_overloads(torch.ops.gemslib.decode_gemv_merged,
+                      (inputs["x"], weights, [None, None], inputs["residual"],
+                       inputs["norm_weight"], 1e-6, 0.0, gemv_ops.NO_GATE),
+                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_a_last_dim_that_is_not_contiguous_in_a_graph_goes_to_torch():
+    """The op (what a compiled graph calls, with the layouts inductor chose) computes a call
+    whose x has a strided last dim by torch, right, where the public function refuses it."""
+    inputs = _inputs(3, torch.float32, "norm", "residual", n_out=20, n_in=24)
+    x = inputs["x"].t().contiguous().t()
+    out = torch.ops.gemslib.decode_gemv(x, inputs["weight"], None, inputs["residual"],
+                                        inputs["norm_weight"], 1e-6, 0.0, gemv_ops.NO_GATE)
+    _assert_close(out, {**inputs, "bias": None})
