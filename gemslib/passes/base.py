@@ -51,12 +51,15 @@ class GraphRewrite:
     input (a parameter), or None where it is not known; a rewrite that needs one must leave the
     site alone without it. Rewrites run before the patterns, repeatedly until none fuses
     anything more, so one may build on another's output; ``after_patterns`` ones run after
-    the patterns instead (they read the patterns' gemslib nodes, e.g. an rms_norm).
+    the patterns instead (they read the patterns' gemslib nodes, e.g. an rms_norm). Within
+    its phase, a rewrite of a higher ``stage`` runs once those of the lower stages have fused
+    all they can (it reads what they make, or must not take their sites from them).
     """
 
     fusion: str  # the name fusion_report() counts it under, and its option's
     rewrite: Callable[[Any, Callable[[Any], Any]], Sequence[str]]
     after_patterns: bool = False
+    stage: int = 0
 
 
 def rows_and_cols(value: Any) -> dict[str, int] | None:

@@ -85,8 +85,11 @@ def _rewrites() -> list[GraphRewrite]:
 
 
 OPTION_PREFIX = "gemslib."
-# a fusion's default where the environment gives one: a way out without code
-_ENVIRONMENT_DEFAULTS = {"rotary_into_cache": "GEMSLIB_ROTARY_INTO_CACHE"}
+# a fusion whose default the environment gives: (the variable, the default where it is not
+# set): a way in or out without code. Every other fusion is on.
+_ENVIRONMENT_DEFAULTS = {
+    "rotary_into_cache": ("GEMSLIB_ROTARY_INTO_CACHE", True),
+}
 
 
 def fusion_names() -> tuple[str, ...]:
@@ -94,15 +97,23 @@ def fusion_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([p.fusion for p in _patterns()] + [r.fusion for r in _rewrites()]))
 
 
-def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
-    """{fusion: on} from ``options`` (``{"gemslib.<fusion>": bool}``), every fusion not named
-    taking its default: on, or for rotary_into_cache its environment variable (read now).
-    An unknown ``gemslib.*`` key, or a value that is not a bool, is a ValueError."""
+def fusion_default(name: str) -> bool:
+    """Whether fusion ``name`` is on where no option names it: its environment variable's
+    value where it has one and it is set (read now), else its default (on, but for the
+    fusions :data:`_ENVIRONMENT_DEFAULTS` gives another)."""
     from gemslib import runtime
 
+    variable, default = _ENVIRONMENT_DEFAULTS.get(name, (None, True))
+    return default if variable is None else runtime.env_flag(variable, default=default)
+
+
+def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
+    """{fusion: on} from ``options`` (``{"gemslib.<fusion>": bool}``), every fusion not named
+    taking its default (:func:`fusion_default`: on, or for rotary_into_cache its environment
+    variable, read now, else on). An unknown ``gemslib.*`` key, or a
+    value that is not a bool, is a ValueError."""
     known = fusion_names()
-    chosen = {name: runtime.env_flag(_ENVIRONMENT_DEFAULTS[name], default=True)
-              if name in _ENVIRONMENT_DEFAULTS else True for name in known}
+    chosen = {name: fusion_default(name) for name in known}
     for key, value in (options or {}).items():
         name = key[len(OPTION_PREFIX):] if key.startswith(OPTION_PREFIX) else None
         if name not in chosen:
@@ -266,19 +277,23 @@ def _tensor_leaves(values):
 
 def _apply_rewrites(graph: torch.fx.Graph, fusions: frozenset[str],
                     after_patterns: bool = False) -> int:
+    """The rewrites of one phase (before or after the patterns) whose fusions are on, stage by
+    stage: each stage's in rounds until none of them fuses anything more."""
     rewrites = [r for r in _rewrites()
                 if r.after_patterns == after_patterns and r.fusion in fusions]
     real_value, fused = _real_values(graph), 0
-    for _ in range(8):  # each round may enable another rewrite's site; a few suffice
-        round_fused = 0
-        for rewrite in rewrites:
-            for site in rewrite.rewrite(graph, real_value):
-                count(rewrite.fusion)
-                log.debug("gemslib %s: %s", rewrite.fusion, site)
-                round_fused += 1
-        if not round_fused:
-            break
-        fused += round_fused
+    for stage in sorted({r.stage for r in rewrites}):
+        staged = [r for r in rewrites if r.stage == stage]
+        for _ in range(8):  # each round may enable another rewrite's site; a few suffice
+            round_fused = 0
+            for rewrite in staged:
+                for site in rewrite.rewrite(graph, real_value):
+                    count(rewrite.fusion)
+                    log.debug("gemslib %s: %s", rewrite.fusion, site)
+                    round_fused += 1
+            if not round_fused:
+                break
+            fused += round_fused
     return fused
 
 
@@ -290,8 +305,9 @@ def _apply_rewrites(graph: torch.fx.Graph, fusions: frozenset[str],
 class GemslibPasses(CustomGraphPass):
     """The inductor post-grad pass for one set of options (``{"gemslib.<fusion>": bool}``;
     see :func:`fusion_options`): the families' ``GRAPH_REWRITES``, then their
-    ``GRAPH_PATTERNS``, then the rewrites marked ``after_patterns``, each only where its fusion
-    is on. Options not given take their defaults when the pass runs."""
+    ``GRAPH_PATTERNS``, then the rewrites marked ``after_patterns`` (each phase of rewrites
+    stage by stage), each only where its fusion is on. Options not given take their defaults
+    when the pass runs."""
 
     def __init__(self, options: Mapping[str, bool] | None = None):
         self.options = dict(options or {})

@@ -69,13 +69,20 @@ def test_an_option_changes_the_uuid():
     default = passes_for({})
     assert default.uuid() == passes_for({"gemslib.attention": True}).uuid()
     for name in manager.fusion_names():
-        assert passes_for({f"gemslib.{name}": False}).uuid() != default.uuid()
+        flipped = not manager.fusion_default(name)
+        assert passes_for({f"gemslib.{name}": flipped}).uuid() != default.uuid(), name
 
 
-def test_the_environment_is_only_the_default_of_its_option(monkeypatch):
-    monkeypatch.setenv("GEMSLIB_ROTARY_INTO_CACHE", "0")
-    assert not manager.fusion_options()["rotary_into_cache"]
-    assert manager.fusion_options({"gemslib.rotary_into_cache": True})["rotary_into_cache"]
+@pytest.mark.parametrize("variable, fusion, default", [
+    ("GEMSLIB_ROTARY_INTO_CACHE", "rotary_into_cache", True)])
+def test_the_environment_is_only_the_default_of_its_option(monkeypatch, variable, fusion,
+                                                           default):
+    monkeypatch.delenv(variable, raising=False)
+    assert manager.fusion_options()[fusion] is default
+    monkeypatch.setenv(variable, "1" if not default else "0")
+    assert manager.fusion_options()[fusion] is not default
+    assert passes_for({}).uuid() == passes_for({f"gemslib.{fusion}": not default}).uuid()
+    assert manager.fusion_options({f"gemslib.{fusion}": default})[fusion] is default
 
 
 def test_an_unknown_option_is_named_with_the_known_ones():
