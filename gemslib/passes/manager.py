@@ -89,6 +89,9 @@ OPTION_PREFIX = "gemslib."
 # set): a way in or out without code. Every other fusion is on.
 _ENVIRONMENT_DEFAULTS = {
     "rotary_into_cache": ("GEMSLIB_ROTARY_INTO_CACHE", True),
+    # off until it is measured on a GPU at least as fast as inductor's path at decode's
+    # shapes (docs/notes/decode.md, issue 56)
+    "decode_gemv": ("GEMSLIB_DECODE_GEMV", False),
 }
 
 
@@ -109,9 +112,9 @@ def fusion_default(name: str) -> bool:
 
 def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
     """{fusion: on} from ``options`` (``{"gemslib.<fusion>": bool}``), every fusion not named
-    taking its default (:func:`fusion_default`: on, or for rotary_into_cache its environment
-    variable, read now, else on). An unknown ``gemslib.*`` key, or a
-    value that is not a bool, is a ValueError."""
+    taking its default (:func:`fusion_default`: on, but for rotary_into_cache and decode_gemv
+    their environment variables where set, read now, else on and off respectively). An
+    unknown ``gemslib.*`` key, or a value that is not a bool, is a ValueError."""
     known = fusion_names()
     chosen = {name: fusion_default(name) for name in known}
     for key, value in (options or {}).items():

@@ -65,16 +65,27 @@ def test_a_second_process_hits_the_cache_and_still_reports_and_merges(tmp_path):
     assert list((tmp_path / "gemslib").glob("*.json")), "no record beside inductor's cache"
 
 
-def test_an_option_changes_the_uuid():
+def test_an_option_changes_the_uuid(monkeypatch):
+    monkeypatch.delenv("GEMSLIB_DECODE_GEMV", raising=False)
     default = passes_for({})
     assert default.uuid() == passes_for({"gemslib.attention": True}).uuid()
+    assert default.uuid() == passes_for({"gemslib.decode_gemv": False}).uuid()
     for name in manager.fusion_names():
         flipped = not manager.fusion_default(name)
         assert passes_for({f"gemslib.{name}": flipped}).uuid() != default.uuid(), name
 
 
+def test_every_fusion_is_on_by_default_but_decode_gemv(monkeypatch):
+    """decode_gemv waits for its GPU measurement (docs/notes/decode.md)."""
+    for variable, _ in manager._ENVIRONMENT_DEFAULTS.values():
+        monkeypatch.delenv(variable, raising=False)
+    defaults = manager.fusion_options()
+    assert not defaults.pop("decode_gemv") and all(defaults.values()), defaults
+
+
 @pytest.mark.parametrize("variable, fusion, default", [
-    ("GEMSLIB_ROTARY_INTO_CACHE", "rotary_into_cache", True)])
+    ("GEMSLIB_ROTARY_INTO_CACHE", "rotary_into_cache", True),
+    ("GEMSLIB_DECODE_GEMV", "decode_gemv", False)])
 def test_the_environment_is_only_the_default_of_its_option(monkeypatch, variable, fusion,
                                                            default):
     monkeypatch.delenv(variable, raising=False)
