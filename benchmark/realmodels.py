@@ -15,6 +15,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -248,6 +249,20 @@ def log_tail(path: Path, lines: int = 1) -> str:
     return " / ".join(text[-lines:])[-300:]
 
 
+_RAISED = re.compile(r"^\s*(?:\[[^\]]*\]:?\s*)?[\w.]*(?:Error|Exception|Interrupt)\b.*")
+
+
+def crash_reason(path: Path) -> str:
+    """What a crashed worker's log says went wrong: its last exception line (a launcher such
+    as torchrun ends the log with its own summary banner after it), else its last line."""
+    try:
+        text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    raised = [line.strip() for line in text if _RAISED.match(line)]
+    return (raised[-1] if raised else (text[-1] if text else ""))[-300:]
+
+
 def job_name(job: dict) -> str:
     """The stem of a job's files in the work directory."""
     return job["model"] + "_" + job["way"] if job.get("model") else job["way"]
@@ -296,7 +311,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, *, command, cold_cache: b
     result.setdefault("way", job["way"])
     result.setdefault("shapes", {})
     if status is None and returncode != 0:
-        status = f"crashed (exit {returncode}): {log_tail(log_path)}"
+        status = f"crashed (exit {returncode}): {crash_reason(log_path)}"
     elif status is None and not result.get("status"):
         status = f"no result written: {log_tail(log_path)}"
     if status is not None:

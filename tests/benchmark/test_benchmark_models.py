@@ -229,3 +229,17 @@ def test_the_floor_counts_llama_3_8b_s_matmuls_and_attention():
         "problems": {"B1 H32 S4096 D128": {"tflops": 500.0, "backend": "cudnn_attention"}}})
     assert floor["floor_ms"] == pytest.approx(
         models.matmul_flops(spec, 1, 4096) / 700e9 + models.attention_flops(spec, 1, 4096) / 500e9)
+
+
+def test_a_crashed_worker_is_reported_by_its_exception_not_a_launcher_banner(tmp_path):
+    """A worker under a launcher (torchrun) ends its log with the launcher's summary banner;
+    the status names the exception that ended it, and a log without one its last line."""
+    crash = ("import sys; print('starting'); print('[rank1]: RuntimeError: connect failed'); "
+             "print('=' * 40); sys.exit(1)")
+    result = realmodels.run_job({"way": "crash"}, tmp_path, timeout=60, cold_cache=False,
+                                command=lambda job, path: [sys.executable, "-c", crash])
+    assert result["status"] == "crashed (exit 1): [rank1]: RuntimeError: connect failed"
+    quiet = "import sys; print('last words'); sys.exit(3)"
+    result = realmodels.run_job({"way": "quiet"}, tmp_path, timeout=60, cold_cache=False,
+                                command=lambda job, path: [sys.executable, "-c", quiet])
+    assert result["status"] == "crashed (exit 3): last words"
