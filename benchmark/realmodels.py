@@ -254,12 +254,14 @@ _RAISED = re.compile(r"^\s*(?:\[[^\]]*\]:?\s*)?[\w.]*(?:Error|Exception|Interrup
 
 def crash_reason(path: Path) -> str:
     """What a crashed worker's log says went wrong: its last exception line (a launcher such
-    as torchrun ends the log with its own summary banner after it), else its last line."""
+    as torchrun ends the log with its own banner and ChildFailedError after it, which are
+    skipped), else its last line."""
     try:
         text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         return ""
-    raised = [line.strip() for line in text if _RAISED.match(line)]
+    raised = [line.strip() for line in text
+              if _RAISED.match(line) and "torch.distributed.elastic" not in line]
     return (raised[-1] if raised else (text[-1] if text else ""))[-300:]
 
 

@@ -235,6 +235,7 @@ def test_a_crashed_worker_is_reported_by_its_exception_not_a_launcher_banner(tmp
     """A worker under a launcher (torchrun) ends its log with the launcher's summary banner;
     the status names the exception that ended it, and a log without one its last line."""
     crash = ("import sys; print('starting'); print('[rank1]: RuntimeError: connect failed'); "
+             "print('torch.distributed.elastic.multiprocessing.errors.ChildFailedError:'); "
              "print('=' * 40); sys.exit(1)")
     result = realmodels.run_job({"way": "crash"}, tmp_path, timeout=60, cold_cache=False,
                                 command=lambda job, path: [sys.executable, "-c", crash])
