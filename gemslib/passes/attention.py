@@ -23,7 +23,7 @@ from gemslib.fused import attention as _attention_ops  # noqa: F401  (torch.ops.
 from gemslib.fused import decode_attention as _decode_ops  # noqa: F401  (... .decode_attention)
 from gemslib.fused._attention_common import default_scale
 from gemslib.passes.base import GraphRewrite
-from gemslib.passes.forms import call_node, live_users, same_size
+from gemslib.passes.forms import arguments, call_node, live_users, same_size
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
 # the SDPA backend operators a post-grad graph holds, and where their mask argument is
@@ -34,15 +34,6 @@ _SDPA_MASK_ARG = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
 }
 _VIEWS = (_aten.unsqueeze.default, _aten.expand.default)
-
-
-def _arguments(node: torch.fx.Node) -> dict:
-    """``node``'s arguments by schema name, defaults included."""
-    schema = node.target._schema
-    bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
-    bound.update(zip((arg.name for arg in schema.arguments), node.args))
-    bound.update(node.kwargs)
-    return bound
 
 
 def _index(node):
@@ -151,7 +142,7 @@ def _unwrapped(mask):
 def _is_unpadding(node) -> bool:
     """``node`` is ``slice(constant_pad_nd(m, [0, p], value), -1, 0, n)`` with n m's last size:
     m again, the padding cut off."""
-    args = _arguments(node)
+    args = arguments(node)
     padded, dim, start, end, step = (args[name] for name in ("self", "dim", "start", "end",
                                                              "step"))
     if not (isinstance(padded, torch.fx.Node) and padded.target is _aten.constant_pad_nd.default):
@@ -360,7 +351,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     sites, bands, extents = [], {}, {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
-            args = _arguments(node)
+            args = arguments(node)
             q, k, v = args["query"], args["key"], args["value"]
             mask = args.get(mask_arg) if mask_arg else None
             if args.get("dropout_p", 0.0) != 0.0 or any(

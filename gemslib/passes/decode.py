@@ -49,7 +49,7 @@ from gemslib.fused import merged_linear as _merged_linear_ops  # noqa: F401  (it
 from gemslib.ops import rms_norm as _rms_norm_ops  # noqa: F401  (the norm ops it reads)
 from gemslib.ops import silu as _silu_ops  # noqa: F401  (the gated activations it reads)
 from gemslib.passes.base import GraphRewrite, verdict_allows
-from gemslib.passes.forms import call_node, live_users, only_live_user, projection
+from gemslib.passes.forms import arguments, call_node, live_users, only_live_user, projection
 
 _aten, _gemslib = torch.ops.aten, torch.ops.gemslib
 _RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
@@ -67,15 +67,6 @@ def _static_shape(node) -> tuple[int, ...] | None:
     if not isinstance(value, torch.Tensor) or not all(isinstance(s, int) for s in value.shape):
         return None
     return tuple(value.shape)
-
-
-def _bound(node: torch.fx.Node) -> dict:
-    """``node``'s arguments by schema name, defaults included."""
-    schema = node.target._schema
-    bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
-    bound.update(zip((arg.name for arg in schema.arguments), node.args))
-    bound.update(node.kwargs)
-    return bound
 
 
 def _inference_graph() -> bool:
@@ -129,7 +120,7 @@ def _gemv(graph: torch.fx.Graph, x, weight, bias=None, residual=None, norm_weigh
 
 _GATED = {_gemslib.silu_and_mul.default: lambda node: "silu",
           _gemslib.gelu_and_mul.default:
-              lambda node: "gelu_tanh" if _bound(node)["tanh"] else "gelu_erf"}
+              lambda node: "gelu_tanh" if arguments(node)["tanh"] else "gelu_erf"}
 
 
 def _chain_to_projection(node: torch.fx.Node):
@@ -155,7 +146,7 @@ def _fold_gated(graph: torch.fx.Graph) -> list[str]:
         if act.op != "call_function" or act.target not in _GATED or not live_users(act):
             continue
         gated = _GATED[act.target](act)
-        gate_up = _bound(act)["x"]
+        gate_up = arguments(act)["x"]
         chained = _chain_to_projection(act)
         if chained is None:
             continue
@@ -292,7 +283,7 @@ def _fold_norms(graph: torch.fx.Graph) -> list[str]:
 def _fold_norm(graph: torch.fx.Graph, norm: torch.fx.Node) -> str | None:
     """One add_rms_norm (2.) or rms_norm (3.) folded into the projections around it; its site,
     or None where it is left alone."""
-    args = _bound(norm)
+    args = arguments(norm)
     added = norm.target is _gemslib.add_rms_norm.default
     x, norm_weight, eps, offset = args["x"], args["weight"], args["eps"], args["weight_offset"]
     normed = _outputs(norm, 0)

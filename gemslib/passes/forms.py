@@ -160,6 +160,15 @@ def _is_cube_of(node, x) -> bool:
 # --------------------------------------------------------------------------------------------
 # Graph helpers
 # --------------------------------------------------------------------------------------------
+def arguments(node: torch.fx.Node) -> dict:
+    """``node``'s arguments by schema name, defaults included."""
+    schema = node.target._schema
+    bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+    bound.update(zip((arg.name for arg in schema.arguments), node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
 def call_node(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
     """A new ``target(*args, **kwargs)`` node at the graph's insertion point, with the
     ``meta["val"]`` (a fake tensor) that later passes and inductor read, computed from its
