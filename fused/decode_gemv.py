@@ -46,7 +46,18 @@ merged_linear takes them: the graph rewrite (``gemslib.passes.decode``) puts it 
 step's projections of one input were merged. It computes over one view of them where they lie
 end to end (merged_linear's parameters, merged once at compile time), else over a copy.
 
-The file reads top-down: kernel, launcher, reference, public function and custom ops,
+``torch.ops.gemslib.decode_gemv_rotary`` is the q/k/v projection of a decode step with what
+follows it until the attention: the projection (norm prologue or none, biases), then each q
+and k head rotated (full rotary, a per-token table; with Qwen3's per-head q/k norm first) and
+k and v written into the static caches at the step's rows, q returned. Its own kernel reuses
+the projection's loop: a program's W rows are rotation pairs, the first features then the
+second ones, so the epilogue finds both halves of every pair in its tile (a head's features
+r and r + D/2 are D/2 rows apart in W, and a tile of BLOCK_N consecutive rows would hold
+only one of them); v's heads are pairs rotated by nothing. With the per-head norm a tile
+holds whole heads. The graph rewrite puts it where rotary_into_cache reads the heads of a
+decode_gemv, the layer's launches going from six to five.
+
+The file reads top-down: kernels, launchers, references, public function and custom ops,
 self-check, tuning.
 """
 
@@ -60,8 +71,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, runtime
+from gemslib import checks, layout, runtime
 from gemslib.fused.merged_linear import end_to_end
+from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import silu as silu_ops
 from gemslib.ops.silu import GELU_ERF, GELU_TANH, SILU, _gate_activation
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
@@ -95,46 +107,31 @@ def _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def _decode_gemv_kernel(
-    x_ptr, weight_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, part_ptr, arrivals_ptr,
-    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
-    stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
-    PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
-    against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
-    (n_rows, n_in), or (n_rows, 2 n_in) = [gate | up] with PROLOGUE GATED (ACTIVATION: ops.silu's
-    SILU, GELU_TANH or GELU_ERF); norm_weight (n_in,) is read with PROLOGUE NORM only; bias
-    (n_out,) and residual (n_rows, n_out) are added where not None. BLOCK_M 1: products by
-    multiply and tl.sum; else tl.dot (IEEE: fp32 products in full precision).
-
-    SPLIT_K > 1: axis 1 splits K into n_splits ranges of split_len (whole BLOCK_K steps). Each
-    program stores its fp32 partial tile in part (n_splits, n_rows, n_out) and counts itself in
-    arrivals[i_n] (int32, zero between launches); the last to arrive adds the splits in order
-    (the result does not depend on the arrival order), puts the counter back to 0 and runs the
-    epilogue. With SPLIT_K 1, part and arrivals are None. PDL: launched dependent
-    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
-    if PDL:
-        gdc_wait()
-    i_n = tl.program_id(0)
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < n_rows
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < n_out
-    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
-    p_w = weight_ptr + o_n.to(tl.int64)[:, None] * stride_weight_row
+def _split_range(split_len, n_in, SPLIT_K: tl.constexpr):
+    """[k_begin, k_end): the K range of this program's split (axis 1 of the grid), all of K
+    without SPLIT_K."""
     if SPLIT_K > 1:
-        i_split = tl.program_id(1)
-        k_begin = i_split * split_len
+        k_begin = tl.program_id(1) * split_len
         k_end = tl.minimum(n_in, k_begin + split_len)
     else:
         k_begin = 0
         k_end = n_in
+    return k_begin, k_end
+
+
+@triton.jit
+def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in, k_begin, k_end,
+                   eps, weight_offset, stride_x_row, stride_weight_row,
+                   PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) fp32: sum over k in [k_begin, k_end) of a[m, k] W[n, k] for the rows
+    o_m of x (m_m: those that exist) and the rows o_n of W (m_n), a = prologue(x) (the file's
+    docstring). BLOCK_M 1: products by multiply and tl.sum; else tl.dot (IEEE: fp32 products
+    in full precision)."""
+    p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
+    p_w = weight_ptr + o_n.to(tl.int64)[:, None] * stride_weight_row
     if PROLOGUE == 1:  # NORM: each program's own pass over its rows, whole, for their rms
         b_rstd = _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M, BLOCK_K)
-
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(k_begin, k_end, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
@@ -159,23 +156,68 @@ def _decode_gemv_kernel(
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc)
+    return b_acc
 
+
+@triton.jit
+def _split_k_total(b_acc, part_ptr, arrivals_ptr, i_tile, o_m, o_n, m_tile, n_rows, n_out,
+                   n_splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(the tile's sum over the splits, whether this program holds it): each program stores
+    its fp32 partial tile (columns o_n) in part (n_splits, n_rows, n_out) and counts itself in
+    arrivals[i_tile] (int32, zero between launches); the last to arrive adds the splits in
+    order (the result does not depend on the arrival order) and puts the counter back to 0."""
+    o_part_row = (tl.program_id(1) * n_rows + o_m).to(tl.int64)
+    tl.store(part_ptr + o_part_row[:, None] * n_out + o_n[None, :], b_acc, mask=m_tile)
+    tl.debug_barrier()  # every thread's stores issued before this program counts itself
+    # acq_rel: the stores above are visible to whichever program arrives last
+    finish = tl.atomic_add(arrivals_ptr + i_tile, 1, sem="acq_rel") == n_splits - 1
+    if finish:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_s in range(0, n_splits):  # in split order: deterministic sums
+            o_s_row = (i_s * n_rows + o_m).to(tl.int64)
+            # .cg: the other programs' partials from L2, never from a stale L1 line
+            b_acc += tl.load(part_ptr + o_s_row[:, None] * n_out + o_n[None, :],
+                             mask=m_tile, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + i_tile, 0)  # ready for the next launch
+    return b_acc, finish
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr, weight_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, part_ptr, arrivals_ptr,
+    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+    stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
+    PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
+    against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
+    (n_rows, n_in), or (n_rows, 2 n_in) = [gate | up] with PROLOGUE GATED (ACTIVATION: ops.silu's
+    SILU, GELU_TANH or GELU_ERF); norm_weight (n_in,) is read with PROLOGUE NORM only; bias
+    (n_out,) and residual (n_rows, n_out) are added where not None.
+
+    SPLIT_K > 1: axis 1 splits K into n_splits ranges of split_len (whole BLOCK_K steps), the
+    last program of a column tile to arrive adds them and runs the epilogue
+    (:func:`_split_k_total`, part (n_splits, n_rows, n_out) fp32 and arrivals (tiles,) int32
+    zeroed); with SPLIT_K 1, part and arrivals are None. PDL: launched dependent
+    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
+    if PDL:
+        gdc_wait()
+    i_n = tl.program_id(0)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < n_rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_out
+    k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
+    b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
+                           k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
+                           PROLOGUE, ACTIVATION, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     m_tile = m_m[:, None] & m_n[None, :]
     finish = True
     if SPLIT_K > 1:
-        o_part_row = (i_split * n_rows + o_m).to(tl.int64)
-        tl.store(part_ptr + o_part_row[:, None] * n_out + o_n[None, :], b_acc, mask=m_tile)
-        tl.debug_barrier()  # every thread's stores issued before this program counts itself
-        # acq_rel: the stores above are visible to whichever program arrives last
-        finish = tl.atomic_add(arrivals_ptr + i_n, 1, sem="acq_rel") == n_splits - 1
-        if finish:
-            b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for i_s in range(0, n_splits):  # in split order: deterministic sums
-                o_s_row = (i_s * n_rows + o_m).to(tl.int64)
-                # .cg: the other programs' partials from L2, never from a stale L1 line
-                b_acc += tl.load(part_ptr + o_s_row[:, None] * n_out + o_n[None, :],
-                                 mask=m_tile, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(arrivals_ptr + i_n, 0)  # ready for the next launch
+        b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n, m_tile,
+                                       n_rows, n_out, n_splits, BLOCK_M, BLOCK_N)
     if finish:
         if bias_ptr is not None:
             b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
@@ -192,6 +234,158 @@ DECODE_GEMV = runtime.TunedKernel(
     "decode_gemv", "decode_gemv", _decode_gemv_kernel,
     tunables=("BLOCK_N", "BLOCK_K", "SPLIT_K"), launcher_knobs=("GEMV",),
     shape_keys=("rows", "n", "k", "elem_bytes"), dependent_launch=True)
+
+
+@triton.jit
+def _decode_gemv_rotary_kernel(
+    x_ptr, weight_ptr, bias_ptr, norm_weight_ptr, q_out_ptr, part_ptr, arrivals_ptr,
+    cos_ptr, sin_ptr, cache_position_ptr, k_cache_ptr, v_cache_ptr, q_norm_ptr, k_norm_ptr,
+    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+    seq_len, n_q_heads, n_kv_heads, head_dim, n_cache_rows, qk_eps, qk_offset,
+    stride_x_row, stride_weight_row, stride_q_out_row,
+    stride_cos_b, stride_cos_s, stride_sin_b, stride_sin_s,
+    stride_k_cache_b, stride_k_cache_h, stride_k_cache_l,
+    stride_v_cache_b, stride_v_cache_h, stride_v_cache_l,
+    PROLOGUE: tl.constexpr, IEEE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HEAD_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """A decode step's q/k/v projection with its rotary and its static cache's update: y =
+    prologue(x) @ W.T (+ bias), W (n_out, n_in) the q, k and v weights end to end, n_out =
+    (n_q_heads + 2 n_kv_heads) head_dim; y's q heads rotated into q_out (n_rows, n_q_heads
+    head_dim), its k heads rotated and its v heads as they are written into the caches
+    (B, n_kv_heads, n_cache_rows, head_dim) at row cache_position[s] of row m = b seq_len + s.
+    PROLOGUE: NO_PROLOGUE or NORM, as in :func:`_decode_gemv_kernel`.
+
+    A program takes BLOCK_N / 2 rotation pairs (features (r, r + D/2) of a head, or (2r,
+    2r + 1) INTERLEAVED): its W rows are the pairs' first features then their second, so its
+    tile holds both halves of each pair; v's heads are pairs too, rotated by nothing. y is
+    rounded to x's dtype (the projection's output), the rotation computed in fp32 from the
+    per-token tables cos, sin (B | 1, seq_len, head_dim) and rounded once, as rotary_into_cache
+    does. HEAD_PAIRS > 0 (= head_dim / 2, a power of 2 dividing BLOCK_N / 2): each q and k head
+    is first RMS-normalised over its features and scaled by qk_offset + q_norm (k_norm)
+    (Qwen3's per-head norm; the tile then holds whole heads). A cache_position outside
+    [0, n_cache_rows) is a device-side assert and no write. Split-K and PDL as in
+    :func:`_decode_gemv_kernel`."""
+    if PDL:
+        gdc_wait()
+    BLOCK_P: tl.constexpr = BLOCK_N // 2
+    i_n = tl.program_id(0)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < n_rows
+    n_half = head_dim // 2
+    # tile column c: pair i_n BLOCK_P + c % BLOCK_P, its first feature (c < BLOCK_P) or second
+    o_c = tl.arange(0, BLOCK_N)
+    o_n, m_n = _pair_rows(i_n * BLOCK_P + o_c % BLOCK_P, o_c // BLOCK_P, n_half, head_dim,
+                          n_out, INTERLEAVED)
+    k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
+    b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
+                           k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
+                           PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    finish = True
+    if SPLIT_K > 1:
+        b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n,
+                                       m_m[:, None] & m_n[None, :], n_rows, n_out, n_splits,
+                                       BLOCK_M, BLOCK_N)
+    if finish:
+        if bias_ptr is not None:
+            b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        # the projection's output, rounded as it would be stored, then its pairs' two halves
+        b_y = b_acc.to(q_out_ptr.dtype.element_ty).to(tl.float32)
+        b_a, b_b = tl.split(tl.permute(tl.reshape(b_y, [BLOCK_M, 2, BLOCK_P]), (0, 2, 1)))
+        o_p = i_n * BLOCK_P + tl.arange(0, BLOCK_P)
+        o_head = o_p // n_half
+        o_a, m_p = _pair_rows(o_p, 0, n_half, head_dim, n_out, INTERLEAVED)
+        o_feat_a = o_a - o_head * head_dim
+        o_feat_b = o_feat_a + (1 if INTERLEAVED else n_half)
+        is_q = o_head < n_q_heads
+        is_v = o_head >= n_q_heads + n_kv_heads
+        is_k = (o_head >= n_q_heads) & (o_head < n_q_heads + n_kv_heads)
+        if HEAD_PAIRS > 0:  # q's and k's heads RMS-normalised first
+            b_a, b_b = _tile_heads_normed(b_a, b_b, o_feat_a, o_feat_b, m_p, is_q, is_v,
+                                          q_norm_ptr, k_norm_ptr, head_dim, qk_eps, qk_offset,
+                                          BLOCK_M, BLOCK_P, HEAD_PAIRS)
+        # each row's token: its sequence, its angles, its cache row
+        o_b = (o_m // seq_len).to(tl.int64)
+        o_s = (o_m % seq_len).to(tl.int64)
+        m_rot = m_m[:, None] & (m_p & ~is_v)[None, :]
+        p_cos = cos_ptr + o_b[:, None] * stride_cos_b + o_s[:, None] * stride_cos_s
+        p_sin = sin_ptr + o_b[:, None] * stride_sin_b + o_s[:, None] * stride_sin_s
+        b_cos_a = tl.load(p_cos + o_feat_a[None, :], mask=m_rot, other=1.0).to(tl.float32)
+        b_cos_b = tl.load(p_cos + o_feat_b[None, :], mask=m_rot, other=1.0).to(tl.float32)
+        b_sin_a = tl.load(p_sin + o_feat_a[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        b_sin_b = tl.load(p_sin + o_feat_b[None, :], mask=m_rot, other=0.0).to(tl.float32)
+        dtype = q_out_ptr.dtype.element_ty
+        b_out_a = (b_a * b_cos_a - b_b * b_sin_a).to(dtype)
+        b_out_b = (b_b * b_cos_b + b_a * b_sin_b).to(dtype)
+
+        p_q = q_out_ptr + o_m.to(tl.int64)[:, None] * stride_q_out_row \
+            + (o_head * head_dim)[None, :]
+        m_q = m_m[:, None] & (m_p & is_q)[None, :]
+        tl.store(p_q + o_feat_a[None, :], b_out_a, mask=m_q)
+        tl.store(p_q + o_feat_b[None, :], b_out_b, mask=m_q)
+        b_row = tl.load(cache_position_ptr + o_s, mask=m_m, other=0).to(tl.int64)
+        m_row = (b_row >= 0) & (b_row < n_cache_rows)
+        tl.device_assert(m_row | ~m_m, "gemslib.decode_gemv_rotary: cache_position must be "
+                                       "in [0, the cache's length)")
+        m_row = m_row & m_m
+        o_kv_head = tl.where(is_k, o_head - n_q_heads, o_head - n_q_heads - n_kv_heads)
+        o_kv_head = tl.maximum(o_kv_head, 0).to(tl.int64)
+        p_k = k_cache_ptr + o_b[:, None] * stride_k_cache_b + b_row[:, None] * stride_k_cache_l \
+            + (o_kv_head * stride_k_cache_h)[None, :]
+        p_v = v_cache_ptr + o_b[:, None] * stride_v_cache_b + b_row[:, None] * stride_v_cache_l \
+            + (o_kv_head * stride_v_cache_h)[None, :]
+        m_k = m_row[:, None] & (m_p & is_k)[None, :]
+        m_v = m_row[:, None] & (m_p & is_v)[None, :]
+        tl.store(p_k + o_feat_a[None, :], b_out_a, mask=m_k)
+        tl.store(p_k + o_feat_b[None, :], b_out_b, mask=m_k)
+        tl.store(p_v + o_feat_a[None, :], b_out_a, mask=m_v)
+        tl.store(p_v + o_feat_b[None, :], b_out_b, mask=m_v)
+
+
+@triton.jit
+def _pair_rows(o_pair, second, n_half, head_dim, n_out, INTERLEAVED: tl.constexpr):
+    """(the rows of y, i.e. of W, holding feature ``second`` (0 or 1) of rotation pairs
+    o_pair, the mask of the pairs that exist): pair p is (r, r + D/2) of head p // (D/2), or
+    (2r, 2r + 1) INTERLEAVED, r = p % (D/2)."""
+    o_head = o_pair // n_half
+    o_r = o_pair - o_head * n_half
+    if INTERLEAVED:
+        o_feat = 2 * o_r + second
+    else:
+        o_feat = o_r + second * n_half
+    return o_head * head_dim + o_feat, o_pair < n_out // 2
+
+
+@triton.jit
+def _tile_heads_normed(b_a, b_b, o_feat_a, o_feat_b, m_p, is_q, is_v, q_norm_ptr, k_norm_ptr,
+                       head_dim, qk_eps, qk_offset, BLOCK_M: tl.constexpr,
+                       BLOCK_P: tl.constexpr, HEAD_PAIRS: tl.constexpr):
+    """The pairs' halves (BLOCK_M, BLOCK_P), whole heads of HEAD_PAIRS pairs, each q and k
+    head RMS-normalised over its features and scaled by qk_offset + its (head_dim,) weight;
+    v's heads as they are."""
+    HEADS: tl.constexpr = BLOCK_P // HEAD_PAIRS
+    b_squares = tl.sum(tl.reshape(b_a * b_a + b_b * b_b, [BLOCK_M, HEADS, HEAD_PAIRS]), axis=2)
+    b_rstd = 1.0 / tl.sqrt(b_squares / head_dim + qk_eps)
+    b_rstd = tl.reshape(tl.broadcast_to(b_rstd[:, :, None], [BLOCK_M, HEADS, HEAD_PAIRS]),
+                        [BLOCK_M, BLOCK_P])
+    m_q = m_p & is_q
+    m_k = m_p & ~is_q & ~is_v
+    b_w_a = tl.where(is_q, tl.load(q_norm_ptr + o_feat_a, mask=m_q, other=0.0),
+                     tl.load(k_norm_ptr + o_feat_a, mask=m_k, other=0.0)).to(tl.float32)
+    b_w_b = tl.where(is_q, tl.load(q_norm_ptr + o_feat_b, mask=m_q, other=0.0),
+                     tl.load(k_norm_ptr + o_feat_b, mask=m_k, other=0.0)).to(tl.float32)
+    b_scale_a = tl.where(is_v[None, :], 1.0, b_rstd * (b_w_a + qk_offset)[None, :])
+    b_scale_b = tl.where(is_v[None, :], 1.0, b_rstd * (b_w_b + qk_offset)[None, :])
+    return b_a * b_scale_a, b_b * b_scale_b
+
+
+# the q/k/v projection with its rotary and cache write: BLOCK_N W rows a program (BLOCK_N / 2
+# rotation pairs; with the per-head q/k norm, the launcher makes it whole heads)
+DECODE_GEMV_ROTARY = runtime.TunedKernel(
+    "decode_gemv", "decode_gemv_rotary", _decode_gemv_rotary_kernel,
+    tunables=("BLOCK_N", "BLOCK_K", "SPLIT_K"), launcher_knobs=("GEMV",),
+    shape_keys=("rows", "n", "k", "elem_bytes"), device_asserts=True, dependent_launch=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,6 +712,189 @@ _decode_gemv_merged_op = runtime.CustomOp(
 
 
 # --------------------------------------------------------------------------------------------
+# The q/k/v projection with its rotary and cache write: the op the graph rewrite puts where a
+# decode step's q/k/v GEMV feeds rotary_into_cache
+# --------------------------------------------------------------------------------------------
+
+ROTARY_NAME = "gemslib.decode_gemv_rotary"
+
+
+def _heads(y: torch.Tensor, batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int):
+    """(q, k, v) of the projection y (B S, (Hq + 2 Hk) D): (B, S, H, D) views."""
+    heads = y.view(batch, y.shape[0] // batch, n_q_heads + 2 * n_kv_heads, head_dim)
+    return heads.split([n_q_heads, n_kv_heads, n_kv_heads], dim=2)
+
+
+def decode_gemv_rotary_reference(x, weight, bias, norm_weight, eps, weight_offset, cos, sin,
+                                 interleaved, cache_position, k_cache, v_cache, n_q_heads,
+                                 q_weight=None, k_weight=None, qk_eps=0.0, qk_offset=0.0):
+    """The projection (:func:`decode_gemv_reference`), then rotary_into_cache's reference on
+    its q, k and v heads: q rotated, returned (B S, Hq D); k rotated and v written into the
+    caches."""
+    y = decode_gemv_reference(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                              weight_offset=weight_offset)
+    q, k, v = _heads(y, k_cache.shape[0], n_q_heads, k_cache.shape[1], k_cache.shape[3])
+    q_rot = rotary_ops.rotary_into_cache_reference(q, k, v, cos, sin, interleaved,
+                                                   cache_position, k_cache, v_cache, q_weight,
+                                                   k_weight, qk_eps, qk_offset)
+    return q_rot.reshape(x.shape[0], -1)
+
+
+def _check_rotary(x, weight, bias, norm_weight, cos, sin, cache_position, k_cache, v_cache,
+                  n_q_heads, q_weight, k_weight, qk_eps, qk_offset) -> None:
+    """decode_gemv_rotary's arguments: the projection's as decode_gemv takes them, W's rows the
+    q, k and v heads of the caches (B, Hk, L, D) end to end, x's rows the B S tokens of the
+    (B | 1, S, D) tables, and rotary_into_cache's checks of the rest; nothing the kernel reads
+    shares memory with the caches it writes."""
+    _check(x, weight, bias, None, norm_weight, NO_GATE)
+    if isinstance(n_q_heads, bool) or not isinstance(n_q_heads, int) or n_q_heads < 1:
+        raise ValueError(f"{ROTARY_NAME}: n_q_heads must be an int >= 1, got {n_q_heads!r}")
+    for arg, t in (("k_cache", k_cache), ("cos", cos)):
+        checks.float_tensor(ROTARY_NAME, arg, t, expected="floating-point")
+    if k_cache.dim() != 4 or cos.dim() != 3:
+        raise ValueError(f"{ROTARY_NAME}: k_cache must be (B, Hk, L, D) and cos a per-token "
+                         f"(B or 1, S, D) table, got k_cache {tuple(k_cache.shape)} and cos "
+                         f"{tuple(cos.shape)}")
+    batch, n_kv_heads, _, head_dim = k_cache.shape
+    seq_len = cos.shape[1]
+    if x.shape[0] != batch * seq_len:
+        raise ValueError(f"{ROTARY_NAME}: x must have B S = {batch} x {seq_len} rows (the "
+                         f"caches' batch, the tables' tokens), got {x.shape[0]}")
+    n_out = (n_q_heads + 2 * n_kv_heads) * head_dim
+    if weight.shape[0] != n_out:
+        raise ValueError(f"{ROTARY_NAME}: the weights must have (Hq + 2 Hk) D = ({n_q_heads} + 2 "
+                         f"x {n_kv_heads}) x {head_dim} = {n_out} rows (q, k and v heads), got "
+                         f"{weight.shape[0]}")
+    # rotary_into_cache's own checks, on (B, S, H, D) stand-ins of x's dtype for q, k and v
+    token_heads = x.new_empty(()).expand(batch, seq_len, n_q_heads + n_kv_heads, head_dim)
+    rotary_ops._check_cache_write(
+        token_heads[:, :, :n_q_heads], token_heads[:, :, n_q_heads:],
+        token_heads[:, :, n_q_heads:], cos, sin, cache_position, k_cache, v_cache, q_weight,
+        k_weight, qk_eps, qk_offset)
+    for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for arg, t in (("x", x), ("weight", weight), ("bias", bias),
+                       ("norm_weight", norm_weight), ("q_weight", q_weight),
+                       ("k_weight", k_weight)):
+            if t is not None and layout.may_share_elements(cache, t):
+                raise ValueError(f"{ROTARY_NAME}: {cache_name} shares memory with {arg}, which "
+                                 f"is read while the cache is written")
+
+
+def _rotary_kernel_takes(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache,
+                         q_weight) -> bool:
+    """The kernel computes the call: decode_gemv's conditions, a full rotary of an even head
+    dim (with the per-head norm, half of it a power of 2: a tile of whole heads), unit last
+    strides."""
+    head_dim = k_cache.shape[3]
+    return _kernel_takes(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache) and \
+        _unit_last_strides(x, weight, cos, sin, k_cache, v_cache) and head_dim % 2 == 0 and \
+        cos.shape[2] == head_dim and \
+        (q_weight is None or runtime.next_power_of_2(head_dim // 2) == head_dim // 2)
+
+
+def _whole_heads(config: runtime.LaunchConfig, head_dim: int) -> runtime.LaunchConfig:
+    """``config`` with tiles of whole heads (the per-head norm): BLOCK_N raised to a multiple
+    of head_dim, BLOCK_K and the splits scaled to keep the tile's size and the programs'
+    count."""
+    meta = config.meta_dict
+    block_n = runtime.cdiv(meta["BLOCK_N"], head_dim) * head_dim
+    if block_n == meta["BLOCK_N"]:
+        return config
+    grown = block_n // meta["BLOCK_N"]
+    changed = {"BLOCK_N": block_n, "BLOCK_K": max(16, meta["BLOCK_K"] // grown),
+               "SPLIT_K": meta["SPLIT_K"] * grown}
+    return runtime.LaunchConfig(tuple((key, changed.get(key, value)) for key, value in config.meta),
+                                config.num_warps, config.num_stages)
+
+
+def _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin, interleaved,
+                   cache_position, k_cache, v_cache, n_q_heads, q_weight, k_weight, qk_eps,
+                   qk_offset) -> torch.Tensor:
+    """q rotated, (M, Hq D) in x's dtype; inputs validated and taken by the kernel."""
+    n_rows = x.shape[0]
+    n_out, n_in = weight.shape
+    batch, n_kv_heads, n_cache_rows, head_dim = k_cache.shape
+    q_out = torch.empty((n_rows, n_q_heads * head_dim), dtype=x.dtype, device=x.device)
+    shape = (n_rows, n_out, n_in, x.element_size())
+    config = DECODE_GEMV_ROTARY.planned_config(shape)
+    head_pairs = head_dim // 2 if q_weight is not None else 0
+    if head_pairs:
+        config = _whole_heads(config, head_dim)
+    meta = config.meta_dict
+    block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
+    n_tiles = runtime.cdiv(n_out // 2, meta["BLOCK_N"] // 2)
+    if meta["SPLIT_K"] > 1:
+        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
+            * meta["BLOCK_K"]
+        n_splits = runtime.cdiv(n_in, split_len)
+        arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
+    else:
+        split_len, n_splits = n_in, 1
+        arrivals = part = None
+    # a table of one sequence serves every sequence
+    table_strides = [stride for t in (cos, sin)
+                     for stride in ((t.stride(0) if t.shape[0] > 1 else 0), t.stride(1))]
+    DECODE_GEMV_ROTARY.launch(
+        lambda meta: (n_tiles, n_splits),
+        x, weight, bias.contiguous() if bias is not None else None,
+        norm_weight.contiguous() if norm_weight is not None else None, q_out, part, arrivals,
+        cos, sin, cache_position, k_cache, v_cache,
+        q_weight.contiguous() if q_weight is not None else None,
+        k_weight.contiguous() if k_weight is not None else None,
+        n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+        cos.shape[1], n_q_heads, n_kv_heads, head_dim, n_cache_rows, float(qk_eps),
+        float(qk_offset),
+        x.stride(0), weight.stride(0), q_out.stride(0), *table_strides,
+        *k_cache.stride()[:3], *v_cache.stride()[:3],
+        NORM if norm_weight is not None else NO_PROLOGUE, x.dtype == torch.float32,
+        bool(interleaved), head_pairs, block_m,
+        shape=shape, config=config)
+    return q_out
+
+
+def _decode_gemv_rotary_impl(x: torch.Tensor, weights: list[torch.Tensor],
+                             biases: list[Optional[torch.Tensor]],
+                             norm_weight: Optional[torch.Tensor], eps: float,
+                             weight_offset: float, cos: torch.Tensor, sin: torch.Tensor,
+                             interleaved: bool, cache_position: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, n_q_heads: int,
+                             q_weight: Optional[torch.Tensor] = None,
+                             k_weight: Optional[torch.Tensor] = None, qk_eps: float = 0.0,
+                             qk_offset: float = 0.0) -> torch.Tensor:
+    """A decode step's q/k/v projection, its rotary and its static cache's update in one
+    launch: y = norm(x) @ W.T + b over ``weights`` end to end (as decode_gemv_merged; no norm
+    where norm_weight is None), W's rows the Hq q heads then the Hk k and Hk v heads of the
+    caches (B, Hk, L, D); x (B S, K) the tokens of the per-token (B | 1, S, D) tables (a full
+    rotary). Returns q rotated, (B S, Hq D); k rotated and v are written into the caches at
+    row cache_position[s] (S,) of token s, as rotary_into_cache writes them (with q_weight
+    and k_weight, each q and k head RMS-normalised first). Where the kernel does not take the
+    call: decode_gemv, then rotary_into_cache."""
+    weight, bias = merged_weights(list(weights), list(biases))
+    eps = checks.as_float(ROTARY_NAME, "eps", eps)
+    weight_offset = checks.as_float(ROTARY_NAME, "weight_offset", weight_offset)
+    _check_rotary(x, weight, bias, norm_weight, cos, sin, cache_position, k_cache, v_cache,
+                  n_q_heads, q_weight, k_weight, qk_eps, qk_offset)
+    if _rotary_kernel_takes(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, q_weight):
+        return _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin,
+                              interleaved, cache_position, k_cache, v_cache, n_q_heads,
+                              q_weight, k_weight, qk_eps, qk_offset)
+    y = _decode_gemv_impl(x, weight, bias, None, norm_weight, eps, weight_offset, NO_GATE)
+    q, k, v = _heads(y, k_cache.shape[0], n_q_heads, k_cache.shape[1], k_cache.shape[3])
+    q_rot = rotary_ops._rotary_into_cache_impl(q, k, v, cos, sin, interleaved, cache_position,
+                                               k_cache, v_cache, q_weight, k_weight, qk_eps,
+                                               qk_offset)
+    return q_rot.reshape(x.shape[0], -1)
+
+
+# no autograd: only the graph passes put it in a graph (an inference graph)
+_decode_gemv_rotary_op = runtime.CustomOp(
+    "decode_gemv_rotary", _decode_gemv_rotary_impl, mutates_args=("k_cache", "v_cache"),
+    fake=lambda x, weights, biases, norm_weight, eps, weight_offset, cos, sin, interleaved,
+    cache_position, k_cache, v_cache, n_q_heads, q_weight=None, k_weight=None, qk_eps=0.0,
+    qk_offset=0.0: x.new_empty((x.shape[0], n_q_heads * k_cache.shape[3])))
+
+
+# --------------------------------------------------------------------------------------------
 # Self-check for `python -m gemslib`
 # --------------------------------------------------------------------------------------------
 
@@ -582,15 +959,41 @@ def _tune_problem(rows: int, n_out: int, n_in: int, prologue: str,
     return make
 
 
+def _tune_rotary_problem(rows: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
+                         n_in: int, qk_norm: bool, dtype: torch.dtype = torch.bfloat16):
+    """A decode step's q/k/v projection with its norm, rotary and cache write (a cache of
+    1024 rows), and with Qwen3's per-head q/k norm where ``qk_norm``."""
+    def make(device):
+        def randn(*shape, scale=1.0):
+            return torch.randn(*shape, device=device, dtype=dtype) * scale
+
+        widths = (n_q_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim)
+        weights = list(randn(sum(widths), n_in, scale=n_in ** -0.5).split(widths))
+        x, norm_weight = randn(rows, n_in), randn(n_in)
+        table = [randn(rows, 1, head_dim) for _ in range(2)]
+        position = torch.tensor([1000], device=device)
+        caches = [randn(rows, n_kv_heads, 1024, head_dim) for _ in range(2)]
+        qk = (randn(head_dim), randn(head_dim), 1e-6, 0.0) if qk_norm else ()
+
+        def run():
+            return torch.ops.gemslib.decode_gemv_rotary(
+                x, weights, [None] * 3, norm_weight, 1e-6, 0.0, *table, False, position,
+                *caches, n_q_heads, *qk)
+        return run
+    return make
+
+
+# column tiles of 16-64 W rows, K steps of 128-512, K split over up to 8 programs; GEMV (one row
+# by multiply-and-sum, or the 16-row tl.dot tile) matters at one row only
+_CANDIDATES = tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": gemv, "num_warps": w,
+                     "num_stages": 3}
+                    for n, k in ((32, 256), (16, 256), (64, 128), (32, 512), (64, 256))
+                    for split in (1, 2, 4, 8) for gemv in (1, 0) for w in (4, 8))
+
 TUNING = (
     TuneSpace(
         DECODE_GEMV,
-        # column tiles of 16-64 W rows, K steps of 128-512, K split over up to 8 programs; GEMV
-        # (one row by multiply-and-sum, or the 16-row tl.dot tile) matters at one row only
-        tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": gemv, "num_warps": w,
-               "num_stages": 3}
-              for n, k in ((32, 256), (16, 256), (64, 128), (32, 512), (64, 256))
-              for split in (1, 2, 4, 8) for gemv in (1, 0) for w in (4, 8)),
+        _CANDIDATES,
         # by rows (one, or up to 16) and width: the narrow projections (N 2048, 4096: the o and
         # down projections) have few column tiles and want more of K split
         (TuneBucket({"rows": 1, "n": 2048, "elem_bytes": 2}, "M1 N2048 K8192 gated",
@@ -608,4 +1011,19 @@ TUNING = (
          # fp32 (twice the bytes a weight): a smaller problem
          TuneBucket(None, "M16 N4096 K4096 fp32",
                     _tune_problem(16, 4096, 4096, "plain", dtype=torch.float32)))),
+    TuneSpace(
+        DECODE_GEMV_ROTARY,
+        _CANDIDATES,
+        # Llama-3.2-1B's q/k/v (N 3072: 96 tiles of 32 rows, K split), Llama-3-8B's and
+        # Qwen3-8B's (N 6144, Qwen3's tiles grown to whole heads for its q/k norm)
+        (TuneBucket({"rows": 1, "n": 4096, "elem_bytes": 2}, "M1 N3072 K2048",
+                    _tune_rotary_problem(1, 32, 8, 64, 2048, False)),
+         TuneBucket({"rows": 1, "elem_bytes": 2}, "M1 N6144 K4096 qk-norm",
+                    _tune_rotary_problem(1, 32, 8, 128, 4096, True)),
+         TuneBucket({"rows": 16, "n": 4096, "elem_bytes": 2}, "M16 N3072 K2048",
+                    _tune_rotary_problem(16, 32, 8, 64, 2048, False)),
+         TuneBucket({"rows": 16, "elem_bytes": 2}, "M16 N6144 K4096",
+                    _tune_rotary_problem(16, 32, 8, 128, 4096, False)),
+         TuneBucket(None, "M16 N3072 K2048 fp32",
+                    _tune_rotary_problem(16, 32, 8, 64, 2048, False, dtype=torch.float32)))),
 )

@@ -182,6 +182,23 @@ def _rotary_into_cache(loop_heads):
             _bf16(2, 2, 16, 128))
 
 
+def _decode_gemv_rotary(tensors, rows, n_q_heads, n_in, head_dim=128):
+    """decode_gemv_rotary of ``rows`` sequences (one token each, 2 kv heads of ``head_dim``):
+    plain, and with the norm prologue, biases and the per-head q/k norm (tiles of whole
+    heads), the interleaved pairs."""
+    kv_heads = 2
+    weights = [tensors(heads * head_dim, n_in) for heads in (n_q_heads, kv_heads, kv_heads)]
+    caches = [tensors(rows, kv_heads, 16, head_dim) for _ in range(2)]
+    table = [tensors(rows, 1, head_dim) for _ in range(2)]
+    torch.ops.gemslib.decode_gemv_rotary(tensors(rows, n_in), weights, [None] * 3, None, 1e-6,
+                                         0.0, *table, False, torch.tensor([5]), *caches,
+                                         n_q_heads)
+    torch.ops.gemslib.decode_gemv_rotary(
+        tensors(rows, n_in), weights, [tensors(w.shape[0]) for w in weights], tensors(n_in),
+        1e-6, 0.0, *table, True, torch.tensor([5]), *caches, n_q_heads, tensors(head_dim),
+        tensors(head_dim), 1e-6, 1.0)
+
+
 # Forward and backward of every operator, on the one-block and looped paths of row kernels,
 # contiguous and strided, in bf16 (and fp32 where the kernel converts).
 CALLS = [
@@ -246,6 +263,9 @@ CALLS = [
     lambda: gemslib.decode_gemv(_bf16(3, 512), _bf16(100, 256), _bf16(100), gated="silu"),
     lambda: gemslib.decode_gemv(*(random_tensor(s, torch.float32) for s in ((5, 64), (40, 64))),
                                 residual=random_tensor((5, 40), torch.float32)),
+    # the q/k/v GEMV with its rotary and cache write: one row, and 3 on the tl.dot tile
+    lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 1, 4, 256),
+    lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 3, 4, 256),
 ]
 
 
@@ -256,7 +276,8 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert {"_silu_fwd_kernel", "_rms_norm_bwd_kernel", "_softmax_fwd_kernel",
             "_softmax_split_fwd_kernel", "_rotary_kernel", "_rms_norm_linear_silu_kernel",
             "_attention_fwd_kernel", "_attention_bwd_delta_kernel", "_attention_bwd_dkdv_kernel",
-            "_attention_bwd_dq_kernel", "_decode_kernel", "_decode_gemv_kernel"} <= kernels
+            "_attention_bwd_dq_kernel", "_decode_kernel", "_decode_gemv_kernel",
+            "_decode_gemv_rotary_kernel"} <= kernels
     # the launches through tensor descriptors (TMA) are among them
     assert any("descriptor" in arg for launch in launches for arg in launch["args"].values())
     # the kernels built for dependent launch (sm_90, the default): each launch also as the GPU
@@ -266,7 +287,7 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
                  for launch in launches if launch["args"].get("PDL") == {"value": False}]
     assert {launch["kernel"] for launch in dependent} == {
         "_rms_norm_fwd_kernel", "_silu_and_mul_fwd_kernel", "_rotary_kernel", "_decode_kernel",
-        "_decode_gemv_kernel"}
+        "_decode_gemv_kernel", "_decode_gemv_rotary_kernel"}
     failures = _compile_failures(launches + dependent)
     assert not failures, "\n\n".join(failures)
 
@@ -353,6 +374,9 @@ _SAMPLES = {
     "rms_norm_swiglu.rms_norm_swiglu": lambda t, s: gemslib.rms_norm_swiglu(
         t(s["rows"], s["k"]), t(s["k"]), t(2 * s["n"], s["k"])),
     "decode_gemv.decode_gemv": lambda t, s: _decode_gemv_sample(t, s["rows"], s["n"], s["k"]),
+    # n: the q heads' rows beside 2 x 2 kv heads of 128
+    "decode_gemv.decode_gemv_rotary": lambda t, s: _decode_gemv_rotary(
+        t, s["rows"], max(s["n"] // 128 - 4, 1), s["k"]),
 }
 
 

@@ -856,7 +856,8 @@ def test_a_tensor_map_parameter_is_passed_as_tritons_launcher_expands_it():
 
 
 DEPENDENT_KERNELS = ("rms_norm.rms_norm_fwd", "silu.silu_and_mul_fwd", "rotary.rotary",
-                     "decode_attention.decode_attention", "decode_gemv.decode_gemv")
+                     "decode_attention.decode_attention", "decode_gemv.decode_gemv",
+                     "decode_gemv.decode_gemv_rotary")
 
 
 def _fresh_launches():
