@@ -17,24 +17,33 @@ epilogue compute them:
    (decode_gemv_merged for a merged_linear: its readers' slices stay as they were);
 3. norm prologue alone: ``rms_norm(x)`` (the first layer's norm, or a final norm with no add
    before it) whose every reader is such a projection -> each reader ``decode_gemv(x, W,
-   norm_weight=g, ...)``.
+   norm_weight=g, ...)``;
+4. (fusion ``decode_gemv_rotary``, a stage after 1.-3.) ``rotary_into_cache`` whose q, k and v
+   are the q, k and v heads, end to end, of one decode_gemv without residual or gate (the
+   q/k/v projection 2. or 3. made), through views nothing else reads -> one
+   ``decode_gemv_rotary`` launch that projects, rotates (with the per-head q/k norm where
+   rotary_into_cache had it) and writes k and v into the caches. The views are checked by
+   replaying them on the indices of the projection's output.
 
 A site (what ``fusion_report()["decode_gemv"]`` counts) is one small op whose launch is gone:
 a gated activation (1.), an add_rms_norm (2.) or an rms_norm (3.) folded into the
 projections around it. A llama-like decoder layer has three: its MLP's activation and its two
 add_rms_norms (the one after the o projection, and the one after the down projection, which
 is the next layer's input norm or the final norm before the lm_head); the graph's first
-rms_norm is one more. A layer goes from nine launches to six: q/k/v with the norm, rotary and
-cache write, decode attention, o with the residual, gate/up with the norm, down with the
+rms_norm is one more; ``fusion_report()["decode_gemv_rotary"]`` counts the rotaries folded
+(one a layer). A layer goes from nine launches to five: q/k/v with the norm, the rotary and
+the cache write; decode attention; o with the residual; gate/up with the norm; down with the
 gated prologue and the residual.
 
 Conditions: every projection of a site has M <= 16 rows, static (the FakeTensor's size; a
 symbolic size is left alone), a kernel dtype on the kernel device, every tensor of the site
 one dtype, weights (and biases) graph inputs; an inference graph (a training compile's graphs
 save the intermediates, which the rewrite would drop); the tune config's verdict, where it has
-one. Anything else is left as it is. Off by default (``gemslib.decode_gemv``, or
-``GEMSLIB_DECODE_GEMV=1``): decode_gemv has not yet been measured on a GPU, and a fusion is used
-only where it was measured at least as fast as inductor's and cuBLAS's path.
+one; for 4., a full rotary. Anything else is left as it is. Off by default
+(``gemslib.decode_gemv``, or ``GEMSLIB_DECODE_GEMV=1``): decode_gemv has not yet been measured
+on a GPU, and a fusion is used only where it was measured at least as fast as inductor's and
+cuBLAS's path. 4. is on wherever 1.-3. are (``gemslib.decode_gemv_rotary`` or
+``GEMSLIB_DECODE_GEMV_ROTARY=0`` turns it off alone).
 """
 
 from __future__ import annotations
@@ -355,8 +364,129 @@ def _fold_into_projections(graph: torch.fx.Graph, real_value) -> list[str]:
     return sites
 
 
+# --------------------------------------------------------------------------------------------
+# 4. The rotary and cache write of the q/k/v projection: rotary_into_cache over the q, k and v
+# heads of one decode_gemv -> decode_gemv_rotary
+# --------------------------------------------------------------------------------------------
+
+# the view ops between a projection's (M, N) output and its (B, S, H, D) heads
+_HEAD_VIEWS = (*_RESHAPES, _aten.permute.default, _aten.transpose.int, _aten.slice.Tensor,
+               _aten.alias.default)
+
+
+def _views_down_to(node: torch.fx.Node, views: dict):
+    """The projection ``node`` is a view of (through :data:`_HEAD_VIEWS` ops whose other
+    arguments are constants), recording each view op in ``views``; else None."""
+    while node.target in _HEAD_VIEWS:
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        views[node] = None
+        node = node.args[0]
+        if not isinstance(node, torch.fx.Node):
+            return None
+    return node if node.target in (_gemslib.decode_gemv.default,
+                                   _gemslib.decode_gemv_merged.default) else None
+
+
+def _view_of_indices(node: torch.fx.Node, indices: torch.Tensor, projection) -> torch.Tensor:
+    """``node``'s value computed from ``indices`` in the place of the projection's output:
+    where each element of the view lies in it."""
+    if node is projection:
+        return indices
+    source = _view_of_indices(node.args[0], indices, projection)
+    return node.target(source, *node.args[1:], **node.kwargs)
+
+
+def _qkv_heads(write: torch.fx.Node):
+    """(the decode_gemv node, Hq) when rotary_into_cache's q, k and v (``write``'s) are the
+    q, k and v heads of one decode_gemv's (M, N) output, end to end in that order, (B, S, H, D)
+    each with M = B S, through views that nothing else reads, and nothing else reads that
+    output; else None."""
+    views, projections = {}, set()
+    for name in ("q", "k", "v"):
+        projections.add(_views_down_to(write.kwargs[name], views))
+    if len(projections) != 1 or None in projections:
+        return None
+    (gemv,) = projections
+    if any(set(live_users(node)) - set(views) - {write} for node in (*views, gemv)):
+        return None
+    shapes = [_static_shape(write.kwargs[name]) for name in ("q", "k", "v")]
+    rows_cols = _static_shape(gemv)
+    if None in shapes or rows_cols is None or any(len(shape) != 4 for shape in shapes):
+        return None
+    (batch, seq, n_q_heads, head_dim), (_, _, n_kv_heads, _) = shapes[0], shapes[1]
+    n_rows, n_out = rows_cols
+    if batch * seq != n_rows or (n_q_heads + 2 * n_kv_heads) * head_dim != n_out:
+        return None
+    indices = torch.arange(n_rows * n_out).view(n_rows, n_out)
+    expected = _decode_gemv_ops._heads(indices, batch, n_q_heads, n_kv_heads, head_dim)
+    for name, heads in zip(("q", "k", "v"), expected):
+        try:
+            placed = _view_of_indices(write.kwargs[name], indices, gemv)
+        except (RuntimeError, IndexError, TypeError, ValueError):
+            return None
+        if placed.shape != heads.shape or not torch.equal(placed, heads):
+            return None
+    return gemv, n_q_heads
+
+
+def _fold_rotary(graph: torch.fx.Graph, real_value) -> list[str]:
+    """rotary_into_cache (an ``auto_functionalized`` write of the caches) over the heads of a
+    decode_gemv(_merged) with no residual and no gated prologue (the q/k/v projection, its
+    norm folded in by 2. or 3.) -> ``decode_gemv_rotary``: the projection's launch rotates q
+    and k and writes k and v into the caches. A full rotary (the table as wide as a head),
+    every tensor one kernel dtype."""
+    if not _inference_graph():
+        return []
+    into_cache, sites = _gemslib.rotary_into_cache.default, []
+    for write in graph.find_nodes(op="call_function",
+                                  target=torch.ops.higher_order.auto_functionalized):
+        if write.args[0] is not into_cache:
+            continue
+        found = _qkv_heads(write)
+        if found is None:
+            continue
+        gemv, n_q_heads = found
+        if gemv.target is _gemslib.decode_gemv.default:
+            x, weight, bias, residual, norm_weight, eps, offset, activation = gemv.args
+            weights, biases = [weight], [bias]
+        else:
+            x, weights, biases, residual, norm_weight, eps, offset, activation = gemv.args
+        kwargs = write.kwargs
+        table, head = _static_shape(kwargs["cos"]), _static_shape(kwargs["q"])
+        if residual is not None or activation != _NO_GATE or gemv.kwargs or table is None or \
+                len(table) != 3 or table[2] != head[3] or not _same_dtype_on_kernel(
+                    x, *weights, *biases, norm_weight, *(kwargs.get(name) for name in (
+                        "cos", "sin", "k_cache", "v_cache", "q_weight", "k_weight"))) or \
+                not verdict_allows("decode_gemv", _value(x)):
+            continue
+        with graph.inserting_before(write):
+            fused = call_node(
+                graph, torch.ops.higher_order.auto_functionalized,
+                _gemslib.decode_gemv_rotary.default, x=x, weights=list(weights),
+                biases=list(biases), norm_weight=norm_weight, eps=float(eps),
+                weight_offset=float(offset), cos=kwargs["cos"], sin=kwargs["sin"],
+                interleaved=kwargs["interleaved"], cache_position=kwargs["cache_position"],
+                k_cache=kwargs["k_cache"], v_cache=kwargs["v_cache"], n_q_heads=n_q_heads,
+                q_weight=kwargs.get("q_weight"), k_weight=kwargs.get("k_weight"),
+                qk_eps=float(kwargs.get("eps", 0.0)),
+                qk_offset=float(kwargs.get("weight_offset", 0.0)))
+            outputs = [call_node(graph, operator.getitem, fused, index) for index in range(3)]
+            outputs[0] = _reshaped_to(graph, outputs[0], head)
+        for user in list(write.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+        sites.append(f"{write.name} into {gemv.name}")
+    if sites:
+        graph.eliminate_dead_code()
+    return sites
+
+
 # stage 1: after the other rewrites after the patterns have made all they make
 # (rotary_into_cache, rotary_qk_norm and rms_norm_linear_silu read the same norms and
 # projections)
 GRAPH_REWRITES = (GraphRewrite("decode_gemv", _fold_into_projections, after_patterns=True,
-                               stage=1),)
+                               stage=1),
+                  # stage 2: over the q/k/v projections the norms have been folded into
+                  GraphRewrite("decode_gemv_rotary", _fold_rotary, after_patterns=True,
+                               stage=2))

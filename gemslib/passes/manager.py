@@ -92,6 +92,8 @@ _ENVIRONMENT_DEFAULTS = {
     # off until it is measured on a GPU at least as fast as inductor's path at decode's
     # shapes (docs/notes/decode.md, issue 56)
     "decode_gemv": ("GEMSLIB_DECODE_GEMV", False),
+    # (it takes decode_gemv's q/k/v projections: with decode_gemv off it finds none)
+    "decode_gemv_rotary": ("GEMSLIB_DECODE_GEMV_ROTARY", True),
 }
 
 
@@ -112,8 +114,8 @@ def fusion_default(name: str) -> bool:
 
 def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
     """{fusion: on} from ``options`` (``{"gemslib.<fusion>": bool}``), every fusion not named
-    taking its default (:func:`fusion_default`: on, but for rotary_into_cache and decode_gemv
-    their environment variables where set, read now, else on and off respectively). An
+    taking its default (:func:`fusion_default`: on, but for those with an environment variable
+    (:data:`_ENVIRONMENT_DEFAULTS`) its value where set, read now, else their default). An
     unknown ``gemslib.*`` key, or a value that is not a bool, is a ValueError."""
     known = fusion_names()
     chosen = {name: fusion_default(name) for name in known}

@@ -79,10 +79,12 @@ def test_a_decode_step_s_projections_take_the_small_ops_around_them(name, batch,
     down projection: the next layer's input norm, or the last layer's final norm before the
     lm_head) are folded into the projections, and so is the first layer's rms_norm: 3 sites a
     layer + 1, counted from the forms the other fusions report (2 add_rms_norm a layer, one
-    gated activation a layer, the first rms_norm). A layer then runs six gemslib launches
-    (q/k/v GEMV with the norm, rotary_into_cache, decode attention, o GEMV with the residual,
-    gate/up GEMV with the norm, down GEMV with the gated prologue and the residual), the
-    lm_head one more; the logits are eager's."""
+    gated activation a layer, the first rms_norm). Each layer's rotary and cache write go
+    into its q/k/v GEMV (decode_gemv_rotary, one site a layer; with Qwen3's per-head q/k
+    norms). A layer then runs five gemslib launches (q/k/v GEMV with the norm, the rotary and
+    the cache write; decode attention; o GEMV with the residual; gate/up GEMV with the norm;
+    down GEMV with the gated prologue and the residual), the lm_head one more; the logits are
+    eager's. With ``gemslib.decode_gemv_rotary`` off, the rotary keeps its own launch."""
     monkeypatch.setenv(ON, "1")
     logits, code, expected, layers = _step_and_eager(name, batch)
     report = gemslib.fusion_report()
@@ -91,13 +93,38 @@ def test_a_decode_step_s_projections_take_the_small_ops_around_them(name, batch,
         report["rotary_into_cache"] == layers, report
     assert report["decode_gemv"] == report["add_rms_norm"] + report[gated] + 1 == \
         3 * layers + 1, report
+    assert report["decode_gemv_rotary"] == layers, report
     calls = _calls(code)
-    assert not any(calls[op] for op in FOLDED), calls
-    assert calls["decode_gemv"] + calls["decode_gemv_merged"] == 4 * layers + 1, calls
-    assert sum(calls.values()) == 6 * layers + 1, calls
+    assert not any(calls[op] for op in (*FOLDED, "rotary_into_cache")), calls
+    assert calls["decode_gemv"] + calls["decode_gemv_merged"] == 3 * layers + 1, calls
+    assert calls["decode_gemv_rotary"] == layers, calls
+    assert sum(calls.values()) == 5 * layers + 1, calls
+    # decode_gemv_rotary(x, weights, biases, norm_weight, eps, weight_offset, ...): its norm's
+    # offset, and Qwen3's per-head norm weights after n_q_heads
+    rotary_calls = re.findall(r"decode_gemv_rotary\.graph\(\w+, \[[^]]*\], \[[^]]*\], "
+                              r"arg\d+_1, [^,]+, ([^,]+), (.*)\)\n", code)
+    assert len(rotary_calls) == layers, code
+    if name.startswith("qwen3"):  # the per-head norms' weights went along
+        assert all(re.search(r", \d+, arg\d+_1, arg\d+_1, 1e-06", rest)
+                   for _, rest in rotary_calls), rotary_calls
     if name.startswith("gemma"):  # the GELU's tanh form and the (1 + w) norms carried over
         assert len(re.findall(rf", {gemv_ops.ACTIVATIONS['gelu_tanh']}\)\n", code)) == layers
-        assert len(re.findall(r", 1\.0, -1\)\n", code)) == 2 * layers + 1
+        assert len(re.findall(r", 1\.0, -1\)\n", code)) == layers + 1
+        assert all(offset == "1.0" for offset, _ in rotary_calls), rotary_calls
+    _assert_logits_close(logits, expected)
+
+
+def test_the_rotary_s_own_option_keeps_its_launch(monkeypatch):
+    """GEMSLIB_DECODE_GEMV_ROTARY=0: the q/k/v GEMV takes its norm, rotary_into_cache stays a
+    launch of its own (six a layer); the logits are eager's."""
+    monkeypatch.setenv(ON, "1")
+    monkeypatch.setenv("GEMSLIB_DECODE_GEMV_ROTARY", "0")
+    logits, code, expected, layers = _step_and_eager("qwen3-8b", 2)
+    report = gemslib.fusion_report()
+    assert "decode_gemv_rotary" not in report and report["decode_gemv"] == 3 * layers + 1, report
+    calls = _calls(code)
+    assert calls["rotary_into_cache"] == layers and not calls["decode_gemv_rotary"], calls
+    assert sum(calls.values()) == 6 * layers + 1, calls
     _assert_logits_close(logits, expected)
 
 
