@@ -400,6 +400,23 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor |
         runtime.dot_kernel_runs(x, weight, *others)
 
 
+def _tiling(x: torch.Tensor, meta: dict, n_tiles: int, n_out: int, n_in: int):
+    """(BLOCK_M, split_len, n_splits, arrivals, part) of a launch of ``n_tiles`` column tiles
+    of W (n_out, n_in) against x's M rows with the config ``meta``: one row by
+    multiply-and-sum where its GEMV says so, else the 16-row (or wider) tl.dot tile; K in
+    SPLIT_K ranges of whole BLOCK_K steps, with the kept split scratch (arrival counters,
+    M x n_out fp32 partials a split), or none."""
+    n_rows = x.shape[0]
+    block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
+    if meta["SPLIT_K"] == 1:
+        return block_m, n_in, 1, None, None
+    split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
+        * meta["BLOCK_K"]
+    n_splits = runtime.cdiv(n_in, split_len)
+    arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
+    return block_m, split_len, n_splits, arrivals, part
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             weight_offset: float, activation: int) -> torch.Tensor:
@@ -410,18 +427,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # elem_bytes: fp32 tiles take twice the shared memory and registers of 16-bit ones
     shape = (n_rows, n_out, n_in, x.element_size())
     config = DECODE_GEMV.planned_config(shape)
-    meta = config.meta_dict
-    block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
-    n_tiles = runtime.cdiv(n_out, meta["BLOCK_N"])
-    if meta["SPLIT_K"] > 1:
-        # whole BLOCK_K steps per split
-        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
-            * meta["BLOCK_K"]
-        n_splits = runtime.cdiv(n_in, split_len)
-        arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
-    else:
-        split_len, n_splits = n_in, 1
-        arrivals = part = None
+    n_tiles = runtime.cdiv(n_out, config.meta_dict["BLOCK_N"])
+    block_m, split_len, n_splits, arrivals, part = _tiling(x, config.meta_dict, n_tiles, n_out,
+                                                          n_in)
     prologue = NORM if norm_weight is not None else GATED if activation != NO_GATE \
         else NO_PROLOGUE
     # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors; sizes
@@ -820,17 +828,9 @@ def _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin, i
     head_pairs = head_dim // 2 if q_weight is not None else 0
     if head_pairs:
         config = _whole_heads(config, head_dim)
-    meta = config.meta_dict
-    block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
-    n_tiles = runtime.cdiv(n_out // 2, meta["BLOCK_N"] // 2)
-    if meta["SPLIT_K"] > 1:
-        split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
-            * meta["BLOCK_K"]
-        n_splits = runtime.cdiv(n_in, split_len)
-        arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
-    else:
-        split_len, n_splits = n_in, 1
-        arrivals = part = None
+    n_tiles = runtime.cdiv(n_out // 2, config.meta_dict["BLOCK_N"] // 2)
+    block_m, split_len, n_splits, arrivals, part = _tiling(x, config.meta_dict, n_tiles, n_out,
+                                                          n_in)
     # a table of one sequence serves every sequence
     table_strides = [stride for t in (cos, sin)
                      for stride in ((t.stride(0) if t.shape[0] > 1 else 0), t.stride(1))]
