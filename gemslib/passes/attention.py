@@ -438,17 +438,23 @@ def _is_last_dim_reduction(node, target, source) -> bool:
 
 
 def _softmax_input(probs):
-    """Z when ``probs`` is softmax(Z, dim=-1) as decomposed (in fp32 from a 16-bit Z, and cast
-    back to Z's dtype), its max and sum as amax and sum or, as inductor's CUDA graphs hold
-    them, the two outputs of one prepare_softmax_online; else None."""
+    """(Z, c) when ``probs`` is softmax(Z c, dim=-1) as decomposed (in fp32 from a 16-bit Z,
+    and cast back to Z's dtype), its max and sum as amax and sum or, as inductor's CUDA graphs
+    hold them, the two outputs of one prepare_softmax_online (c 1.0); or with the scaling
+    moved after the max's subtraction by inductor's scaled-softmax rewrite
+    (:func:`_scaled_softmax_logits`); else None."""
     if probs.target is _prims.convert_element_type.default:
         probs = probs.args[0]
     if probs.target is not _aten.div.Tensor:
         return None
     exp, total = probs.args
     if not (isinstance(exp, torch.fx.Node) and exp.target is _aten.exp.default and
-            isinstance(total, torch.fx.Node) and isinstance(exp.args[0], torch.fx.Node)
-            and exp.args[0].target is _aten.sub.Tensor):
+            isinstance(total, torch.fx.Node) and isinstance(exp.args[0], torch.fx.Node)):
+        return None
+    scaled = _scaled_softmax_logits(exp.args[0])
+    if scaled is not None:
+        return scaled if _is_last_dim_reduction(total, _aten.sum.dim_IntList, exp) else None
+    if exp.args[0].target is not _aten.sub.Tensor:
         return None
     scores, row_max = exp.args[0].args
     online = _online_statistics(total)
@@ -460,7 +466,30 @@ def _softmax_input(probs):
         return None
     if scores.target is _prims.convert_element_type.default:
         scores = scores.args[0]
-    return scores
+    return scores, 1.0
+
+
+def _scaled_softmax_logits(node):
+    """(x, c) when ``node`` is what inductor makes of softmax(x c)'s ``x c - amax(x c)`` (its
+    joint-graph rewrite of a scaled softmax, taken where no attention pattern of its own took
+    the graph, e.g. fp32 on a GPU without TF32): ``(xs - amax(xs)) * c'`` with xs = x (as fp32)
+    times its sign (1 or -1, c = sign c'), alone or as the finite branch of ``where(all
+    finite, it, x c - amax(x c))``; else None."""
+    if node.target is _aten.where.self:
+        node = node.args[1]
+    if not (isinstance(node, torch.fx.Node) and node.target is _aten.mul.Tensor
+            and isinstance(node.args[1], (int, float)) and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].target is _aten.sub.Tensor):
+        return None
+    signed, row_max = node.args[0].args
+    if not _is_last_dim_reduction(row_max, _aten.amax.default, signed):
+        return None
+    x, sign = signed, 1.0
+    if signed.target is _aten.mul.Tensor and signed.args[1] in (1, -1):
+        x, sign = signed.args[0], float(signed.args[1])
+    if x.target is _prims.convert_element_type.default:
+        x = x.args[0]
+    return x, sign * float(node.args[1])
 
 
 def _online_statistics(total):
@@ -524,15 +553,19 @@ def _eager_attention(bmm: torch.fx.Node):
     if probs is None or v is None or len(users) != 1 or users[0].target not in _RESHAPES or \
             users[0].meta["val"].dim() != 4 or len(live_users(probs)) != 1:
         return None
-    logits = _softmax_input(probs)
-    if logits is None:
+    found = _softmax_input(probs)
+    if found is None:
         return None
+    logits, factor = found
     for scores, mask in ((logits, None),) if logits.target is not _aten.add.Tensor else \
             (logits.args, logits.args[::-1]):
         found = isinstance(scores, torch.fx.Node) and (
             mask is None or isinstance(mask, torch.fx.Node)) and _scores(scores)
         if found:
-            return (*found[:2], v, mask, *found[2:], users[0])
+            q, k, scale, softcap = found
+            if factor != 1.0 and (softcap or mask is not None):
+                return None  # the factor scales the capped or masked logits: not a scale
+            return q, k, v, mask, scale * factor, softcap, users[0]
     return None
 
 

@@ -35,15 +35,17 @@ rms_norm is one more; ``fusion_report()["decode_gemv_rotary"]`` counts the rotar
 the cache write; decode attention; o with the residual; gate/up with the norm; down with the
 gated prologue and the residual.
 
-Conditions: every projection of a site has M <= 16 rows, static (the FakeTensor's size; a
-symbolic size is left alone), a kernel dtype on the kernel device, every tensor of the site
-one dtype, weights (and biases) graph inputs; an inference graph (a training compile's graphs
-save the intermediates, which the rewrite would drop); the tune config's verdict, where it has
-one; for 4., a full rotary. Anything else is left as it is. Off by default
-(``gemslib.decode_gemv``, or ``GEMSLIB_DECODE_GEMV=1``): decode_gemv has not yet been measured
-on a GPU, and a fusion is used only where it was measured at least as fast as inductor's and
-cuBLAS's path. 4. is on wherever 1.-3. are (``gemslib.decode_gemv_rotary`` or
-``GEMSLIB_DECODE_GEMV_ROTARY=0`` turns it off alone).
+Conditions: every projection of a site has M <= FOLD_ROWS rows (one: a B1 step; below),
+static (the FakeTensor's size; a symbolic size is left alone), a kernel dtype on the kernel
+device, every tensor of the site one dtype, weights (and biases) graph inputs; an inference
+graph (a training compile's graphs save the intermediates, which the rewrite would drop); the
+tune config's verdict, where it has one; for 4., a full rotary without the per-head q/k norm.
+Anything else is left as it is. Off by default (``gemslib.decode_gemv``, or
+``GEMSLIB_DECODE_GEMV=1``): on the H100 the folded projections run at 0.98-1.05x the unfused
+path at one row (each saving a launch the per-op timing does not show), behind it at 16 rows,
+and a whole step with the rewrite has not yet been timed; a fusion is on by default only where
+it was measured at least as fast as inductor's and cuBLAS's path. 4. is on wherever 1.-3. are
+(``gemslib.decode_gemv_rotary`` or ``GEMSLIB_DECODE_GEMV_ROTARY=0`` turns it off alone).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ from gemslib.passes.forms import arguments, call_node, live_users, only_live_use
 _aten, _gemslib = torch.ops.aten, torch.ops.gemslib
 _RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 MAX_ROWS = _decode_gemv_ops.MAX_ROWS
+# The rows a site is folded at. Each program of a folded projection reads its rows of x again
+# for the norm's rms (M / BLOCK_N of W's bytes once more) or forms act(gate) * up for them
+# (2M / BLOCK_N): on the H100 one row ran 0.98-1.05x torch.compile's unfused path, 16 rows
+# 0.84-0.91x (norm) and 0.36-0.49x (gate) (docs/notes/decode.md); rows between are unmeasured
+FOLD_ROWS = 1
 _NO_GATE = _decode_gemv_ops.NO_GATE
 
 
@@ -88,9 +95,9 @@ def _inference_graph() -> bool:
 
 
 def _decode_rows(node) -> int | None:
-    """M when ``node``'s value is (M, K) with static sizes, 1 <= M <= 16; else None."""
+    """M when ``node``'s value is (M, K) with static sizes, 1 <= M <= FOLD_ROWS; else None."""
     shape = _static_shape(node)
-    return shape[0] if shape is not None and len(shape) == 2 and 0 < shape[0] <= MAX_ROWS \
+    return shape[0] if shape is not None and len(shape) == 2 and 0 < shape[0] <= FOLD_ROWS \
         else None
 
 
@@ -270,11 +277,29 @@ def _residual_producer(y: torch.fx.Node, norm: torch.fx.Node):
         if residual is not None or node.kwargs:
             return None
         return node, (x, weight, bias, norm_weight, eps, offset, activation)
-    found = projection(node)
+    found = projection(node) or _unfused_addmm(node)
     if found is None:
         return None
     x2d, _, weight, bias = found
     return node, (x2d, weight, bias, None, 0.0, 0.0, _NO_GATE)
+
+
+def _unfused_addmm(node: torch.fx.Node):
+    """:func:`projection`'s answer for ``mm(x, W.T) + b`` with b an (N,) graph input and the mm
+    read by nothing else: an addmm as inductor leaves it on a GPU where only pointwise ops read
+    it (its bias then joins their kernel); else None."""
+    if node.target is not _aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    for mm, bias in (node.args, node.args[::-1]):
+        if not (isinstance(mm, torch.fx.Node) and isinstance(bias, torch.fx.Node)
+                and bias.op == "placeholder") or live_users(mm) != [node]:
+            continue
+        found = projection(mm)
+        bias_shape, weight_shape = _static_shape(bias), _static_shape(found[2]) if found else None
+        if found is not None and found[3] is None and weight_shape is not None and \
+                bias_shape == weight_shape[:1]:
+            return (*found[:3], bias)
+    return None
 
 
 def _fold_norms(graph: torch.fx.Graph) -> list[str]:
@@ -304,7 +329,7 @@ def _fold_norm(graph: torch.fx.Graph, norm: torch.fx.Node) -> str | None:
         return None
     width = shape[-1]
     rows = _value(x).numel() // width if width else 0
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= FOLD_ROWS:
         return None
     readers = _norm_readers(normed, rows, width)
     if readers is None or not _weights_fit(readers, width):
@@ -453,6 +478,10 @@ def _fold_rotary(graph: torch.fx.Graph, real_value) -> list[str]:
         else:
             x, weights, biases, residual, norm_weight, eps, offset, activation = gemv.args
         kwargs = write.kwargs
+        if kwargs.get("q_weight") is not None:
+            # the per-head q/k norm's tiles of whole heads ran 0.41x (one row) and 0.86x (16)
+            # the two launches on the H100 with default.yaml's configs grown: left until tuned
+            continue
         table, head = _static_shape(kwargs["cos"]), _static_shape(kwargs["q"])
         if residual is not None or activation != _NO_GATE or gemv.kwargs or table is None or \
                 len(table) != 3 or table[2] != head[3] or not _same_dtype_on_kernel(

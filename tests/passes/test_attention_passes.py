@@ -199,6 +199,24 @@ class _EagerAttention(torch.nn.Module):
         return (out, weights) if self.weights else out
 
 
+@pytest.fixture(params=["inductor's patterns", "without them"])
+def inductor_attention_patterns(request):
+    """Both ways eager attention reaches the passes: rewritten to SDPA by inductor's own
+    attention patterns first (as on the CPU), or left as it is, its scaled softmax rewritten
+    by inductor into ``(x - amax(x)) * scale`` (as for fp32 on a GPU without TF32, where
+    inductor skips its patterns)."""
+    from torch._inductor.fx_passes import fuse_attention
+
+    check = fuse_attention._sfdp_params_check
+    code = check.__code__
+    if request.param == "without them":
+        check.__code__ = (lambda match: False).__code__
+    try:
+        yield request.param
+    finally:
+        check.__code__ = code
+
+
 @pytest.mark.parametrize("softcap, mask, window, cap_form, weights, fused", [
     (2.0, "causal", None, None, False, True),     # Gemma-2's capped causal layer
     (2.0, "causal", 4, None, False, True),        # its capped sliding-window layer
@@ -211,7 +229,7 @@ class _EagerAttention(torch.nn.Module):
 ], ids=["cap", "cap-window", "causal", "no-mask", "bias", "not-a-cap", "cap-by-hand",
         "weights-returned"])
 def test_eager_attention_runs_gemslib_attention_with_its_cap_and_window(
-        softcap, mask, window, cap_form, weights, fused):
+        softcap, mask, window, cap_form, weights, fused, inductor_attention_patterns):
     """The eager form fuses under the masks SDPA's does, its tanh cap as the kernel's softcap
     (the result matches eager's, and differs from the uncapped one: the cap is computed) and
     its window as the kernel's; look-alikes and a returned softmax stay inductor's, right."""
