@@ -83,3 +83,8 @@ def main(out_path: str, device: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # as benchmark.tensor_parallel.leave_without_teardown: the interpreter's teardown beside
+    # gloo's threads aborts now and then after all is written (exit -6)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
