@@ -96,7 +96,10 @@ def test_a_decode_step_s_projections_take_the_small_ops_around_them(name, batch,
     the cache write; decode attention; o GEMV with the residual; gate/up GEMV with the norm;
     down GEMV with the gated prologue and the residual), the lm_head one more; the logits are
     eager's. With ``gemslib.decode_gemv_rotary`` off, the rotary keeps its own launch."""
+    from torch._inductor.fx_passes.reinplace import ReinplaceCounters
+
     monkeypatch.setenv(ON, "1")
+    ReinplaceCounters.clear()
     logits, code, expected, layers = _step_and_eager(name, batch)
     report = gemslib.fusion_report()
     gated = "gelu_and_mul" if name.startswith("gemma") else "silu_and_mul"
@@ -118,6 +121,11 @@ def test_a_decode_step_s_projections_take_the_small_ops_around_them(name, batch,
         assert calls["decode_gemv"] + calls["decode_gemv_merged"] == 3 * layers + 1, calls
         assert calls["decode_gemv_rotary"] == layers and not calls["rotary_into_cache"], calls
         assert sum(calls.values()) == 5 * layers + 1, calls
+        # each launch writes the graph's cache inputs themselves: no copy of a cache
+        written = re.findall(r"decode_gemv_rotary\.graph\([^\n]*, (?:False|True), \w+, "
+                             r"(arg\d+_1), (arg\d+_1), \d+", code)
+        assert len(set(written)) == layers, code
+    assert ReinplaceCounters.get_total_missed_bytes() == 0
     # decode_gemv_rotary(x, weights, biases, norm_weight, eps, weight_offset, ...): its norm's
     # offset, and Qwen3's per-head norm weights after n_q_heads
     rotary_calls = re.findall(r"decode_gemv_rotary\.graph\(\w+, \[[^]]*\], \[[^]]*\], "
