@@ -233,6 +233,7 @@ def worker_env(cache_root: Path | None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a hung worker's stacks reach its log (dump_stacks)
     if not has_gpu():
         env["TRITON_INTERPRET"] = "1"
     if cache_root is not None:  # cold compiles: nothing reused from another way's process
@@ -294,6 +295,7 @@ def run_job(job: dict, work_dir: Path, timeout: float, *, command, cold_cache: b
                 returncode = process.wait(timeout=max(timeout, 1))
                 kill_group(process)  # what it left behind (inductor's compile workers)
             except subprocess.TimeoutExpired:
+                dump_stacks(process)
                 kill_group(process)
                 returncode, status = None, f"timeout after {timeout:.0f} s"
             except BaseException:  # Ctrl-C or a SIGTERM: take the worker down with us
@@ -347,6 +349,17 @@ def sigterm_raises():
         yield
     finally:  # None: a handler not set from Python, which cannot be put back; the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def dump_stacks(process: subprocess.Popen, wait_s: float = 5.0) -> None:
+    """Ask a hung worker where it is before it is killed: SIGABRT makes Python's faulthandler
+    (on in :func:`worker_env`) write every thread's stack to the worker's log, so a timeout
+    row says where the time went (a compile, a synchronize behind a stuck kernel, a loop)."""
+    try:
+        process.send_signal(signal.SIGABRT)
+        process.wait(timeout=wait_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
 
 
 def kill_group(process: subprocess.Popen) -> None:

@@ -231,6 +231,21 @@ def test_the_floor_counts_llama_3_8b_s_matmuls_and_attention():
         models.matmul_flops(spec, 1, 4096) / 700e9 + models.attention_flops(spec, 1, 4096) / 500e9)
 
 
+def test_a_hung_worker_leaves_its_stack_in_its_log(tmp_path):
+    """A timeout row's log says where the worker was stuck: the stack of the call it hung in."""
+    hang = ("import time\n"
+            "def waiting_for_a_kernel_that_never_ends():\n"
+            "    print('started', flush=True)\n"
+            "    time.sleep(60)\n"
+            "waiting_for_a_kernel_that_never_ends()\n")
+    result = realmodels.run_job({"way": "stuck"}, tmp_path, timeout=3, cold_cache=False,
+                                command=lambda job, path: [sys.executable, "-c", hang])
+    assert result["status"] == "timeout after 3 s"
+    log = (tmp_path / "stuck.log").read_text()
+    assert "started" in log
+    assert "in waiting_for_a_kernel_that_never_ends" in log
+
+
 def test_a_crashed_worker_is_reported_by_its_exception_not_a_launcher_banner(tmp_path):
     """A worker under a launcher (torchrun) ends its log with the launcher's summary banner;
     the status names the exception that ended it, and a log without one its last line."""
