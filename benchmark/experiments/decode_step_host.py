@@ -10,7 +10,8 @@ token. The step is ``benchmark.decode``'s (same model, cache and compiled step).
 held busy (``torch.cuda._sleep``) for longer than the calls take, so no call waits on the GPU
 and the wall time of a call is its host part alone. Printed, us a call: the host part; the same
 with dynamo's guards skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
-``cudagraph_mark_step_begin`` alone; then a cProfile of the calls, by own time and by
+``cudagraph_mark_step_begin`` alone (``--no-trees``: inductor's plain cudagraphify instead of
+its trees); then a cProfile of the calls, by own time and by
 cumulative time (the guards and the replay's C++ are inside the calls that run them).
 """
 
@@ -24,6 +25,7 @@ import pstats
 import time
 
 import torch
+import torch._inductor.config
 
 from benchmark import decode
 from benchmark.models import MODELS, build_model, input_ids
@@ -52,8 +54,12 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--cache", type=int, default=192)
     parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
     parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--no-trees", action="store_true",
+                        help="inductor's plain cudagraphify instead of its CUDA-graph trees")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
+    if args.no_trees:
+        torch._inductor.config.triton.cudagraph_trees = False
     spec = dataclasses.replace(MODELS[args.model], layers=args.layers)
     model = build_model(spec, "cuda", torch.bfloat16).eval()
     ids = input_ids(spec, args.batch, args.prompt, torch.device("cuda"))
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None):
         rewind()
         host = _host_us(step, args.calls)
         print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
-              f"backend={args.backend}: host part {host:.1f} us a call")
+              f"backend={args.backend}{' (no trees)' if args.no_trees else ''}: host part {host:.1f} us a call")
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 unguarded = _host_us(step, args.calls)
