@@ -81,6 +81,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
 
     from gemslib.passes.linear import merge_once, merge_state
 
+    lower_gemslib_ops_as_fallbacks()
     record = compile_record(example_inputs)
     # the merges a compile can make depend on the merges made before it (a parameter merged
     # in one group is not merged into another): part of what names the compile
@@ -93,6 +94,32 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     else:
         _replay(path, record, merge_once)
     return compiled
+
+
+def lower_gemslib_ops_as_fallbacks() -> None:
+    """Give every gemslib operator inductor's fallback lowering before a compile, as inductor
+    gives one to an operator it meets without a lowering (the same layout constraint, from
+    the operator's tags), but without the step before it: inductor first logs the call's
+    arguments, and torch before 2.12 formats that message whether or not it is shown. An IR
+    node's string holds its inputs' strings, so it grows with the number of paths through the
+    graph above the call: a decode-step operator first met in the 16th layer, whose residual
+    stream feeds two operators a layer, took longer to format than the compile (the compile
+    never ended). Operators defined later (a plugin's) still take inductor's own path."""
+    try:
+        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:  # another torch: inductor's own path, message included
+        return
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, qualified = name.partition("::")
+        if namespace != "gemslib":
+            continue
+        packet_name, _, overload_name = qualified.partition(".")
+        op = getattr(getattr(torch.ops.gemslib, packet_name), overload_name or "default")
+        if op in lowerings:
+            continue
+        make_fallback(op, layout_constraint=tag_to_layout_constraint(
+            get_layout_constraint_tag(op, with_default=True)), warn=False)
 
 
 def _record_path(gm, example_inputs, passes: GemslibPasses, patches) -> Path:

@@ -481,3 +481,32 @@ def test_subclass_inputs_map_to_their_leaves_even_one_leaf_each():
         real_value = manager._real_values(traced)
     placeholders = traced.find_nodes(op="placeholder")
     assert [real_value(node) is shard for node, shard in zip(placeholders, shards)] == [True, True]
+
+
+def test_gemslib_ops_reach_inductor_with_their_fallbacks_registered(monkeypatch):
+    """Inductor meets no gemslib operator without a lowering: its implicit path formats the
+    call's IR arguments (eagerly before torch 2.12), a string that grows exponentially with the
+    layers above the call, and a 16-layer decode step's compile never ended there."""
+    from torch._inductor import graph as inductor_graph
+    from torch._inductor import lowering
+
+    for op in [op for op in lowering.lowerings if "gemslib::" in str(op)]:
+        monkeypatch.delitem(lowering.lowerings, op)  # as in a fresh process
+    implicit = []
+    real_make_fallback = inductor_graph.make_fallback
+
+    def recording_make_fallback(op, *args, **kwargs):
+        implicit.append(str(op))
+        return real_make_fallback(op, *args, **kwargs)
+
+    monkeypatch.setattr(inductor_graph, "make_fallback", recording_make_fallback)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    model = _tiny_llama(torch.float32, layers=2)
+    ids = torch.randint(0, 96, (1, 8), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids).logits
+        got = torch.compile(model, backend="gemslib")(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert gemslib.fusion_report()["add_rms_norm"] == 4  # gemslib ops were lowered
+    assert [op for op in implicit if op.startswith("gemslib")] == []
