@@ -84,9 +84,49 @@ def test_a_launch_in_a_compiled_graph_is_the_stack_less_its_projections(monkeypa
     results = host.run_graphs(calls=2, device=torch.device("cpu"), warmup=1,
                               forms=("rms_norm",), ways=("inductor", "gemslib"))
     row = results["rms_norm"]
+    assert row["gemslib"]["fused"] and row["inductor"]["fused"]
     for way in ("inductor", "gemslib"):
         assert row[way]["per_launch"] == row[way]["stack"] - row[way]["projections"]
     assert row["gemslib"]["fusions"] == {"rms_norm": 1} and row["inductor"]["fusions"] == {}
     assert row["gemslib"]["ratio"] == row["gemslib"]["per_launch"] / row["inductor"]["per_launch"]
     markdown = host.format_graph_markdown(results)
     assert "| rms_norm | " in markdown and "| - | - |" in markdown  # ways not run: dashes
+
+
+@pytest.fixture
+def verdicts_say_inductor(monkeypatch):
+    """The file in use measured inductor faster for every rms_norm (its verdicts read)."""
+    import dataclasses
+
+    from gemslib.runtime import configs
+
+    monkeypatch.delenv(configs.VERDICTS_ENV, raising=False)
+    selected, default = configs.active_configs()
+    says_inductor = dataclasses.replace(selected, verdicts={"rms_norm": ((None, "inductor"),)})
+    monkeypatch.setattr(configs, "_active", (says_inductor, default))
+
+
+def test_the_graph_table_sets_the_verdicts_aside_and_says_where_a_form_is_not_fused(
+        monkeypatch, verdicts_say_inductor):
+    """A launch figure needs the fusion in the graph: the gemslib ways compile with the
+    verdicts set aside, and a form left unfused all the same reads "not fused", never a
+    figure of inductor's kernel under gemslib's name."""
+    import contextlib
+
+    from gemslib import runtime
+
+    monkeypatch.setattr(host, "GRAPH_LAYERS", 1)
+    results = host.run_graphs(calls=1, device=torch.device("cpu"), warmup=1,
+                              forms=("rms_norm",), ways=("inductor", "gemslib"))
+    assert results["rms_norm"]["gemslib"]["fusions"] == {"rms_norm": 1}
+    monkeypatch.setattr(runtime, "ignoring_verdicts", contextlib.nullcontext)
+    results = host.run_graphs(calls=1, device=torch.device("cpu"), warmup=1,
+                              forms=("rms_norm",), ways=("inductor", "gemslib"))
+    row = results["rms_norm"]
+    assert row["gemslib"]["fusions"] == {} and not row["gemslib"]["fused"]
+    markdown = host.format_graph_markdown(results)
+    line = next(line for line in markdown.splitlines() if line.startswith("| rms_norm |"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    # form, inductor, gemslib, gemslib-python, gemslib-default, ratio
+    assert cells[2] == "not fused" and cells[3:] == ["-", "-", "-"], line
+    assert cells[1] == f"{row['inductor']['per_launch']:.1f}"
