@@ -2,23 +2,25 @@
 
     python -m benchmark.experiments.decode_step_host [--model llama3.2-1b] [--layers 16]
                                                     [--batch 1] [--prompt 128] [--cache 192]
-                                                    [--backend gemslib] [--calls 200]
+                                                    [--backend gemslib] [--calls 8 --rounds 15]
 
 The question it answers (docs/notes/decode.md, the step's host part): what the CPU spends on a
 compiled step before and after its CUDA graph's replay, which at B1 the GPU waits for every
 token. The step is ``benchmark.decode``'s (same model, cache and compiled step). The stream is
-held busy (``torch.cuda._sleep``) for longer than the calls take, so no call waits on the GPU
-and the wall time of a call is its host part alone. Printed, us a call: the host part; the same
-with dynamo's guards skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
+held busy (``torch.cuda._sleep``) for longer than a block of calls takes, so no call waits on
+the GPU and the wall time of a call is its host part alone; the blocks of each figure
+alternate, the least kept. Printed, us a call: the host part; the same with dynamo's guards
+skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
 ``cudagraph_mark_step_begin`` alone (``--no-trees``: inductor's plain cudagraphify instead of
-its trees); then a cProfile of the calls, by own time and by
-cumulative time (the guards and the replay's C++ are inside the calls that run them).
+its trees); then a cProfile of one block, by own time and by cumulative time (the guards and
+the replay's C++ are inside the calls that run them).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import dataclasses
 import io
 import pstats
@@ -31,18 +33,24 @@ from benchmark import decode
 from benchmark.models import MODELS, build_model, input_ids
 
 
-def _host_us(fn, calls: int) -> float:
-    """Median of five blocks of ``calls`` calls, us a call, with the stream held busy ahead of
-    each block so that no call waits for the GPU."""
-    blocks = []
-    for _ in range(5):
-        torch.cuda._sleep(int(2e9))  # ~1 s at Hopper's clocks: far longer than the block
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        blocks.append((time.perf_counter() - started) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(blocks)[2]
+def _least_host_us(timed: dict, calls: int, rounds: int) -> dict:
+    """{name: us a call}: each of ``timed`` ({name: (fn, context factory)}) run in blocks of
+    ``calls`` calls, the blocks of the names alternating for ``rounds`` rounds, the least block
+    kept (the host's speed drifts by more than the parts differ). The stream is held busy
+    ahead of each block so that no call waits for the GPU, and a block is short enough (a few
+    dozen launches) that the launch queue never fills."""
+    least = {name: float("inf") for name in timed}
+    for _ in range(rounds):
+        for name, (fn, context) in timed.items():
+            with context():
+                torch.cuda._sleep(int(1e8))  # ~60 ms at Hopper's clocks: longer than a block
+                started = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                elapsed = time.perf_counter() - started
+            torch.cuda.synchronize()
+            least[name] = min(least[name], elapsed / calls * 1e6)
+    return least
 
 
 def main(argv: list[str] | None = None):
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--cache", type=int, default=192)
     parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
-    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--calls", type=int, default=8, help="calls a timed block")
+    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of blocks")
     parser.add_argument("--no-trees", action="store_true",
                         help="inductor's plain cudagraphify instead of its CUDA-graph trees")
     parser.add_argument("--top", type=int, default=30)
@@ -75,22 +84,28 @@ def main(argv: list[str] | None = None):
             rewind()
             step()
 
-        rewinding = _host_us(rewind, args.calls)
-        host = _host_us(call, args.calls) - rewinding
-        print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
-              f"backend={args.backend}{' (no trees)' if args.no_trees else ''}: host part {host:.1f} us a call "
-              f"(the rewind's {rewinding:.1f} us taken off)")
+        timed = {"call": (call, contextlib.nullcontext), "rewind": (rewind, contextlib.nullcontext),
+                 "mark_step": (torch.compiler.cudagraph_mark_step_begin, contextlib.nullcontext)}
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                unguarded = _host_us(call, args.calls) - rewinding
-            print(f"  with dynamo's guards skipped: {unguarded:.1f} us "
-                  f"(guards ~{host - unguarded:.1f} us)")
+                call()
+            timed["unguarded"] = (call, lambda: torch.compiler.set_stance(
+                "default", skip_guard_eval_unsafe=True))
         except (TypeError, RuntimeError) as err:
             print(f"  guards not skippable here: {err}")
-        mark = _host_us(torch.compiler.cudagraph_mark_step_begin, args.calls)
-        print(f"  cudagraph_mark_step_begin alone: {mark:.1f} us")
+        least = _least_host_us(timed, args.calls, args.rounds)
+        host = least["call"] - least["rewind"]
+        print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
+              f"backend={args.backend}{' (no trees)' if args.no_trees else ''}: host part "
+              f"{host:.1f} us a call (least of {args.rounds} rounds of {args.calls} calls; the "
+              f"rewind's {least['rewind']:.1f} us taken off)")
+        if "unguarded" in least:
+            unguarded = least["unguarded"] - least["rewind"]
+            print(f"  with dynamo's guards skipped: {unguarded:.1f} us "
+                  f"(guards ~{host - unguarded:.1f} us)")
+        print(f"  cudagraph_mark_step_begin alone: {least['mark_step']:.1f} us")
         profiler = cProfile.Profile()
-        torch.cuda._sleep(int(2e9))
+        torch.cuda._sleep(int(1e8))
         profiler.enable()
         for _ in range(args.calls):
             call()
