@@ -12,7 +12,8 @@ three warm-up calls it prints, per forward:
 - ``host``: the call's return time with the GPU idle before it (nothing waits on the GPU, so
   this is the time to enqueue the forward; where it is above ``gpu``, the forward is
   host-bound and ``wall`` follows it);
-- ``gpu``: the kernels' time in a torch.profiler trace of 5 calls;
+- ``gpu``: the kernels' time in a torch.profiler trace of 5 calls, then its kernels by name
+  (GPU us a forward, launches a forward);
 - the profiler's rows by self CPU time a forward (dispatcher ops, gemslib's included, and the
   CUDA runtime's launch calls), then cProfile's Python functions by own time over 5 calls
   (cProfile's own cost inflates them; compare rows with each other, not with ``host``);
@@ -105,6 +106,14 @@ def main(argv=None) -> int:
             gpu_us = sum(row.self_device_time_total for row in rows
                          if row.device_type == torch.autograd.DeviceType.CUDA)
             print(f"gpu  {gpu_us / 5 / 1e3:.3f} ms (kernels, profiler)")
+            print(f"\nkernels by GPU time a forward (top {args.top}):")
+            print(f"{'us/forward':>11} {'calls/fwd':>9} {'us/call':>8}  name")
+            gpu_rows = sorted((row for row in rows if row.self_device_time_total > 0 and
+                               row.device_type == torch.autograd.DeviceType.CUDA),
+                              key=lambda row: -row.self_device_time_total)
+            for row in gpu_rows[:args.top]:
+                print(f"{row.self_device_time_total / 5:11.1f} {row.count / 5:9.1f} "
+                      f"{row.self_device_time_total / max(row.count, 1):8.2f}  {row.key[:90]}")
         print(f"\nprofiler rows by self CPU time a forward (top {args.top}):")
         print(f"{'us/forward':>11} {'calls/fwd':>9} {'us/call':>8}  name")
         cpu_rows = sorted((row for row in rows if row.self_cpu_time_total > 0),
