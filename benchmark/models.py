@@ -265,6 +265,7 @@ def run_floor(job: dict) -> dict:
 
 
 def worker_main(job_path: str) -> int:
+    realmodels.answer_stack_requests()
     job = json.loads(Path(job_path).read_text())
     kind = job["kind"]
     if kind == "floor":

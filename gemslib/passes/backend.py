@@ -101,10 +101,9 @@ def lower_gemslib_ops_as_fallbacks() -> None:
     gives one to an operator it meets without a lowering (the same layout constraint, from
     the operator's tags), but without the step before it: inductor first logs the call's
     arguments, and torch before 2.12 formats that message whether or not it is shown. An IR
-    node's string holds its inputs' strings, so it grows with the number of paths through the
-    graph above the call: a decode-step operator first met in the 16th layer, whose residual
-    stream feeds two operators a layer, took longer to format than the compile (the compile
-    never ended). Operators defined later (a plugin's) still take inductor's own path."""
+    node's string holds its inputs' strings, so it grows with the graph above the call (a
+    decode step's first q/k/v GEMV: 1.1 MB of text). Operators defined later (a plugin's)
+    still take inductor's own path."""
     try:
         from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
         from torch._library.utils import get_layout_constraint_tag

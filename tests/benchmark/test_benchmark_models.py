@@ -246,6 +246,41 @@ def test_a_hung_worker_leaves_its_stack_in_its_log(tmp_path):
     assert "in waiting_for_a_kernel_that_never_ends" in log
 
 
+_DEEP_HANG = """
+import time
+from benchmark import realmodels
+
+def descend(depth):  # a recursion through two functions, as an IR string's is
+    if depth == 0:
+        print("started", flush=True)
+        time.sleep(60)
+    bounce(depth - 1)
+
+def bounce(depth):
+    descend(depth)
+
+def the_outermost_caller():
+    descend(300)
+
+realmodels.answer_stack_requests()
+the_outermost_caller()
+"""
+
+
+def test_a_worker_hung_deep_in_a_recursion_names_its_outermost_callers(tmp_path):
+    """faulthandler keeps a stack's innermost 100 frames: a worker stuck 600 frames deep also
+    writes its own stack, outermost first, so the log names what started the recursion."""
+    result = realmodels.run_job({"way": "deep"}, tmp_path, timeout=3, cold_cache=False,
+                                command=lambda job, path: [sys.executable, "-c", _DEEP_HANG])
+    assert result["status"] == "timeout after 3 s"
+    log = (tmp_path / "deep.log").read_text()
+    ours = log[log.index("outermost first"):]
+    assert ours.index("in the_outermost_caller") < ours.index("in descend")
+    assert " frames ...\n" in ours  # the middle of the recursion left out
+    assert "in write_stacks" not in ours  # the stack that was interrupted, not the handler
+    assert "Current thread" in log or "most recent call first" in log  # faulthandler's too
+
+
 def test_a_crashed_worker_is_reported_by_its_exception_not_a_launcher_banner(tmp_path):
     """A worker under a launcher (torchrun) ends its log with the launcher's summary banner;
     the status names the exception that ended it, and a log without one its last line."""
