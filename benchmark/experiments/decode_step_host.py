@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import contextlib
-import dataclasses
 import io
 import pstats
 import time
@@ -29,8 +28,7 @@ import time
 import torch
 import torch._inductor.config
 
-from benchmark import decode
-from benchmark.models import MODELS, build_model, input_ids
+from benchmark.experiments.decode_step_kernels import add_step_arguments, warmed_step
 
 
 def _least_host_us(timed: dict, calls: int, rounds: int) -> dict:
@@ -55,12 +53,7 @@ def _least_host_us(timed: dict, calls: int, rounds: int) -> dict:
 
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.decode_step_host")
-    parser.add_argument("--model", choices=list(MODELS), default="llama3.2-1b")
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--cache", type=int, default=192)
-    parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
+    add_step_arguments(parser, model="llama3.2-1b", layers=16, batch=1)
     parser.add_argument("--calls", type=int, default=8, help="calls a timed block")
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of blocks")
     parser.add_argument("--no-trees", action="store_true",
@@ -69,16 +62,8 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.no_trees:
         torch._inductor.config.triton.cudagraph_trees = False
-    spec = dataclasses.replace(MODELS[args.model], layers=args.layers)
-    model = build_model(spec, "cuda", torch.bfloat16).eval()
-    ids = input_ids(spec, args.batch, args.prompt, torch.device("cuda"))
     with torch.no_grad():
-        step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache)
-        for _ in range(5):
-            rewind()
-            step()
-        torch.cuda.synchronize()
-        rewind()
+        spec, step, rewind = warmed_step(args)
 
         def call():  # every step at the same fill, as benchmark.decode times it
             rewind()

@@ -37,26 +37,40 @@ def _kernels(trace_events, copies: bool = False) -> list[tuple[str, float, float
     return sorted(kernels, key=lambda kernel: kernel[1])
 
 
-def main(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.decode_step_kernels")
-    parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
+def add_step_arguments(parser: argparse.ArgumentParser, model: str, layers: int,
+                       batch: int) -> None:
+    """The step's arguments (model, layers, batch, prompt, cache, backend), shared with the
+    other decode-step experiments."""
+    parser.add_argument("--model", choices=list(MODELS), default=model)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--cache", type=int, default=192)
     parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
-    args = parser.parse_args(argv)
+
+
+def warmed_step(args: argparse.Namespace):
+    """(spec, step, rewind): ``benchmark.decode``'s compiled step for ``args``, replayed five
+    times and rewound, the GPU idle. Call it under ``torch.no_grad()``."""
     spec = dataclasses.replace(MODELS[args.model], layers=args.layers)
     model = build_model(spec, "cuda", torch.bfloat16).eval()
     ids = input_ids(spec, args.batch, args.prompt, torch.device("cuda"))
-    with torch.no_grad():
-        step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache)
-        for _ in range(5):
-            rewind()
-            step()
-        torch.cuda.synchronize()
+    step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache)
+    for _ in range(5):
         rewind()
-        torch.cuda.synchronize()
+        step()
+    torch.cuda.synchronize()
+    rewind()
+    torch.cuda.synchronize()
+    return spec, step, rewind
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.decode_step_kernels")
+    add_step_arguments(parser, model="llama3-8b", layers=8, batch=16)
+    args = parser.parse_args(argv)
+    with torch.no_grad():
+        spec, step, rewind = warmed_step(args)
         with profile(activities=[ProfilerActivity.CUDA]) as trace:
             step()
             torch.cuda.synchronize()
