@@ -1,0 +1,183 @@
+"""Experiment: a one-row GEMV whose programs share the weight's bytes equally (stream-K),
+against cuBLAS and decode_gemv's tile grid.
+
+    python -m benchmark.experiments.gemv_stream_k [--quick]
+
+The question it answers (docs/notes/decode.md, the fused GEMVs): decode_gemv and cuBLAS read a
+decode step's large projections at 78-80% of copy bandwidth, and the estimate says a tile
+grid's last partial wave costs most of the gap (Llama-3-8B's gate/up: 896 tiles for ~528
+resident programs, 1.7 waves). Here a fixed number of programs (``programs``, a multiple of
+the SMs) each stream an equal share of the (tile, K step) iterations: a share may start or
+end inside a tile; such a tile's partial sums go to a scratch row per contributing program,
+and the last contributor to arrive adds them in program order (deterministic) and stores
+the tile. Nothing is zeroed per call (the last arrival puts the tile's counter back to 0).
+
+Timed: each way over R copies of the weight in turn (R x its bytes >= 4x L2), captured in one
+CUDA graph, so that every call streams its weight from DRAM and no flush's write-back is in
+the figure; GB/s of the weight's bytes and their share of the run's copy bandwidth. Shapes:
+the projections of Llama-3.2-1B and Llama-3-8B at one row, and Llama-3-8B's lm_head.
+Needs a CUDA GPU; the kernel's correctness is tested in the interpreter
+(tests/benchmark/test_gemv_stream_k.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stream_k_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, arrivals_ptr,
+                          n_out, n_in, k_steps, total_iters, n_programs, max_contrib,
+                          stride_w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[n] = sum_k W[n, k] x[k], fp32 sums, W (n_out, n_in) unit last stride, x (n_in,).
+
+    Iteration i is K step i % k_steps of row tile i // k_steps (BLOCK_N rows, BLOCK_K columns);
+    program p takes iterations [p T / P, (p + 1) T / P) (T = total_iters, P = n_programs <= T,
+    so each takes at least one). A tile whose iterations one program takes whole is stored
+    by it; otherwise each contributor stores its partial sum in part[tile, p - first] (first:
+    the tile's first contributor) and counts itself in arrivals[tile]; the last to arrive adds
+    the partials in order, stores the tile and puts the counter back to 0."""
+    i_p = tl.program_id(0)
+    it = (i_p * total_iters) // n_programs
+    it_end = ((i_p + 1) * total_iters) // n_programs
+    o_row = tl.arange(0, BLOCK_N)
+    o_col = tl.arange(0, BLOCK_K)
+    while it < it_end:
+        i_tile = it // k_steps
+        tile_begin = i_tile * k_steps
+        seg_end = tl.minimum(it_end, tile_begin + k_steps)
+        o_n = i_tile * BLOCK_N + o_row
+        m_n = o_n < n_out
+        p_w = w_ptr + o_n.to(tl.int64)[:, None] * stride_w_row
+        b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(it, seg_end):
+            o_k = (i - tile_begin) * BLOCK_K + o_col
+            m_k = o_k < n_in
+            b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+            b_acc += tl.sum(b_w.to(tl.float32) * b_x[None, :], axis=1)
+        if (it == tile_begin) & (seg_end == tile_begin + k_steps):
+            tl.store(y_ptr + o_n, b_acc.to(y_ptr.dtype.element_ty), mask=m_n)
+        else:
+            # the program holding iteration j is ((j + 1) P - 1) // T
+            first = ((tile_begin + 1) * n_programs - 1) // total_iters
+            last = ((tile_begin + k_steps) * n_programs - 1) // total_iters
+            p_part = part_ptr + (i_tile * max_contrib).to(tl.int64) * BLOCK_N + o_row
+            tl.store(p_part + (i_p - first) * BLOCK_N, b_acc)
+            tl.debug_barrier()  # every thread's store issued before the program counts itself
+            arrived = tl.atomic_add(arrivals_ptr + i_tile, 1, sem="acq_rel")
+            if arrived == last - first:
+                b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for j in range(0, last - first + 1):  # in program order: deterministic
+                    b_sum += tl.load(p_part + j * BLOCK_N, cache_modifier=".cg")
+                tl.store(y_ptr + o_n, b_sum.to(y_ptr.dtype.element_ty), mask=m_n)
+                tl.atomic_xchg(arrivals_ptr + i_tile, 0)
+        it = seg_end
+
+
+class StreamKGemv:
+    """y = W @ x by :func:`_stream_k_gemv_kernel` for one weight shape, its scratch kept (the
+    counters come back to 0 after every call, so a CUDA graph replays the launch alone)."""
+
+    def __init__(self, n_out: int, n_in: int, device, programs: int, block_n: int = 32,
+                 block_k: int = 256, num_warps: int = 4, num_stages: int = 3):
+        self.n_out, self.n_in = n_out, n_in
+        self.block_n, self.block_k = block_n, block_k
+        self.k_steps = triton.cdiv(n_in, block_k)
+        tiles = triton.cdiv(n_out, block_n)
+        self.total_iters = tiles * self.k_steps
+        self.programs = max(1, min(programs, self.total_iters))
+        # a tile's k_steps iterations meet at most this many shares of >= T // P iterations
+        self.max_contrib = triton.cdiv(self.k_steps, self.total_iters // self.programs) + 1
+        self.part = torch.empty(tiles * self.max_contrib * block_n, dtype=torch.float32,
+                                device=device)
+        self.arrivals = torch.zeros(tiles, dtype=torch.int32, device=device)
+        self.launch_options = {"num_warps": num_warps, "num_stages": num_stages}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.shape != (self.n_out, self.n_in) or weight.stride(1) != 1:
+            raise ValueError(f"weight: expected ({self.n_out}, {self.n_in}) with unit last "
+                             f"stride, got {tuple(weight.shape)} strides {weight.stride()}")
+        if x.shape != (self.n_in,) or not x.is_contiguous():
+            raise ValueError(f"x: expected a contiguous ({self.n_in},), got {tuple(x.shape)}")
+        y = torch.empty(self.n_out, dtype=x.dtype, device=x.device) if out is None else out
+        _stream_k_gemv_kernel[(self.programs,)](
+            x, weight, y, self.part, self.arrivals, self.n_out, self.n_in, self.k_steps,
+            self.total_iters, self.programs, self.max_contrib, weight.stride(0),
+            BLOCK_N=self.block_n, BLOCK_K=self.block_k, **self.launch_options)
+        return y
+
+
+# (name, n_out, n_in) at one row
+SHAPES = (("1B q/k/v", 3072, 2048), ("1B o", 2048, 2048), ("1B gate/up", 16384, 2048),
+          ("1B down", 2048, 8192), ("8B q/k/v", 6144, 4096), ("8B o", 4096, 4096),
+          ("8B gate/up", 28672, 4096), ("8B down", 4096, 14336), ("8B lm_head", 128256, 4096))
+QUICK = ("1B o", "8B gate/up", "8B down")
+L2_MULTIPLE = 4  # the copies of a weight read in turn hold at least this many L2s
+
+
+def _rotated_us(fn, weights, x) -> float:
+    """us a call of ``fn(x, w)``, the calls over ``weights`` in turn captured in one graph."""
+    from benchmark.harness import graphed, median_ms
+
+    replay = graphed(lambda: [fn(x, w) for w in weights])
+    return median_ms(replay) * 1e3 / len(weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.gemv_stream_k")
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemv_stream_k: needs a CUDA GPU (the kernel's tests run in the interpreter)")
+        return 1
+    from benchmark.harness import measure_ceilings
+    from gemslib.fused.decode_gemv import decode_gemv
+
+    device = torch.device("cuda")
+    props = torch.cuda.get_device_properties(device)
+    sms, l2_bytes = props.multi_processor_count, props.L2_cache_size
+    copy_gbps = measure_ceilings().copy_gbps
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs, L2 {l2_bytes / 2**20:.0f} MiB, copy "
+          f"{copy_gbps:.0f} GB/s; us a call, (% of copy bandwidth for the weight's bytes)")
+    variants = [(per_sm, block_n, block_k) for per_sm in (2, 4, 8) for block_n in (16, 32)
+                for block_k in (128, 256)]
+    for name, n_out, n_in in SHAPES:
+        if args.quick and name not in QUICK:
+            continue
+        weight_bytes = n_out * n_in * 2
+        copies = max(2, triton.cdiv(L2_MULTIPLE * l2_bytes, weight_bytes))
+        weights = [torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) / n_in**0.5
+                   for _ in range(copies)]
+        x = torch.randn(n_in, device=device, dtype=torch.bfloat16)
+        reference = (weights[0].double() @ x.double())
+
+        def share(us: float) -> str:
+            return f"{us:7.1f} ({weight_bytes / us / 1e3 / copy_gbps:5.1%})"
+
+        figures = {"cuBLAS": _rotated_us(lambda x, w: w @ x, weights, x),
+                   "decode_gemv": _rotated_us(lambda x, w: decode_gemv(x[None], w), weights, x)}
+        for per_sm, block_n, block_k in variants:
+            gemv = StreamKGemv(n_out, n_in, device, sms * per_sm, block_n, block_k)
+            error = ((gemv(x, weights[0]).double() - reference).norm() / reference.norm()).item()
+            if error > 1e-2:
+                figures[f"stream-K {per_sm}/SM N{block_n} K{block_k}"] = f"wrong ({error:.1e})"
+                continue
+            figures[f"stream-K {per_sm}/SM N{block_n} K{block_k}"] = _rotated_us(
+                gemv, weights, x)
+        best = min((value, way) for way, value in figures.items() if isinstance(value, float))
+        print(f"\n{name} ({n_out}x{n_in}, {weight_bytes / 2**20:.0f} MiB, {copies} copies): "
+              f"best {best[1]}")
+        for way, value in figures.items():
+            print(f"  {way:<28} {share(value) if isinstance(value, float) else value}")
+        del weights
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
