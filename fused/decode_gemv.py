@@ -1000,12 +1000,19 @@ TUNING = (
                     _tune_problem(1, 2048, 8192, "gated")),
          TuneBucket({"rows": 1, "n": 4096, "elem_bytes": 2}, "M1 N4096 K14336 gated",
                     _tune_problem(1, 4096, 14336, "gated")),
+         # the wide ones by width too: the column tiles' count over the programs an SM
+         # holds decides the last wave's share (Llama-3.2-1B's gate/up 512 tiles of 32 rows,
+         # Llama-3-8B's 896)
+         TuneBucket({"rows": 1, "n": 16384, "elem_bytes": 2}, "M1 N16384 K2048 norm",
+                    _tune_problem(1, 16384, 2048, "norm")),
          TuneBucket({"rows": 1, "elem_bytes": 2}, "M1 N28672 K4096 norm",
                     _tune_problem(1, 28672, 4096, "norm")),
          TuneBucket({"rows": 16, "n": 2048, "elem_bytes": 2}, "M16 N2048 K8192 gated",
                     _tune_problem(16, 2048, 8192, "gated")),
          TuneBucket({"rows": 16, "n": 4096, "elem_bytes": 2}, "M16 N4096 K14336 gated",
                     _tune_problem(16, 4096, 14336, "gated")),
+         TuneBucket({"rows": 16, "n": 16384, "elem_bytes": 2}, "M16 N16384 K2048 norm",
+                    _tune_problem(16, 16384, 2048, "norm")),
          TuneBucket({"rows": 16, "elem_bytes": 2}, "M16 N28672 K4096 norm",
                     _tune_problem(16, 28672, 4096, "norm")),
          # fp32 (twice the bytes a weight): a smaller problem
