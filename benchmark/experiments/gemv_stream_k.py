@@ -1,7 +1,7 @@
 """Experiment: a one-row GEMV whose programs share the weight's bytes equally (stream-K),
 against cuBLAS and decode_gemv's tile grid.
 
-    python -m benchmark.experiments.gemv_stream_k [--quick]
+    python -m benchmark.experiments.gemv_stream_k [--quick] [--grid-configs]
 
 The question it answers (docs/notes/decode.md, the fused GEMVs): decode_gemv and cuBLAS read a
 decode step's large projections at 78-80% of copy bandwidth, and the estimate says a tile
@@ -129,9 +129,37 @@ def _rotated_us(fn, weights, x) -> float:
     return median_ms(replay) * 1e3 / len(weights)
 
 
+def _grid_configs():
+    """decode_gemv's one-row candidates of its tune space, as launch configs."""
+    from gemslib import runtime
+    from gemslib.fused.decode_gemv import _CANDIDATES
+
+    for candidate in _CANDIDATES:
+        if candidate["GEMV"] == 1:
+            meta = tuple((k, v) for k, v in candidate.items()
+                         if k not in ("num_warps", "num_stages"))
+            yield runtime.LaunchConfig(meta, candidate["num_warps"], candidate["num_stages"])
+
+
+def _rotated_us_forced(config, weights, x) -> float:
+    from gemslib.fused.decode_gemv import DECODE_GEMV, decode_gemv
+
+    with DECODE_GEMV.forced(config):
+        return _rotated_us(lambda x, w: decode_gemv(x[None], w), weights, x)
+
+
+def _short(config) -> str:
+    meta = config.meta_dict
+    return (f"N{meta['BLOCK_N']} K{meta['BLOCK_K']} split {meta['SPLIT_K']} "
+            f"w{config.num_warps}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.gemv_stream_k")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--grid-configs", action="store_true",
+                        help="also decode_gemv at each one-row config of its tune space, the "
+                             "best kept (the tile grid tuned for the shape)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemv_stream_k: needs a CUDA GPU (the kernel's tests run in the interpreter)")
@@ -162,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
 
         figures = {"cuBLAS": _rotated_us(lambda x, w: w @ x, weights, x),
                    "decode_gemv": _rotated_us(lambda x, w: decode_gemv(x[None], w), weights, x)}
+        if args.grid_configs:  # the tile grid at its best for this shape
+            us, config = min(((_rotated_us_forced(config, weights, x), config)
+                              for config in _grid_configs()), key=lambda timed: timed[0])
+            figures[f"decode_gemv best {_short(config)}"] = us
         for per_sm, block_n, block_k in variants:
             gemv = StreamKGemv(n_out, n_in, device, sms * per_sm, block_n, block_k)
             error = ((gemv(x, weights[0]).double() - reference).norm() / reference.norm()).item()
