@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name} ({n_out}x{n_in}, {weight_bytes / 2**20:.0f} MiB, {copies} copies): "
               f"best {best[1]}")
         for way, value in figures.items():
-            print(f"  {way:<28} {share(value) if isinstance(value, float) else value}")
+            print(f"  {way:<38} {share(value) if isinstance(value, float) else value}")
         del weights
     return 0
 
