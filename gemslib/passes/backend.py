@@ -117,8 +117,11 @@ def lower_gemslib_ops_as_fallbacks() -> None:
         op = getattr(getattr(torch.ops.gemslib, packet_name), overload_name or "default")
         if op in lowerings:
             continue
-        make_fallback(op, layout_constraint=tag_to_layout_constraint(
-            get_layout_constraint_tag(op, with_default=True)), warn=False)
+        try:
+            constraint = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            make_fallback(op, layout_constraint=constraint, warn=False)
+        except Exception as err:  # another torch's signatures: inductor's own path for it
+            log.debug("gemslib: no fallback registered ahead for %s: %s", op, err)
 
 
 def _record_path(gm, example_inputs, passes: GemslibPasses, patches) -> Path:
