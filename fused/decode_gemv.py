@@ -41,6 +41,14 @@ kernel). Not fp32 atomic adds into a zeroed buffer: the sum would depend on the 
 call plan replays the launch alone. The partials cost a write and a read of M x N fp32 per
 split, in L2 (16 x 2048 x 4 splits x 4 B = 0.5 MB against 8 MB of weights).
 
+STREAM_K > 0 (a config's programs an SM; 0, the shipped default, keeps the tile grid): a fixed
+grid of STREAM_K x SMs programs shares the (column tile, K step) iterations equally, a share
+starting or ending inside a tile. A tile grid's last wave runs on part of the GPU (Llama-3-8B's
+gate/up at one row: 896 tiles of 32 rows for ~528 resident programs, 1.7 waves); here every
+program streams W to the end. A tile cut between programs is summed by the last contributor to
+arrive, in contributor order, with the same kept arrival counters (a cut tile's partials: one
+M x BLOCK_N fp32 tile a contributor). The tuner weighs both (docs/notes/decode.md).
+
 ``torch.ops.gemslib.decode_gemv_merged`` is the op over a list of weights (and biases), as
 merged_linear takes them: the graph rewrite (``gemslib.passes.decode``) puts it where a decode
 step's projections of one input were merged. It computes over one view of them where they lie
@@ -183,13 +191,51 @@ def _split_k_total(b_acc, part_ptr, arrivals_ptr, i_tile, o_m, o_n, m_tile, n_ro
 
 
 @triton.jit
+def _stream_k_total(b_acc, part_ptr, arrivals_ptr, i_tile, i_contrib, n_contrib, max_contrib,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(the tile's sum over its contributors, whether this program holds it) for a stream-K
+    share that holds only part of column tile i_tile's K steps: the program stores its fp32
+    partial tile in part[i_tile, i_contrib] ((tiles, max_contrib, BLOCK_M, BLOCK_N)) and counts
+    itself in arrivals[i_tile] (int32, zero between launches); the last of the tile's n_contrib
+    contributors to arrive adds the partials in contributor order (deterministic) and puts the
+    counter back to 0."""
+    BLOCK_TILE: tl.constexpr = BLOCK_M * BLOCK_N
+    o_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    p_part = part_ptr + (i_tile * max_contrib).to(tl.int64) * BLOCK_TILE + o_tile
+    tl.store(p_part + i_contrib * BLOCK_TILE, b_acc)
+    tl.debug_barrier()  # every thread's stores issued before this program counts itself
+    # acq_rel: the stores above are visible to whichever program arrives last
+    finish = tl.atomic_add(arrivals_ptr + i_tile, 1, sem="acq_rel") == n_contrib - 1
+    if finish:
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for i_c in range(0, n_contrib):  # in contributor order: deterministic sums
+            # .cg: the other programs' partials from L2, never from a stale L1 line
+            b_acc += tl.load(p_part + i_c * BLOCK_TILE, cache_modifier=".cg")
+        tl.atomic_xchg(arrivals_ptr + i_tile, 0)  # ready for the next launch
+    return b_acc, finish
+
+
+@triton.jit
+def _gemv_epilogue(b_acc, bias_ptr, residual_ptr, out_ptr, o_m, o_n, m_n, m_tile,
+                   stride_residual_row, stride_out_row):
+    """out[o_m, o_n] = b_acc (+ bias[o_n]) (+ residual[o_m, o_n]), fp32, rounded once."""
+    if bias_ptr is not None:
+        b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    if residual_ptr is not None:
+        b_acc = tl.load(residual_ptr + o_m.to(tl.int64)[:, None] * stride_residual_row
+                        + o_n[None, :], mask=m_tile, other=0.0).to(tl.float32) + b_acc
+    tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
+             b_acc.to(out_ptr.dtype.element_ty), mask=m_tile)
+
+
+@triton.jit
 def _decode_gemv_kernel(
     x_ptr, weight_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, part_ptr, arrivals_ptr,
-    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+    n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits, max_contrib,
     stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    STREAM_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
     against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
@@ -200,39 +246,77 @@ def _decode_gemv_kernel(
     SPLIT_K > 1: axis 1 splits K into n_splits ranges of split_len (whole BLOCK_K steps), the
     last program of a column tile to arrive adds them and runs the epilogue
     (:func:`_split_k_total`, part (n_splits, n_rows, n_out) fp32 and arrivals (tiles,) int32
-    zeroed); with SPLIT_K 1, part and arrivals are None. PDL: launched dependent
-    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
+    zeroed); with SPLIT_K 1, part and arrivals are None.
+
+    STREAM_K > 0 (SPLIT_K 1): grid (n_splits,), n_splits programs (STREAM_K an SM) sharing the
+    T = tiles x split_len iterations equally (iteration i: K step i % split_len of column tile
+    i // split_len; split_len = cdiv(n_in, BLOCK_K), n_splits <= T): program p takes [p T /
+    n_splits, (p + 1) T / n_splits), so every SM streams W to the end instead of the last
+    wave of tiles running on part of them. A tile one program takes whole is finished by it;
+    one cut between programs is summed by the last of them to arrive (:func:`_stream_k_total`,
+    part (tiles, max_contrib, BLOCK_M, BLOCK_N) fp32, arrivals (tiles,) int32 zeroed).
+    PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
+    before it on the stream."""
     if PDL:
         gdc_wait()
-    i_n = tl.program_id(0)
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < n_rows
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < n_out
-    k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
-    b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
-                           k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
-                           PROLOGUE, ACTIVATION, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
-    m_tile = m_m[:, None] & m_n[None, :]
-    finish = True
-    if SPLIT_K > 1:
-        b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n, m_tile,
-                                       n_rows, n_out, n_splits, BLOCK_M, BLOCK_N)
-    if finish:
-        if bias_ptr is not None:
-            b_acc += tl.load(bias_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-        if residual_ptr is not None:
-            b_acc = tl.load(residual_ptr + o_m.to(tl.int64)[:, None] * stride_residual_row
-                            + o_n[None, :], mask=m_tile, other=0.0).to(tl.float32) + b_acc
-        tl.store(out_ptr + o_m.to(tl.int64)[:, None] * stride_out_row + o_n[None, :],
-                 b_acc.to(out_ptr.dtype.element_ty), mask=m_tile)
+    if STREAM_K > 0:
+        k_steps = split_len
+        total_iters = tl.cdiv(n_out, BLOCK_N) * k_steps
+        i_p = tl.program_id(0)
+        it = (i_p * total_iters) // n_splits
+        it_end = ((i_p + 1) * total_iters) // n_splits
+        while it < it_end:
+            i_tile = it // k_steps
+            tile_begin = i_tile * k_steps
+            seg_end = tl.minimum(it_end, tile_begin + k_steps)
+            o_n = i_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_n = o_n < n_out
+            m_tile = m_m[:, None] & m_n[None, :]
+            b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
+                                   (it - tile_begin) * BLOCK_K,
+                                   tl.minimum(n_in, (seg_end - tile_begin) * BLOCK_K), eps,
+                                   weight_offset, stride_x_row, stride_weight_row, PROLOGUE,
+                                   ACTIVATION, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+            if (it == tile_begin) & (seg_end == tile_begin + k_steps):
+                _gemv_epilogue(b_acc, bias_ptr, residual_ptr, out_ptr, o_m, o_n, m_n, m_tile,
+                               stride_residual_row, stride_out_row)
+            else:
+                # the program holding iteration j is ((j + 1) n_splits - 1) // total_iters
+                first = ((tile_begin + 1) * n_splits - 1) // total_iters
+                last = ((tile_begin + k_steps) * n_splits - 1) // total_iters
+                b_acc, finish = _stream_k_total(b_acc, part_ptr, arrivals_ptr, i_tile,
+                                                i_p - first, last - first + 1, max_contrib,
+                                                BLOCK_M, BLOCK_N)
+                if finish:
+                    _gemv_epilogue(b_acc, bias_ptr, residual_ptr, out_ptr, o_m, o_n, m_n,
+                                   m_tile, stride_residual_row, stride_out_row)
+            it = seg_end
+    else:
+        i_n = tl.program_id(0)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_out
+        k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
+        b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
+                               k_begin, k_end, eps, weight_offset, stride_x_row,
+                               stride_weight_row, PROLOGUE, ACTIVATION, IEEE, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
+        m_tile = m_m[:, None] & m_n[None, :]
+        finish = True
+        if SPLIT_K > 1:
+            b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n, m_tile,
+                                           n_rows, n_out, n_splits, BLOCK_M, BLOCK_N)
+        if finish:
+            _gemv_epilogue(b_acc, bias_ptr, residual_ptr, out_ptr, o_m, o_n, m_n, m_tile,
+                           stride_residual_row, stride_out_row)
 
 
 # GEMV 1: a call of one row takes the multiply-and-sum products (BLOCK_M 1), GEMV 0 the 16-row
 # tl.dot tile as more rows do; the launcher decides BLOCK_M from it and the rows
 DECODE_GEMV = runtime.TunedKernel(
     "decode_gemv", "decode_gemv", _decode_gemv_kernel,
-    tunables=("BLOCK_N", "BLOCK_K", "SPLIT_K"), launcher_knobs=("GEMV",),
+    tunables=("BLOCK_N", "BLOCK_K", "SPLIT_K", "STREAM_K"), launcher_knobs=("GEMV",),
     shape_keys=("rows", "n", "k", "elem_bytes"), dependent_launch=True)
 
 
@@ -401,20 +485,33 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor |
 
 
 def _tiling(x: torch.Tensor, meta: dict, n_tiles: int, n_out: int, n_in: int):
-    """(BLOCK_M, split_len, n_splits, arrivals, part) of a launch of ``n_tiles`` column tiles
-    of W (n_out, n_in) against x's M rows with the config ``meta``: one row by
+    """(BLOCK_M, split_len, n_splits, max_contrib, arrivals, part) of a launch of ``n_tiles``
+    column tiles of W (n_out, n_in) against x's M rows with the config ``meta``: one row by
     multiply-and-sum where its GEMV says so, else the 16-row (or wider) tl.dot tile; K in
     SPLIT_K ranges of whole BLOCK_K steps, with the kept split scratch (arrival counters,
-    M x n_out fp32 partials a split), or none."""
+    M x n_out fp32 partials a split), or none. With STREAM_K (programs an SM; absent or 0:
+    the tile grid), split_len is a tile's K steps and n_splits the programs, which share the
+    tiles' K steps equally (``_decode_gemv_kernel``), and max_contrib the most programs a
+    tile's steps can meet, partial tiles' room in the scratch."""
     n_rows = x.shape[0]
     block_m = 1 if n_rows == 1 and meta["GEMV"] else max(16, runtime.next_power_of_2(n_rows))
+    if meta.get("STREAM_K", 0) > 0:
+        k_steps = runtime.cdiv(n_in, meta["BLOCK_K"])
+        total_iters = n_tiles * k_steps
+        programs = min(total_iters, meta["STREAM_K"] * runtime.multiprocessor_count(
+            x.device.index if x.device.type == "cuda" else 0))
+        # a tile's k_steps iterations meet at most this many shares of >= T // P iterations
+        max_contrib = runtime.cdiv(k_steps, total_iters // programs) + 1
+        arrivals, part = runtime.split_scratch(x.device, n_tiles,
+                                               n_tiles * max_contrib * block_m * meta["BLOCK_N"])
+        return block_m, k_steps, programs, max_contrib, arrivals, part
     if meta["SPLIT_K"] == 1:
-        return block_m, n_in, 1, None, None
+        return block_m, n_in, 1, 0, None, None
     split_len = runtime.cdiv(runtime.cdiv(n_in, meta["SPLIT_K"]), meta["BLOCK_K"]) \
         * meta["BLOCK_K"]
     n_splits = runtime.cdiv(n_in, split_len)
     arrivals, part = runtime.split_scratch(x.device, n_tiles, n_splits * n_rows * n_out)
-    return block_m, split_len, n_splits, arrivals, part
+    return block_m, split_len, n_splits, 0, arrivals, part
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -428,17 +525,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     shape = (n_rows, n_out, n_in, x.element_size())
     config = DECODE_GEMV.planned_config(shape)
     n_tiles = runtime.cdiv(n_out, config.meta_dict["BLOCK_N"])
-    block_m, split_len, n_splits, arrivals, part = _tiling(x, config.meta_dict, n_tiles, n_out,
-                                                          n_in)
+    block_m, split_len, n_splits, max_contrib, arrivals, part = _tiling(
+        x, config.meta_dict, n_tiles, n_out, n_in)
     prologue = NORM if norm_weight is not None else GATED if activation != NO_GATE \
         else NO_PROLOGUE
+    grid = (n_splits, 1) if config.meta_dict.get("STREAM_K", 0) > 0 else (n_tiles, n_splits)
     # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors; sizes
     # and scalars; strides; flags and BLOCK_M
     DECODE_GEMV.launch(
-        lambda meta: (n_tiles, n_splits),
+        lambda meta: grid,
         x, weight, bias.contiguous() if bias is not None else None, residual,
         norm_weight.contiguous() if norm_weight is not None else None, out, part, arrivals,
-        n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits,
+        n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits, max_contrib,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0),
         prologue, max(activation, 0), x.dtype == torch.float32, block_m,
@@ -829,8 +927,8 @@ def _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin, i
     if head_pairs:
         config = _whole_heads(config, head_dim)
     n_tiles = runtime.cdiv(n_out // 2, config.meta_dict["BLOCK_N"] // 2)
-    block_m, split_len, n_splits, arrivals, part = _tiling(x, config.meta_dict, n_tiles, n_out,
-                                                          n_in)
+    block_m, split_len, n_splits, _, arrivals, part = _tiling(x, config.meta_dict, n_tiles,
+                                                             n_out, n_in)
     # a table of one sequence serves every sequence
     table_strides = [stride for t in (cos, sin)
                      for stride in ((t.stride(0) if t.shape[0] > 1 else 0), t.stride(1))]
@@ -990,10 +1088,19 @@ _CANDIDATES = tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": gemv,
                     for n, k in ((32, 256), (16, 256), (64, 128), (32, 512), (64, 256))
                     for split in (1, 2, 4, 8) for gemv in (1, 0) for w in (4, 8))
 
+# the tile grid's candidates, and stream-K's: 2, 4 or 8 programs an SM sharing the tiles' K
+# steps equally, no split
+_GEMV_CANDIDATES = (
+    tuple({**candidate, "STREAM_K": 0} for candidate in _CANDIDATES)
+    + tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": 1, "STREAM_K": per_sm, "GEMV": gemv,
+             "num_warps": w, "num_stages": 3}
+            for n, k in ((32, 256), (16, 256), (64, 128)) for per_sm in (2, 4, 8)
+            for gemv in (1, 0) for w in (4, 8)))
+
 TUNING = (
     TuneSpace(
         DECODE_GEMV,
-        _CANDIDATES,
+        _GEMV_CANDIDATES,
         # by rows (one, or up to 16) and width: the narrow projections (N 2048, 4096: the o and
         # down projections) have few column tiles and want more of K split
         (TuneBucket({"rows": 1, "n": 2048, "elem_bytes": 2}, "M1 N2048 K8192 gated",

@@ -164,11 +164,11 @@ def _rotated_us(fn, weights, x) -> float:
 
 def _grid_configs(rows: int):
     """decode_gemv's candidates of its tune space for ``rows`` (GEMV 1 at one row, the 16-row
-    tile above), as launch configs."""
+    tile above; its own stream-K configs among them), as launch configs."""
     from gemslib import runtime
-    from gemslib.fused.decode_gemv import _CANDIDATES
+    from gemslib.fused.decode_gemv import _GEMV_CANDIDATES
 
-    for candidate in _CANDIDATES:
+    for candidate in _GEMV_CANDIDATES:
         if candidate["GEMV"] == (1 if rows == 1 else 0):
             meta = tuple((k, v) for k, v in candidate.items()
                          if k not in ("num_warps", "num_stages"))
@@ -185,7 +185,7 @@ def _rotated_us_forced(config, weights, x) -> float:
 def _short(config) -> str:
     meta = config.meta_dict
     return (f"N{meta['BLOCK_N']} K{meta['BLOCK_K']} split {meta['SPLIT_K']} "
-            f"w{config.num_warps}")
+            f"stream-K {meta['STREAM_K']} w{config.num_warps}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,9 +21,9 @@ EPILOGUES = ["none", "bias", "residual", "bias+residual"]
 N_OUT, N_IN = 200, 72
 
 
-def _config(block_n=64, block_k=32, split_k=1, gemv=1):
+def _config(block_n=64, block_k=32, split_k=1, gemv=1, stream_k=0):
     return runtime.LaunchConfig((("BLOCK_K", block_k), ("BLOCK_N", block_n), ("GEMV", gemv),
-                                 ("SPLIT_K", split_k)), 4, 1)
+                                 ("SPLIT_K", split_k), ("STREAM_K", stream_k)), 4, 1)
 
 
 def _inputs(rows, dtype, prologue="none", epilogue="bias+residual", n_out=N_OUT, n_in=N_IN):
@@ -125,6 +125,29 @@ def test_split_k_sums_every_split_and_resets_its_counters(split_k, prologue, row
     whatever the arrival order), and every arrival counter is back at 0 after each."""
     inputs = _inputs(rows, dtype, prologue)
     with gemv_ops.DECODE_GEMV.forced(_config(block_n=32, block_k=16, split_k=split_k)):
+        first = _call(inputs)
+        plain = _call(inputs, bias=None, residual=None)  # the same scratch, no epilogue
+        again = _call(inputs)
+    _assert_close(first, inputs)
+    _assert_close(plain, {**inputs, "bias": None, "residual": None})
+    assert torch.equal(first, again)
+    for counters, _ in cuda._split_scratch_cache.values():
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prologue", ["none", "norm+1", "silu"])
+@pytest.mark.parametrize("programs", [1, 4, 7, 64], ids=lambda p: f"{p}-programs")
+def test_stream_k_shares_every_tile_s_steps_and_resets_its_counters(programs, prologue, rows,
+                                                                     dtype, poisoned_outputs):
+    """STREAM_K: the programs (the interpreter's one "SM" x STREAM_K) share the 7 column tiles
+    x 5 K steps equally: one program takes all; 4 cut tiles between two programs, whose
+    partials the last to arrive adds before the epilogue; 7 take a whole tile each; 64 (more
+    than the 35 iterations) one iteration each, five contributors a tile. Two calls give the
+    same bits, and every arrival counter is back at 0."""
+    inputs = _inputs(rows, dtype, prologue)
+    with gemv_ops.DECODE_GEMV.forced(_config(block_n=32, block_k=16, stream_k=programs)):
         first = _call(inputs)
         plain = _call(inputs, bias=None, residual=None)  # the same scratch, no epilogue
         again = _call(inputs)

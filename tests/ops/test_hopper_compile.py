@@ -159,6 +159,17 @@ def _fused_with_weight_descriptor(x, norm_weight, weight, split_k=1):
         return gemslib.rms_norm_linear_silu(x, norm_weight, weight)
 
 
+def _stream_k_gemv(rows, gemv):
+    """decode_gemv with a stream-K config, the norm prologue and both epilogues."""
+    from gemslib.fused import decode_gemv as gemv_ops
+
+    config = runtime.LaunchConfig((("BLOCK_N", 32), ("BLOCK_K", 256), ("SPLIT_K", 1),
+                                   ("STREAM_K", 4), ("GEMV", gemv)), 4, 3)
+    with gemv_ops.DECODE_GEMV.forced(config):
+        gemslib.decode_gemv(_bf16(rows, 512), _bf16(100, 512), _bf16(100),
+                            residual=_bf16(rows, 100), norm_weight=_bf16(512))
+
+
 def _attention_with_descriptors(q, k, v, causal):
     config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1), ("LAZY", 1)),
                                   4, 2)
@@ -263,6 +274,9 @@ CALLS = [
     lambda: gemslib.decode_gemv(_bf16(3, 512), _bf16(100, 256), _bf16(100), gated="silu"),
     lambda: gemslib.decode_gemv(*(random_tensor(s, torch.float32) for s in ((5, 64), (40, 64))),
                                 residual=random_tensor((5, 40), torch.float32)),
+    # ... and its stream-K form (programs sharing the tiles' K steps), one row and three
+    lambda: _stream_k_gemv(1, gemv=1),
+    lambda: _stream_k_gemv(3, gemv=0),
     # the q/k/v GEMV with its rotary and cache write: one row, and 3 on the tl.dot tile
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 1, 4, 256),
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 3, 4, 256),
