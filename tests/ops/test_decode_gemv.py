@@ -113,41 +113,28 @@ def test_one_row_through_the_dot_tile(prologue, dtype, poisoned_outputs):
     _assert_close(out, inputs)
 
 
+# how the K steps are shared: split in whole 16-wide steps (72 -> 32 + 32 + 8; asked in 8 ->
+# 5 splits of 16, the last 8), or STREAM_K programs (the interpreter's one "SM" x STREAM_K)
+# sharing the 7 column tiles x 5 K steps equally: one takes all; 4 cut tiles between two
+# programs; 7 take a whole tile each; 64 (more than the 35 iterations) one iteration each,
+# five contributors a tile
+_SHARINGS = {"3-splits": {"split_k": 3}, "fewer-splits-than-asked": {"split_k": 8},
+             "stream-K-1": {"stream_k": 1}, "stream-K-4": {"stream_k": 4},
+             "stream-K-7": {"stream_k": 7}, "stream-K-64": {"stream_k": 64}}
+
+
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("prologue", ["none", "norm+1", "silu"])
-@pytest.mark.parametrize("split_k", [3, 8], ids=["3-splits", "fewer-splits-than-asked"])
-def test_split_k_sums_every_split_and_resets_its_counters(split_k, prologue, rows, dtype,
+@pytest.mark.parametrize("sharing", list(_SHARINGS))
+def test_shared_k_sums_every_part_and_resets_its_counters(sharing, prologue, rows, dtype,
                                                           poisoned_outputs):
-    """K split in whole 16-wide steps (72 -> 32 + 32 + 8; asked in 8 -> 5 splits of 16, the
-    last 8), the partials added by the last program of each column tile to arrive, which
-    then runs the epilogue. Two calls give the same bits (the splits are added in order,
-    whatever the arrival order), and every arrival counter is back at 0 after each."""
+    """K shared between programs (``_SHARINGS``): the partials of a column tile added by the
+    last of its programs to arrive, which then runs the epilogue. Two calls give the same
+    bits (the parts are added in order, whatever the arrival order), and every arrival
+    counter is back at 0 after each."""
     inputs = _inputs(rows, dtype, prologue)
-    with gemv_ops.DECODE_GEMV.forced(_config(block_n=32, block_k=16, split_k=split_k)):
-        first = _call(inputs)
-        plain = _call(inputs, bias=None, residual=None)  # the same scratch, no epilogue
-        again = _call(inputs)
-    _assert_close(first, inputs)
-    _assert_close(plain, {**inputs, "bias": None, "residual": None})
-    assert torch.equal(first, again)
-    for counters, _ in cuda._split_scratch_cache.values():
-        assert not counters.any()
-
-
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("prologue", ["none", "norm+1", "silu"])
-@pytest.mark.parametrize("programs", [1, 4, 7, 64], ids=lambda p: f"{p}-programs")
-def test_stream_k_shares_every_tile_s_steps_and_resets_its_counters(programs, prologue, rows,
-                                                                     dtype, poisoned_outputs):
-    """STREAM_K: the programs (the interpreter's one "SM" x STREAM_K) share the 7 column tiles
-    x 5 K steps equally: one program takes all; 4 cut tiles between two programs, whose
-    partials the last to arrive adds before the epilogue; 7 take a whole tile each; 64 (more
-    than the 35 iterations) one iteration each, five contributors a tile. Two calls give the
-    same bits, and every arrival counter is back at 0."""
-    inputs = _inputs(rows, dtype, prologue)
-    with gemv_ops.DECODE_GEMV.forced(_config(block_n=32, block_k=16, stream_k=programs)):
+    with gemv_ops.DECODE_GEMV.forced(_config(block_n=32, block_k=16, **_SHARINGS[sharing])):
         first = _call(inputs)
         plain = _call(inputs, bias=None, residual=None)  # the same scratch, no epilogue
         again = _call(inputs)
