@@ -177,6 +177,7 @@ def run_decode_way(job: dict) -> dict:
             ids = realmodels.input_ids(spec, batch, prompt, device)
             with torch.no_grad(), context() as scope:
                 started = time.perf_counter()
+                skips_before = _cudagraph_skips()
                 step, rewind = _step_runner(way, model, ids, cache_len)
                 logits = step().float()
                 realmodels.synchronize(device)
@@ -195,6 +196,8 @@ def run_decode_way(job: dict) -> dict:
                     figures["step_ms"] = statistics.median(times)
                     gpu_times = realmodels.time_gpu_work(step, device, job["reps"], before=rewind)
                     figures["gpu_ms"] = statistics.median(gpu_times) if gpu_times else None
+                    if way.startswith("static"):  # the step's compiles left without CUDA graphs
+                        figures["cudagraph_skips"] = _cudagraph_skips() - skips_before
                     rewind()
                     figures["tokens_per_s"], figures["generate_s"] = _generate(
                         way, model, ids, new, cache_len)
@@ -209,6 +212,15 @@ def run_decode_way(job: dict) -> dict:
         realmodels.free_memory(device)
         realmodels.write_result(job["result"], result)
     return result
+
+
+def _cudagraph_skips() -> int:
+    """Inductor's count of compiles that asked for CUDA graphs and run without them (a skip
+    is logged only under ``TORCH_LOGS=cudagraphs``; the step's host then launches every
+    kernel, which its "step ms" shows and its "GPU ms" hides)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
 
 
 ALTERNATIONS = 4  # enable()'s blocks of steps, each followed by a block of eager steps
@@ -373,6 +385,7 @@ def _row(result: dict, key: str, floor_ms: float | None) -> dict:
             "tokens_per_s": figures.get("tokens_per_s"),
             "first_call_s": figures.get("first_call_s"), "rel_error": figures.get("rel_error"),
             "top1": figures.get("top1"), "fusion_report": figures.get("fusion_report"),
+            "cudagraph_skips": figures.get("cudagraph_skips"),
             "eager_step_ms": figures.get("eager_step_ms"),
             "eager_tokens_per_s": figures.get("eager_tokens_per_s"),
             "vs_floor": figures["step_ms"] / floor_ms if figures.get("step_ms") and floor_ms
@@ -410,6 +423,10 @@ def format_markdown(report: dict) -> str:
                         f"{row['tokens_per_s']:.0f} tok/s against "
                         f"{row['eager_tokens_per_s']:.0f} "
                         f"({row['tokens_per_s'] / row['eager_tokens_per_s']:.2f}x)")
+            for row in case["rows"]:
+                if row.get("cudagraph_skips"):
+                    lines.append(f"\n- {row['way']}: {row['cudagraph_skips']} of its compiles "
+                                 f"ran without CUDA graphs (`TORCH_LOGS=cudagraphs` says why)")
             for row in case["rows"]:
                 if row.get("fusion_report") is not None:
                     fusions = ", ".join(f"{k} {v}" for k, v in sorted(row["fusion_report"].items()))

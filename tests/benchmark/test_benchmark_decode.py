@@ -52,6 +52,10 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     assert fusions["attention"] == 2 and fusions["merged_linear"] == 4, fusions
     assert case["floor"]["ms"] > 0 and case["floor"]["cache"] > 0
     assert rows["eager"]["eager_step_ms"] is None  # only the enable way times eager too
+    # a static way counts its compiles that run without CUDA graphs (on the CPU: all of them)
+    assert rows["eager"]["cudagraph_skips"] is None
+    skips = rows["static-gemslib"]["cudagraph_skips"]
+    assert (skips == 0) if torch.cuda.is_available() else (skips >= 1)
     markdown = (tmp_path / "decode.md").read_text()
     assert "## Llama-3-8B (tiny), 2 layers, decode B2 12+3 of 32" in markdown
     assert markdown.count("\n| static-gemslib | ") == 1
@@ -122,6 +126,23 @@ def test_the_enable_row_says_how_it_compares_with_eager_in_one_process():
     markdown = decode.format_markdown(report)
     assert ("- enable beside eager in one process (alternating): step 2.000 ms against 3.000 "
             "(1.50x), 300 tok/s against 200 (1.50x)") in markdown
+    assert "without CUDA graphs" not in markdown
+
+
+def test_a_step_run_without_its_cuda_graph_is_said_so():
+    """A static way whose compile fell back to no CUDA graph launches every kernel from the
+    host each step: its row says so, beside the figures that hide it (GPU ms)."""
+    row = {"way": "static-gemslib", "status": "ok", "step_ms": 2.0, "tokens_per_s": 300.0,
+           "first_call_s": 1.0, "rel_error": 1e-2, "top1": 1.0, "fusion_report": {},
+           "cudagraph_skips": 2, "vs_floor": 2.0}
+    report = {"command": "c", "copy_gbps": 1000.0, "models": {"m": {
+        "title": "M", "layers": 1, "cases": {"B1 1+1": {
+            "floor": {"ms": 1.0, "bytes": 1e9, "weights": 1e9, "cache": 0.0},
+            "rows": [row, {**row, "way": "static-inductor", "cudagraph_skips": 0}]}}}}}
+    markdown = decode.format_markdown(report)
+    assert ("- static-gemslib: 2 of its compiles ran without CUDA graphs (`TORCH_LOGS="
+            "cudagraphs` says why)") in markdown
+    assert "- static-inductor: 0" not in markdown
 
 
 @pytest.mark.parametrize("text, case", [("16x128+64", (16, 128, 64, 192)),
