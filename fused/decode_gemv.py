@@ -265,8 +265,10 @@ def _decode_gemv_kernel(
         k_steps = split_len
         total_iters = tl.cdiv(n_out, BLOCK_N) * k_steps
         i_p = tl.program_id(0)
-        it = (i_p * total_iters) // n_splits
-        it_end = ((i_p + 1) * total_iters) // n_splits
+        # a program's index times the iterations' count can pass 2^31 (1056 programs x 2M
+        # iterations: a weight of a million rows): int64 for the products
+        it = ((i_p.to(tl.int64) * total_iters) // n_splits).to(tl.int32)
+        it_end = (((i_p + 1).to(tl.int64) * total_iters) // n_splits).to(tl.int32)
         while it < it_end:
             i_tile = it // k_steps
             tile_begin = i_tile * k_steps
@@ -284,8 +286,10 @@ def _decode_gemv_kernel(
                                stride_residual_row, stride_out_row)
             else:
                 # the program holding iteration j is ((j + 1) n_splits - 1) // total_iters
-                first = ((tile_begin + 1) * n_splits - 1) // total_iters
-                last = ((tile_begin + k_steps) * n_splits - 1) // total_iters
+                first = (((tile_begin + 1).to(tl.int64) * n_splits - 1) // total_iters).to(
+                    tl.int32)
+                last = (((tile_begin + k_steps).to(tl.int64) * n_splits - 1) // total_iters).to(
+                    tl.int32)
                 b_acc, finish = _stream_k_total(b_acc, part_ptr, arrivals_ptr, i_tile,
                                                 i_p - first, last - first + 1, max_contrib,
                                                 BLOCK_M, BLOCK_N)
