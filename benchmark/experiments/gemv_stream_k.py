@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(name, n_out, n_in, rows, device, l2_bytes, copy_gbps, grid_configs) -> None:
-    from gemslib.fused.decode_gemv import decode_gemv
+    from gemslib.fused.decode_gemv import DECODE_GEMV, decode_gemv
 
     weight_bytes = n_out * n_in * 2
     copies = max(2, triton.cdiv(L2_MULTIPLE * l2_bytes, weight_bytes))
@@ -115,8 +115,6 @@ def _compare(name, n_out, n_in, rows, device, l2_bytes, copy_gbps, grid_configs)
                          key=lambda timed: timed[0])
         figures[f"grid best: {_label(config)}"] = us
     for config in _configs(rows, stream_k=True):
-        from gemslib.fused.decode_gemv import DECODE_GEMV
-
         with DECODE_GEMV.forced(config):
             out = decode_gemv(x, weights[0])
         error = ((out.double() - reference).norm() / reference.norm()).item()
