@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import realmodels
+from benchmark import realmodels, stacks
 from benchmark.realmodels import fmt
 from gemslib.models import MODELS, ModelSpec, build_model
 
@@ -330,7 +330,7 @@ def run_decode_floor(job: dict) -> dict:
 
 def worker_main(job_path: str) -> int:
     """Run one job (the floor, a model's reference, or a way) in this process."""
-    realmodels.answer_stack_requests()
+    stacks.answer_stack_requests()
     job = json.loads(Path(job_path).read_text())
     run = {"decode_floor": run_decode_floor, "decode_reference": run_decode_reference,
            "decode_way": run_decode_way}[job["kind"]]

@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import realmodels
+from benchmark import realmodels, stacks
 from benchmark.realmodels import fmt, input_ids, model_spec, shape_key
 from gemslib.models import (FAMILIES, MODELS, SEED, ModelSpec, build_model,  # noqa: F401
                             hf_config)  # (re-exported)
@@ -265,7 +265,7 @@ def run_floor(job: dict) -> dict:
 
 
 def worker_main(job_path: str) -> int:
-    realmodels.answer_stack_requests()
+    stacks.answer_stack_requests()
     job = json.loads(Path(job_path).read_text())
     kind = job["kind"]
     if kind == "floor":

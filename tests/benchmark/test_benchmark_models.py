@@ -248,7 +248,7 @@ def test_a_hung_worker_leaves_its_stack_in_its_log(tmp_path):
 
 _DEEP_HANG = """
 import time
-from benchmark import realmodels
+from benchmark import stacks
 
 def descend(depth):  # a recursion through two functions, as an IR string's is
     if depth == 0:
@@ -262,7 +262,7 @@ def bounce(depth):
 def the_outermost_caller():
     descend(300)
 
-realmodels.answer_stack_requests()
+stacks.answer_stack_requests()
 the_outermost_caller()
 """
 
