@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, runtime
+from gemslib import checks, pdl, runtime
 from gemslib.fused._attention_common import (_CHECK_DTYPES, _check, _kernels_take,
                                               attention_reference, band_arguments,
                                               default_scale, soft_tanh)
@@ -124,7 +123,7 @@ def _decode_kernel(
     stride_o_h, IEEE: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """Grid (splits, B * Hkv): the query heads sharing one KV head attend to one split of the
     first ``seqlens[b]`` (in [0, L], asserted; all L where seqlens is None) cache positions,
@@ -146,10 +145,9 @@ def _decode_kernel(
     partial and a merge launch. Unless lse is None, the program that writes a head's output
     also writes its log-sum-exp (natural log; -inf without keys) to ``lse[b * Hq + head]``.
     PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
-    before it on the stream.
+    before it on the stream; PDL_EARLY: then lets the next one launch (gemslib.pdl).
     """
-    if PDL:
-        gdc_wait()
+    pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     i_split = tl.program_id(0)
     i_bhkv = tl.program_id(1)
     i_b = (i_bhkv // n_kv_heads).to(tl.int64)

@@ -77,9 +77,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, layout, runtime
+from gemslib import checks, layout, pdl, runtime
 from gemslib.fused.merged_linear import end_to_end
 from gemslib.ops import rotary as rotary_ops
 from gemslib.ops import silu as silu_ops
@@ -235,7 +234,7 @@ def _decode_gemv_kernel(
     stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    STREAM_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+    STREAM_K: tl.constexpr = 0, PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
     against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
@@ -256,12 +255,12 @@ def _decode_gemv_kernel(
     one cut between programs is summed by the last of them to arrive (:func:`_stream_k_total`,
     part (tiles, max_contrib, BLOCK_M, BLOCK_N) fp32, arrivals (tiles,) int32 zeroed).
     PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
-    before it on the stream."""
-    if PDL:
-        gdc_wait()
+    before it on the stream; PDL_EARLY (gemslib.pdl): a tile grid's program first asks L2 for
+    its first K step of W, and after the wait lets the next kernel launch."""
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < n_rows
     if STREAM_K > 0:
+        pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
         k_steps = split_len
         total_iters = tl.cdiv(n_out, BLOCK_N) * k_steps
         i_p = tl.program_id(0)
@@ -302,6 +301,10 @@ def _decode_gemv_kernel(
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < n_out
         k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
+        if PDL_EARLY:  # W is written by no kernel before it
+            pdl.prefetch_rows_to_l2(weight_ptr, o_n, m_n, k_begin, k_end, stride_weight_row,
+                                    BLOCK_K)
+        pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
         b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
                                k_begin, k_end, eps, weight_offset, stride_x_row,
                                stride_weight_row, PROLOGUE, ACTIVATION, IEEE, BLOCK_M, BLOCK_N,
@@ -337,6 +340,7 @@ def _decode_gemv_rotary_kernel(
     PROLOGUE: tl.constexpr, IEEE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HEAD_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """A decode step's q/k/v projection with its rotary and its static cache's update: y =
     prologue(x) @ W.T (+ bias), W (n_out, n_in) the q, k and v weights end to end, n_out =
@@ -355,8 +359,6 @@ def _decode_gemv_rotary_kernel(
     (Qwen3's per-head norm; the tile then holds whole heads). A cache_position outside
     [0, n_cache_rows) is a device-side assert and no write. Split-K and PDL as in
     :func:`_decode_gemv_kernel`."""
-    if PDL:
-        gdc_wait()
     BLOCK_P: tl.constexpr = BLOCK_N // 2
     i_n = tl.program_id(0)
     o_m = tl.arange(0, BLOCK_M)
@@ -367,6 +369,10 @@ def _decode_gemv_rotary_kernel(
     o_n, m_n = _pair_rows(i_n * BLOCK_P + o_c % BLOCK_P, o_c // BLOCK_P, n_half, head_dim,
                           n_out, INTERLEAVED)
     k_begin, k_end = _split_range(split_len, n_in, SPLIT_K)
+    if PDL_EARLY:
+        pdl.prefetch_rows_to_l2(weight_ptr, o_n, m_n, k_begin, k_end, stride_weight_row,
+                                BLOCK_K)
+    pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
                            k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
                            PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)

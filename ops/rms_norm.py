@@ -25,9 +25,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, layout, runtime
+from gemslib import checks, layout, pdl, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 
 
@@ -44,15 +43,15 @@ def _rms_norm_fwd_kernel(
     stride_x_row, stride_residual_row, stride_out_row, stride_residual_out_row,
     eps, weight_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """BLOCK_M rows per program. With a residual, ``residual_out = x + residual`` is stored and
     normalised; ``residual_out`` may be ``residual`` itself and ``out`` may be ``x`` (in place):
     every element is read before the same thread writes it. ``residual`` and ``residual_out``
     (given together), ``weight`` and ``rstd`` (rows,) may be None. PDL: launched dependent
-    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream."""
-    if PDL:
-        gdc_wait()
+    (runtime.dependent_launch_here), it first waits for the kernel before it on the stream;
+    PDL_EARLY: then lets the next one launch (gemslib.pdl)."""
+    pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     o_row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_row = o_row < n_rows
     o_row_64 = o_row.to(tl.int64)[:, None]  # int64: row * stride can pass 2**31

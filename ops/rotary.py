@@ -38,9 +38,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, layout, runtime
+from gemslib import checks, layout, pdl, runtime
 from gemslib.registry import SelfCheck, TuneBucket, TuneSpace
 
 
@@ -167,7 +166,7 @@ def _rotary_kernel(
     COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_REST: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_HEADS: tl.constexpr, BLOCK_HK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """One token's angles, applied to BLOCK_H heads at a time. Grid (tokens, head blocks of q
     then of k), or with LOOP_HEADS (tokens, 1): each program loops over the token's heads,
@@ -188,9 +187,8 @@ def _rotary_kernel(
     (the backward): per pair [[cos_a, -sin_a], [sin_b, cos_b]] becomes
     [[cos_a, sin_b], [-sin_a, cos_b]], i.e. (sin_a, sin_b) -> (-sin_b, -sin_a). PDL:
     launched dependent (runtime.dependent_launch_here), it first waits for the kernel before
-    it on the stream."""
-    if PDL:
-        gdc_wait()
+    it on the stream; PDL_EARLY: then lets the next one launch (gemslib.pdl)."""
+    pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     i_t = tl.program_id(0)
     i_b = (i_t // seq_len).to(tl.int64)
     i_s = (i_t % seq_len).to(tl.int64)

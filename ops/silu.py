@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from gemslib import checks, layout, runtime
+from gemslib import checks, layout, pdl, runtime
 from gemslib.registry import AtenOverride, SelfCheck, TuneBucket, TuneSpace
 _INT32_LIMIT = 2**31 - 2**21  # flat indices stay int32 below this (leaves room for one block)
 
@@ -140,13 +139,13 @@ def _silu_and_mul_fwd_kernel(
     stride_x_row, stride_x_col, stride_out_row,
     ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """out[row, c] = act(x[row, c]) * x[row, half_width + c], act silu or a GELU
     (ACTIVATION); one program per (row, col block). PDL: launched dependent
     (runtime.dependent_launch_here), it first waits for the kernel before it on the
-    stream."""
-    if PDL:
-        gdc_wait()
+    stream; PDL_EARLY: then lets the next one launch (gemslib.pdl)."""
+    pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     i_row, o_n = _row_and_columns(half_width, BLOCK_N)
     m_n = o_n < half_width
     if EVEN_N:  # no partial block in any row: unpredicated loads and stores

@@ -37,7 +37,8 @@ from gemslib.runtime.custom_op import (INTERPRETER_BF16_DOT, KERNEL_DTYPES, Cust
                                        wants_custom_op)
 from gemslib.runtime.env import (DEPENDENT_LAUNCH, DIRECT_LAUNCH, GRAPH_OVERLOADS, INTERPRETER,
                                  NATIVE_REPLAY, KernelPath, dependent_launch_here, device_type,
-                                 dispatch_key, env_flag, quiet_interpreter)
+                                 dispatch_key, early_dependents_here, env_flag,
+                                 quiet_interpreter)
 from gemslib.runtime.launch import KeptKernel, launch_compiled, specialization_key, tensor_key
 from gemslib.runtime.plans import (CallPlans, call_plan_counts, clear_call_plans,
                                    launched_outside_plans, native_replay_allowed, native_spec)
@@ -56,7 +57,8 @@ __all__ = [
     "on_kernel_device", "wants_custom_op",
     "DEPENDENT_LAUNCH", "DIRECT_LAUNCH", "GRAPH_OVERLOADS", "INTERPRETER", "NATIVE_REPLAY",
     "KernelPath",
-    "dependent_launch_here", "device_type", "dispatch_key", "env_flag", "quiet_interpreter",
+    "dependent_launch_here", "device_type", "dispatch_key", "early_dependents_here", "env_flag",
+    "quiet_interpreter",
     "KeptKernel", "launch_compiled", "specialization_key", "tensor_key",
     "CallPlans", "call_plan_counts", "clear_call_plans", "launched_outside_plans",
     "native_replay_allowed", "native_spec",

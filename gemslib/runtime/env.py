@@ -109,3 +109,16 @@ def dependent_launch_here() -> bool:
     return DEPENDENT_LAUNCH and not INTERPRETER and torch.cuda.is_available() and \
         torch.cuda.get_device_capability() >= (9, 0)
 
+
+# GEMSLIB_PDL_EARLY=1: each such kernel also lets the next one launch as soon as its own wait
+# is over (griddepcontrol.launch_dependents), and the GEMVs prefetch their first K step of W
+# into L2 before they wait, so a kernel's ramp runs under the previous one's work. Off by
+# default until timed (docs/notes/decode.md, the GEMVs' boundaries).
+EARLY_DEPENDENTS: bool = env_flag("GEMSLIB_PDL_EARLY")
+
+
+def early_dependents_here() -> bool:
+    """Whether kernels launched dependent here also trigger their dependents early and
+    prefetch their weights: :func:`dependent_launch_here` and GEMSLIB_PDL_EARLY."""
+    return EARLY_DEPENDENTS and dependent_launch_here()
+

@@ -43,7 +43,10 @@ class TunedKernel:
 
     ``dependent_launch``: the kernel has a ``PDL`` constexpr and, where it is set, calls
     ``gdc_wait()`` before its first load or store; :func:`dependent_launch_here` says whether
-    it is then set and the kernel launched with Triton's ``launch_pdl``.
+    it is then set and the kernel launched with Triton's ``launch_pdl``; such a kernel also has
+    a ``PDL_EARLY`` constexpr, set where :func:`early_dependents_here` says: right after its
+    wait it calls ``gdc_launch_dependents()``, and before it, it may prefetch what no kernel
+    before it writes (a GEMV's weights).
     """
 
     def __init__(self, op: str, name: str, fn, tunables: Sequence[str], shape_keys: Sequence[str],
@@ -193,6 +196,7 @@ class TunedKernel:
                 kwargs["PDL"] = env.dependent_launch_here()
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
+                    kwargs["PDL_EARLY"] = env.early_dependents_here()
             if len(self._kernel_kwargs) < 4096:
                 self._kernel_kwargs[config] = kwargs
         return kwargs

@@ -116,6 +116,15 @@ for record in json.load(sys.stdin):
         if constexprs.get("PDL"):  # launched dependent: it waits before it reads
             assert "griddepcontrol.wait" in compiled.asm["ptx"], "no griddepcontrol.wait"
             assert compiled.metadata.launch_pdl, "not compiled for launch_pdl"
+        if constexprs.get("PDL_EARLY"):  # then lets the next kernel launch; GEMVs prefetch W
+            ptx = compiled.asm["ptx"]
+            assert "griddepcontrol.launch_dependents" in ptx, "no launch_dependents"
+            assert ptx.index("griddepcontrol.wait") < ptx.index(
+                "griddepcontrol.launch_dependents"), "dependents launched before the wait"
+            if record["kernel"].startswith("_decode_gemv") and not constexprs.get("STREAM_K"):
+                assert "prefetch.global.L2::evict_last" in ptx, "no prefetch of W"
+                assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), (
+                    "W prefetched after the wait")
     except Exception as err:
         failures.append(f"{record['kernel']} {constexprs} {options}:\n{err}")
 print(json.dumps(failures))
@@ -302,7 +311,10 @@ def test_every_launch_compiles_for_sm90(monkeypatch):
     assert {launch["kernel"] for launch in dependent} == {
         "_rms_norm_fwd_kernel", "_silu_and_mul_fwd_kernel", "_rotary_kernel", "_decode_kernel",
         "_decode_gemv_kernel", "_decode_gemv_rotary_kernel"}
-    failures = _compile_failures(launches + dependent)
+    # and with GEMSLIB_PDL_EARLY: the trigger after the wait, the GEMVs' prefetch before it
+    early = [{**launch, "args": {**launch["args"], "PDL_EARLY": {"value": True}}}
+             for launch in dependent]
+    failures = _compile_failures(launches + dependent + early)
     assert not failures, "\n\n".join(failures)
 
 

@@ -866,14 +866,19 @@ def _fresh_launches():
         kernel.clear_cache()
 
 
-@pytest.mark.parametrize("here", [False, True], ids=["plain", "dependent"])
-def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here, monkeypatch):
+@pytest.mark.parametrize("here, early", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "dependent", "early"])
+def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here, early,
+                                                                          monkeypatch):
     """The decode step's kernels (norm, silu * mul, rotary, decode attention, GEMV) take PDL
-    and Triton's launch_pdl exactly where dependent launch is on here (sm_90, GEMSLIB_PDL not 0);
-    the other kernels never do. On a GPU, under it a CUDA graph of GEMM -> rms_norm -> GEMM
-    -> silu_and_mul (each reading its predecessor's output at once) gives the eager result
-    exactly, and torch's within bf16 rounding, on new inputs each replay."""
+    and Triton's launch_pdl exactly where dependent launch is on here (sm_90, GEMSLIB_PDL not 0),
+    and PDL_EARLY where GEMSLIB_PDL_EARLY is on too; the other kernels never do. On a GPU, under
+    it a CUDA graph of GEMM -> rms_norm -> GEMM -> silu_and_mul -> GEMV -> GEMV (each reading
+    its predecessor's output at once, the GEMVs' weights prefetched before their wait where
+    early) gives the eager result exactly, and torch's within bf16 rounding, on new inputs
+    each replay."""
     monkeypatch.setattr(env, "dependent_launch_here", lambda: here)
+    monkeypatch.setattr(env, "early_dependents_here", lambda: here and early)
     _fresh_launches()
     try:
         for name, kernel in runtime.KERNELS.items():
@@ -882,16 +887,20 @@ def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here,
             kwargs = kernel.kernel_kwargs(kernel.buckets()[-1].configs[0])
             assert kwargs.get("PDL", False) == (built and here), name
             assert kwargs.get("launch_pdl", False) == (built and here), name
+            assert kwargs.get("PDL_EARLY", False) == (built and here and early), name
         if not torch.cuda.is_available() or runtime.INTERPRETER:
             return
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         x = torch.randn(16, 4096, **bf16)
         w_in, w_gate_up = (torch.randn(4096, 4096, **bf16) * 0.02 for _ in range(2))
+        w_down, w_out = (torch.randn(4096, 2048, **bf16) * 0.02,
+                         torch.randn(1024, 4096, **bf16) * 0.02)
         weight = torch.randn(4096, **bf16)
 
         def step():
             normed = gemslib.rms_norm(x @ w_in.t(), weight)
-            return gemslib.silu_and_mul(normed @ w_gate_up.t())
+            down = gemslib.decode_gemv(gemslib.silu_and_mul(normed @ w_gate_up.t()), w_down)
+            return gemslib.decode_gemv(down, w_out, norm_weight=weight)
 
         expected = step()
         graph = torch.cuda.CUDAGraph()
@@ -906,7 +915,11 @@ def test_kernels_built_for_dependent_launch_are_launched_so_where_it_is_on(here,
             assert torch.equal(out, step())
             gate, up = (F.rms_norm((x @ w_in.t()).float(), (4096,), weight.float(), 1e-6)
                         .to(torch.bfloat16) @ w_gate_up.t()).float().chunk(2, dim=-1)
-            torch.testing.assert_close(out.float(), F.silu(gate) * up, rtol=4e-2, atol=6e-2)
+            down = ((F.silu(gate) * up).to(torch.bfloat16).float() @ w_down.float().t()).to(
+                torch.bfloat16).float()
+            expected_out = (F.rms_norm(down, (4096,), weight.float(), 1e-6).to(torch.bfloat16)
+                            .float() @ w_out.float().t())
+            torch.testing.assert_close(out.float(), expected_out, rtol=5e-2, atol=8e-2)
         assert not torch.equal(out, expected)  # the replays saw the new inputs
     finally:
         monkeypatch.undo()
