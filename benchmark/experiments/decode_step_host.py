@@ -12,8 +12,9 @@ the GPU and the wall time of a call is its host part alone; the blocks of each f
 alternate, the least kept. Printed, us a call: the host part; the same with dynamo's guards
 skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
 ``cudagraph_mark_step_begin`` alone (``--no-trees``: inductor's plain cudagraphify instead of
-its trees); then a cProfile of one block, by own time and by cumulative time (the guards and
-the replay's C++ are inside the calls that run them).
+its trees); the step's CUDA graph launched alone (``CUDAGraph.replay``: the driver's host time
+for its kernels, which grows with their count); then a cProfile of one block, by own time and
+by cumulative time (the guards and the replay's C++ are inside the calls that run them).
 """
 
 from __future__ import annotations
@@ -51,6 +52,19 @@ def _least_host_us(timed: dict, calls: int, rounds: int) -> dict:
     return least
 
 
+def _replayed_graph():
+    """The CUDA graph the trees replayed last (the step's), or None where torch's trees keep
+    it elsewhere. Replaying it alone reruns the step's kernels on its static buffers."""
+    from torch._inductor import cudagraph_trees
+
+    try:
+        manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+        return manager.current_node.graph
+    except (AttributeError, TypeError) as err:
+        print(f"  the step's graph not found in torch's CUDA-graph trees: {err}")
+        return None
+
+
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m benchmark.experiments.decode_step_host")
     add_step_arguments(parser, model="llama3.2-1b", layers=16, batch=1)
@@ -78,6 +92,9 @@ def main(argv: list[str] | None = None):
                 "default", skip_guard_eval_unsafe=True))
         except (TypeError, RuntimeError) as err:
             print(f"  guards not skippable here: {err}")
+        graph = None if args.no_trees else _replayed_graph()
+        if graph is not None:
+            timed["replay"] = (graph.replay, contextlib.nullcontext)
         least = _least_host_us(timed, args.calls, args.rounds)
         host = least["call"] - least["rewind"]
         print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
@@ -89,6 +106,9 @@ def main(argv: list[str] | None = None):
             print(f"  with dynamo's guards skipped: {unguarded:.1f} us "
                   f"(guards ~{host - unguarded:.1f} us)")
         print(f"  cudagraph_mark_step_begin alone: {least['mark_step']:.1f} us")
+        if "replay" in least:
+            print(f"  the step's CUDA graph launched alone (CUDAGraph.replay): "
+                  f"{least['replay']:.1f} us")
         profiler = cProfile.Profile()
         torch.cuda._sleep(int(1e8))
         profiler.enable()
