@@ -36,8 +36,9 @@ def prefetch_rows_to_l2(base_ptr, o_row, m_row, col_begin, col_end, stride_row,
                         BLOCK_COLS: tl.constexpr):
     """Ask L2 for columns [col_begin, min(col_begin + BLOCK_COLS, col_end)) of the rows
     ``o_row`` (where ``m_row``) of a row-major matrix at ``base_ptr``: one
-    ``prefetch.global.L2::evict_last`` a 128-byte line (one a row where BLOCK_COLS, a power
-    of 2, is under a line's elements), nothing waited for, nothing loaded into registers.
+    ``prefetch.global.L2`` a 128-byte line (one a row where BLOCK_COLS, a power of 2, is under
+    a line's elements), nothing waited for, nothing loaded into registers. Normal eviction
+    priority: a weight is read once, and lines kept as evict_last would outlive their read.
     Lanes out of bounds prefetch the matrix's first line instead (a prefetch of an address
     outside every allocation is undefined)."""
     LINE: tl.constexpr = L2_LINE_BYTES * 8 // base_ptr.dtype.element_ty.primitive_bitwidth
@@ -45,6 +46,6 @@ def prefetch_rows_to_l2(base_ptr, o_row, m_row, col_begin, col_end, stride_row,
     o_col = col_begin + tl.arange(0, BLOCK_COLS // STEP) * STEP
     inside = m_row[:, None] & (o_col < col_end)[None, :]
     offsets = tl.where(inside, o_row.to(tl.int64)[:, None] * stride_row + o_col[None, :], 0)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
                               "=r,l", [base_ptr + offsets], dtype=tl.int32, is_pure=False,
                               pack=1)
