@@ -110,10 +110,28 @@ def _prefilled_cache(model, ids, static: bool, cache_len: int):
     return cache
 
 
-def _step_runner(way: str, model, ids, cache_len: int):
+def static_compile_arguments(way: str, module_guards: bool = True) -> dict:
+    """``torch.compile``'s (and ``transformers.CompileConfig``'s) arguments for a static way:
+    its backend, one graph, CUDA graphs. ``module_guards=False``: dynamo's guards on the
+    model's modules dropped (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``; safe for
+    a loop that never changes the model's modules or config), which torch takes only in
+    ``options``, and then not beside a ``mode``: CUDA graphs as their option."""
+    import torch
+
+    arguments = {"backend": "gemslib" if way == "static-gemslib" else "inductor",
+                 "fullgraph": True}
+    if module_guards:
+        return dict(arguments, mode="reduce-overhead")
+    return dict(arguments, mode=None, options={
+        "triton.cudagraphs": True,
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def _step_runner(way: str, model, ids, cache_len: int, module_guards: bool = True):
     """(step, rewind): ``step()`` runs one decode step at P valid positions and returns its
     last logits; ``rewind()`` takes the cache back to the prompt, so that every step sees the
-    same fill (transformers' static layers count their own length)."""
+    same fill (transformers' static layers count their own length). ``module_guards``: as in
+    :func:`static_compile_arguments`."""
     import torch
 
     static = way.startswith("static")
@@ -128,8 +146,7 @@ def _step_runner(way: str, model, ids, cache_len: int):
             import gemslib
 
             gemslib.reset_fusion_report()
-        runner = torch.compile(model, backend="gemslib" if way == "static-gemslib" else "inductor",
-                               mode="reduce-overhead", fullgraph=True)
+        runner = torch.compile(model, **static_compile_arguments(way, module_guards))
 
     def step():
         if static:  # a new CUDA graph replay: the previous step's outputs may go
@@ -159,6 +176,7 @@ def run_decode_way(job: dict) -> dict:
     model = build_model(spec, device, torch.bfloat16)
     realmodels.free_memory(device)
     way = job["way"]
+    module_guards = job.get("module_guards", True)
     try:
         if way in ("liger", "enable"):
             model, context, _ = realmodels.prepare_way(way, model)
@@ -178,7 +196,7 @@ def run_decode_way(job: dict) -> dict:
             with torch.no_grad(), context() as scope:
                 started = time.perf_counter()
                 skips_before = _cudagraph_skips()
-                step, rewind = _step_runner(way, model, ids, cache_len)
+                step, rewind = _step_runner(way, model, ids, cache_len, module_guards)
                 logits = step().float()
                 realmodels.synchronize(device)
                 figures["first_call_s"] = time.perf_counter() - started
@@ -200,7 +218,7 @@ def run_decode_way(job: dict) -> dict:
                         figures["cudagraph_skips"] = _cudagraph_skips() - skips_before
                     rewind()
                     figures["tokens_per_s"], figures["generate_s"] = _generate(
-                        way, model, ids, new, cache_len)
+                        way, model, ids, new, cache_len, module_guards=module_guards)
             if key in references:
                 figures.update(realmodels.accuracy(logits, references[key]))
             realmodels.say(f"{job['model']} {way} {key}: step {figures['step_ms']:.3f} ms, "
@@ -255,7 +273,8 @@ def _time_beside_eager(figures: dict, scope, step, rewind, model, ids, new: int,
 
 
 def _generate(way: str, model, ids, new: int, cache_len: int,
-              untimed_first: bool = True, timed: int = 3) -> tuple[float, float]:
+              untimed_first: bool = True, timed: int = 3,
+              module_guards: bool = True) -> tuple[float, float]:
     """(tokens/s, seconds) of a greedy ``generate`` of ``new`` tokens, the fastest of ``timed``
     calls (one call is mostly host time, which jumps on a busy host), after one untimed call
     (the static ways compile their step in it) unless ``untimed_first`` is False."""
@@ -265,8 +284,7 @@ def _generate(way: str, model, ids, new: int, cache_len: int,
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                   do_sample=False, pad_token_id=0)
     if way.startswith("static"):
-        config = transformers.CompileConfig(
-            **({"backend": "gemslib"} if way == "static-gemslib" else {}), fullgraph=True)
+        config = transformers.CompileConfig(**static_compile_arguments(way, module_guards))
         config._compile_all_devices = True  # transformers compiles on GPUs only by default
         model.generation_config.compile_config = config
 
@@ -371,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timed steps (default: 50 on a GPU, 3 on the CPU)")
     parser.add_argument("--out", type=Path, default=realmodels.BENCH_DIR / "results", metavar="DIR",
                         help="where decode.json and decode.md go (default: benchmark/results)")
+    parser.add_argument("--no-module-guards", action="store_true",
+                        help="compile the static ways with dynamo's guards on the model's "
+                             "modules dropped (torch.compiler.skip_guard_on_all_nn_modules_unsafe"
+                             ", CUDA graphs as an option): the step's host part without them")
     parser.add_argument("--worker", metavar="JOB", help=argparse.SUPPRESS)
     return parser
 
@@ -480,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[way] = {"way": way, "status": realmodels.NOT_INSTALLED, "shapes": {}}
             else:
                 results[way] = realmodels.run_job(dict(common, kind="decode_way", way=way,
-                                                       warmup=warmup, reps=reps),
+                                                       warmup=warmup, reps=reps,
+                                                       module_guards=not args.no_module_guards),
                                                   directory, args.timeout, command=worker_command)
             if way in GEMSLIB_WAYS and results[way].get("status") != "ok":
                 failed.append(f"{name} {way}: {results[way].get('status')}")

@@ -39,14 +39,17 @@ def _kernels(trace_events, copies: bool = False) -> list[tuple[str, float, float
 
 def add_step_arguments(parser: argparse.ArgumentParser, model: str, layers: int,
                        batch: int) -> None:
-    """The step's arguments (model, layers, batch, prompt, cache, backend), shared with the
-    other decode-step experiments."""
+    """The step's arguments (model, layers, batch, prompt, cache, backend, module guards),
+    shared with the other decode-step experiments."""
     parser.add_argument("--model", choices=list(MODELS), default=model)
     parser.add_argument("--layers", type=int, default=layers)
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--cache", type=int, default=192)
     parser.add_argument("--backend", choices=["gemslib", "inductor"], default="gemslib")
+    parser.add_argument("--no-module-guards", action="store_true",
+                        help="dynamo's guards on the model's modules dropped "
+                             "(benchmark.decode.static_compile_arguments)")
 
 
 def warmed_step(args: argparse.Namespace):
@@ -55,7 +58,8 @@ def warmed_step(args: argparse.Namespace):
     spec = dataclasses.replace(MODELS[args.model], layers=args.layers)
     model = build_model(spec, "cuda", torch.bfloat16).eval()
     ids = input_ids(spec, args.batch, args.prompt, torch.device("cuda"))
-    step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache)
+    step, rewind = decode._step_runner(f"static-{args.backend}", model, ids, args.cache,
+                                       module_guards=not args.no_module_guards)
     for _ in range(5):
         rewind()
         step()

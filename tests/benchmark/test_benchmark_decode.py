@@ -61,6 +61,37 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     assert markdown.count("\n| static-gemslib | ") == 1
 
 
+def test_static_ways_without_module_guards_compute_what_the_guarded_ones_do():
+    """--no-module-guards: the static ways compile with dynamo's guards on the model's modules
+    dropped; torch takes the guard filter only in options, and options not beside a mode, so
+    CUDA graphs come as their option. The step's logits are the guarded step's and eager's,
+    and generate() takes the same arguments through transformers' CompileConfig."""
+    import transformers
+
+    guarded = decode.static_compile_arguments("static-gemslib")
+    unguarded = decode.static_compile_arguments("static-gemslib", module_guards=False)
+    assert guarded == {"backend": "gemslib", "fullgraph": True, "mode": "reduce-overhead"}
+    assert unguarded["mode"] is None and unguarded["options"] == {
+        "triton.cudagraphs": True,
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    assert decode.static_compile_arguments("static-inductor")["backend"] == "inductor"
+    spec = model_spec("llama3-8b", tiny=True, layers=None)
+    model = realmodels.build_model(spec, "cpu", torch.float32).eval()
+    ids = realmodels.input_ids(spec, 1, 12, torch.device("cpu"))
+    with torch.no_grad():
+        expected = decode._step_runner("eager", model, ids, 16)[0]()
+        with_guards = decode._step_runner("static-gemslib", model, ids, 16)[0]()
+        without = decode._step_runner("static-gemslib", model, ids, 16, module_guards=False)[0]()
+        torch.testing.assert_close(without, with_guards, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(without, expected, rtol=1e-4, atol=1e-4)
+        tokens_per_s, _ = decode._generate("static-gemslib", model, ids, 2, 16,
+                                           untimed_first=False, timed=1, module_guards=False)
+    assert tokens_per_s > 0
+    config = model.generation_config.compile_config
+    assert isinstance(config, transformers.CompileConfig) and config.mode is None
+    assert config.options["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+
+
 def test_a_run_cut_short_keeps_the_ways_it_finished(tmp_path, monkeypatch):
     """The report is written after every way: a run stopped during its second way (Ctrl-C, a
     SIGTERM) leaves the first way's rows in decode.json and decode.md."""
