@@ -277,7 +277,8 @@ def _generate(way: str, model, ids, new: int, cache_len: int,
               module_guards: bool = True) -> tuple[float, float]:
     """(tokens/s, seconds) of a greedy ``generate`` of ``new`` tokens, the fastest of ``timed``
     calls (one call is mostly host time, which jumps on a busy host), after one untimed call
-    (the static ways compile their step in it) unless ``untimed_first`` is False."""
+    (the static ways compile and record their step in it) unless ``untimed_first`` is False.
+    The static ways' calls share one cache, reset before each."""
     import torch
     import transformers
 
@@ -287,9 +288,13 @@ def _generate(way: str, model, ids, new: int, cache_len: int,
         config = transformers.CompileConfig(**static_compile_arguments(way, module_guards))
         config._compile_all_devices = True  # transformers compiles on GPUs only by default
         model.generation_config.compile_config = config
+        # one cache for every call, emptied before each, as a serving loop keeps its cache: its
+        # tensors are the step's static inputs, and new ones would make the CUDA-graph trees
+        # record the step again in every call
+        cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
 
         def call():
-            cache = transformers.StaticCache(config=model.config, max_cache_len=cache_len)
+            cache.reset()
             return model.generate(ids, past_key_values=cache, **kwargs)
     else:
         def call():

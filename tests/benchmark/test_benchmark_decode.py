@@ -92,6 +92,32 @@ def test_static_ways_without_module_guards_compute_what_the_guarded_ones_do():
     assert config.options["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
 
 
+def test_the_static_ways_generate_calls_share_one_cache_and_the_same_tokens(monkeypatch):
+    """A static way's timed generate() calls reuse one StaticCache, reset before each (its
+    tensors are the step's static inputs: new ones would make the CUDA-graph trees record the
+    step again every call), and each call generates the tokens a fresh cache gives."""
+    spec = model_spec("llama3-8b", tiny=True, layers=None)
+    model = realmodels.build_model(spec, "cpu", torch.float32).eval()
+    ids = realmodels.input_ids(spec, 1, 12, torch.device("cpu"))
+    with torch.no_grad():
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                  min_new_tokens=3, do_sample=False, pad_token_id=0)
+    calls = []
+    generate = model.generate
+
+    def recorded(*args, **kwargs):
+        calls.append((kwargs["past_key_values"], generate(*args, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(model, "generate", recorded)
+    with torch.no_grad():
+        decode._generate("static-gemslib", model, ids, 3, 16, untimed_first=True, timed=2)
+    assert len(calls) == 3
+    assert all(cache is calls[0][0] for cache, _ in calls)
+    for _, tokens in calls:
+        assert torch.equal(tokens, expected)
+
+
 def test_a_run_cut_short_keeps_the_ways_it_finished(tmp_path, monkeypatch):
     """The report is written after every way: a run stopped during its second way (Ctrl-C, a
     SIGTERM) leaves the first way's rows in decode.json and decode.md."""
