@@ -1,6 +1,7 @@
 """A hung worker's stacks, for the log of its timeout: the worker answers a request for its
 Python stacks (outermost frame first, so a deep recursion keeps its callers), and the parent
-asks before it kills it. No torch here: a worker installs the answer before its heavy imports.
+asks before it kills it. No torch here, so a process can install the answer without importing
+torch first.
 """
 
 from __future__ import annotations

@@ -121,4 +121,3 @@ def early_dependents_here() -> bool:
     """Whether kernels launched dependent here also trigger their dependents early and
     prefetch their weights: :func:`dependent_launch_here` and GEMSLIB_PDL_EARLY."""
     return EARLY_DEPENDENTS and dependent_launch_here()
-
