@@ -12,9 +12,11 @@ the GPU and the wall time of a call is its host part alone; the blocks of each f
 alternate, the least kept. Printed, us a call: the host part; the same with dynamo's guards
 skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
 ``cudagraph_mark_step_begin`` alone (``--no-trees``: inductor's plain cudagraphify instead of
-its trees); the step's CUDA graph launched alone (``CUDAGraph.replay``: the driver's host time
-for its kernels, which grows with their count); then a cProfile of one block, by own time and
-by cumulative time (the guards and the replay's C++ are inside the calls that run them).
+its trees); the host time of the step's ``cudaGraphLaunch`` inside real calls (torch.profiler:
+the driver's part, which grows with the graph's kernels); then a cProfile of one block, by own
+time and by cumulative time (the guards and the replay's C++ are inside the calls that run
+them). The graph is not replayed alone: on the H100 a lone replay of gemslib's step tripped
+an embedding's index check (its inputs' memory is the trees' to reuse between calls).
 """
 
 from __future__ import annotations
@@ -52,17 +54,20 @@ def _least_host_us(timed: dict, calls: int, rounds: int) -> dict:
     return least
 
 
-def _replayed_graph():
-    """The CUDA graph the trees replayed last (the step's), or None where torch's trees keep
-    it elsewhere. Replaying it alone reruns the step's kernels on its static buffers."""
-    from torch._inductor import cudagraph_trees
+def _graph_launch_us(call, calls: int) -> tuple[float, int] | None:
+    """(us of host time a call spends in ``cudaGraphLaunch``, launches a call), read by
+    torch.profiler over ``calls`` calls of ``call``; None where no graph was launched."""
+    from torch.profiler import ProfilerActivity, profile
 
-    try:
-        manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-        return manager.current_node.graph
-    except (AttributeError, TypeError) as err:
-        print(f"  the step's graph not found in torch's CUDA-graph trees: {err}")
+    torch.cuda._sleep(int(1e8))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    launches = [event for event in prof.key_averages() if event.key == "cudaGraphLaunch"]
+    if not launches:
         return None
+    return launches[0].cpu_time_total / calls, launches[0].count // calls
 
 
 def main(argv: list[str] | None = None):
@@ -92,9 +97,6 @@ def main(argv: list[str] | None = None):
                 "default", skip_guard_eval_unsafe=True))
         except (TypeError, RuntimeError) as err:
             print(f"  guards not skippable here: {err}")
-        graph = None if args.no_trees else _replayed_graph()
-        if graph is not None:
-            timed["replay"] = (graph.replay, contextlib.nullcontext)
         least = _least_host_us(timed, args.calls, args.rounds)
         host = least["call"] - least["rewind"]
         print(f"{spec.title} {args.layers}L B{args.batch} {args.prompt} of {args.cache}, "
@@ -106,9 +108,12 @@ def main(argv: list[str] | None = None):
             print(f"  with dynamo's guards skipped: {unguarded:.1f} us "
                   f"(guards ~{host - unguarded:.1f} us)")
         print(f"  cudagraph_mark_step_begin alone: {least['mark_step']:.1f} us")
-        if "replay" in least:
-            print(f"  the step's CUDA graph launched alone (CUDAGraph.replay): "
-                  f"{least['replay']:.1f} us")
+        launch = _graph_launch_us(call, args.calls)
+        if launch is None:
+            print("  no cudaGraphLaunch in a call (the step is not CUDA-graphed)")
+        else:
+            print(f"  cudaGraphLaunch inside a call (torch.profiler): {launch[0]:.1f} us "
+                  f"({launch[1]} a call)")
         profiler = cProfile.Profile()
         torch.cuda._sleep(int(1e8))
         profiler.enable()
