@@ -1,5 +1,6 @@
 """decode_attention (bf16) against SDPA with one query row per sequence and FlashInfer's batch
-decode (each sequence's cache one page of its paged-KV layout, HND: the same tensors).
+decode as an engine runs it (its own paged copy of the same K/V, pages of 16 positions, HND;
+tensor cores where 4 or more query heads share a KV head, as FlashInfer advises).
 
     python -m benchmark --ops decode_attention
 
@@ -33,10 +34,14 @@ DECODE_HEADS, DECODE_KV_HEADS, DECODE_DIM = 32, 8, 128
 FAMILY_DECODE = [(16, 8192, 32, 8, 64), (16, 8192, 32, 32, 96), (16, 8192, 16, 16, 256)]
 
 
+FLASHINFER_PAGE = 16
+
+
 def _flashinfer_decode(flashinfer, q, k_cache, v_cache, visible: int | None = None):
-    """FlashInfer's batch decode over gemslib's caches as they are: (B, Hkv, L, D) is its HND
-    paged layout with one page of L positions per sequence, ``visible`` of them used (all by
-    default). Planned once here, as an engine plans once per step."""
+    """FlashInfer's batch decode over a paged copy of ``k_cache`` and ``v_cache`` (the same
+    values, ``visible`` positions a sequence, all by default), planned once here as an engine
+    plans once per step. A cache of one page a sequence (gemslib's own tensors as they are)
+    would leave it one program per KV head: its splits are whole pages."""
     try:
         return _planned_flashinfer_decode(flashinfer, q, k_cache, v_cache, visible)
     except Exception as err:  # a shape it does not build for: reported as the peer's failure
@@ -45,16 +50,35 @@ def _flashinfer_decode(flashinfer, q, k_cache, v_cache, visible: int | None = No
         return failed
 
 
+def paged_kv(cache: torch.Tensor, visible: int, page: int):
+    """(pages, indptr, indices, last_page_len): the first ``visible`` positions of each
+    sequence of ``cache`` (B, Hkv, L, D) as FlashInfer's HND paged layout, pages (P, Hkv, page,
+    D) with sequence b's ``ceil(visible / page)`` pages at indices[indptr[b]:indptr[b + 1]]
+    in order, the last one holding ``last_page_len[b]`` positions (the rest zeros)."""
+    batch, kv_heads, _, dim = cache.shape
+    per_seq = -(-visible // page)
+    padded = cache.new_zeros(batch, kv_heads, per_seq * page, dim)
+    padded[:, :, :visible] = cache[:, :, :visible]
+    pages = (padded.view(batch, kv_heads, per_seq, page, dim).transpose(1, 2)
+             .reshape(batch * per_seq, kv_heads, page, dim))
+    int32 = dict(dtype=torch.int32, device=cache.device)
+    indptr = torch.arange(batch + 1, **int32) * per_seq
+    indices = torch.arange(batch * per_seq, **int32)
+    last_page_len = torch.full((batch,), visible - (per_seq - 1) * page, **int32)
+    return pages, indptr, indices, last_page_len
+
+
 def _planned_flashinfer_decode(flashinfer, q, k_cache, v_cache, visible):
     batch, kv_heads, cache_len, dim = k_cache.shape
-    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
-    pages = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    last_page_len = torch.full((batch,), visible or cache_len, dtype=torch.int32,
-                               device=q.device)
-    wrapper.plan(pages, pages[:-1], last_page_len, q.shape[1], kv_heads, dim, cache_len,
+    visible = visible or cache_len
+    k_pages, indptr, indices, last_page_len = paged_kv(k_cache, visible, FLASHINFER_PAGE)
+    v_pages = paged_kv(v_cache, visible, FLASHINFER_PAGE)[0]
+    workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "HND", use_tensor_cores=q.shape[1] // kv_heads >= 4)
+    wrapper.plan(indptr, indices, last_page_len, q.shape[1], kv_heads, dim, FLASHINFER_PAGE,
                  pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-    return lambda: wrapper.run(q, (k_cache, v_cache))
+    return lambda: wrapper.run(q, (k_pages, v_pages))
 
 
 def cases(quick: bool = False, backward: bool = False):
@@ -70,6 +94,10 @@ def cases(quick: bool = False, backward: bool = False):
                      q[:, :, None], k_cache, v_cache, enable_gqa=True)}
         if flashinfer:
             impls["FlashInfer"] = _flashinfer_decode(flashinfer, q, k_cache, v_cache)
+            if batch == 1:  # one sequence: its single-request decode reads the cache as it is
+                impls["FlashInfer single"] = lambda: flashinfer.single_decode_with_kv_cache(
+                    q[0], k_cache[0], v_cache[0], kv_layout="HND",
+                    use_tensor_cores=heads // kv_heads >= 4)
         bytes_moved = 2 * k_cache.numel() * k_cache.element_size()
         yield Case("decode_attention", f"B{batch} Hq{heads} Hk{kv_heads} L{cache_len} D{dim}",
                    "bf16", bytes_moved, impls,
