@@ -263,7 +263,10 @@ def _decode_kernel(
 
 DECODE = runtime.TunedKernel("decode_attention", "decode_attention", _decode_kernel,
                              tunables=("BLOCK_N",), launcher_knobs=("PROGRAMS_PER_SM",),
-                             shape_keys=("head_dim", "elem_bytes", "seq_kv"), device_asserts=True,
+                             # kv_heads: B x Hkv, the programs before the keys are split (few
+                             # of them: the splits carry the parallelism and their fixed costs)
+                             shape_keys=("head_dim", "elem_bytes", "seq_kv", "kv_heads"),
+                             device_asserts=True,
                              dependent_launch=True)
 
 
@@ -402,7 +405,8 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window: i
                 None if key_mask is None else (key_mask.shape, key_mask.stride(),
                                                key_mask.dtype, key_mask.device),
                 scale, window, softcap,
-                DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2])))
+                DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2],
+                                       q.shape[0] * k_cache.shape[1])))
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -419,7 +423,8 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
         return None
     return _plan_decode(q, k_cache, v_cache, has_seqlens, scale,
                         # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
-                        DECODE.planned_config((head_dim, q.element_size(), cache_len)),
+                        DECODE.planned_config((head_dim, q.element_size(), cache_len,
+                                               batch * k_cache.shape[1])),
                         with_lse=with_lse,
                         key_mask_strides=None if key_mask is None else key_mask.stride(),
                         out_strides=None if out is None else out.stride()[:2], window=window,
@@ -671,8 +676,13 @@ TUNING = (
               (TuneBucket({"seq_kv": 1024, "head_dim": 128, "elem_bytes": 2},
                           "B16 L192 + B16 L1024 D128 bf16",
                           _decode_problem(((16, 192), (16, 1024)), 128, torch.bfloat16)),
-               TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B16 L8192 + B1 L32768 D128 bf16",
-                          _decode_problem(((16, 8192), (1, 32768)), 128, torch.bfloat16)),
+               # few KV heads (B1-B4 of 8): splits of a mid-length cache, where one call's
+               # fixed costs (first loads, the merge) weigh most
+               TuneBucket({"kv_heads": 32, "head_dim": 128, "elem_bytes": 2},
+                          "B1 L8192 + B4 L4096 D128 bf16",
+                          _decode_problem(((1, 8192), (4, 4096)), 128, torch.bfloat16)),
+               TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B16 L8192 + B8 L16384 D128 bf16",
+                          _decode_problem(((16, 8192), (8, 16384)), 128, torch.bfloat16)),
                TuneBucket({"elem_bytes": 2}, "B4 L4096 D256 bf16",
                           _decode_problem(((4, 4096),), 256, torch.bfloat16)),
                TuneBucket({"head_dim": 128}, "B4 L4096 D128 fp32",

@@ -58,6 +58,32 @@ def test_decode_splits_the_cache_over_programs():
     assert decode_ops._decode_splits(1, 10_000_000, 16, 0, 1000) == 256
 
 
+def test_few_kv_heads_take_the_bucket_bounded_by_kv_heads(config_file):
+    """A bucket bounded by kv_heads (B x Hkv: the programs before the cache is split) takes the
+    calls with that few and no more; each runs right with its config."""
+    config_file("""
+        schema: 1
+        device: test
+        ops:
+          decode_attention:
+            decode_attention:
+              - max: {kv_heads: 4}
+                config: {BLOCK_N: 16, PROGRAMS_PER_SM: 3, num_warps: 4, num_stages: 1}
+              - config: {BLOCK_N: 32, PROGRAMS_PER_SM: 1, num_warps: 4, num_stages: 1}
+    """)
+    decode_ops.DECODE.clear_cache()
+    rtol = tolerance(torch.float32)["rtol"]
+    for batch, block_n in ((2, 16), (3, 32)):  # 4 and 6 (batch, KV head) pairs
+        q = random_tensor((batch, 4, 32), torch.float32, scale=1.0)
+        k, v = (random_tensor((batch, 2, 96, 32), torch.float32, scale=1.0) for _ in range(2))
+        plan = decode_ops._launch_plan(q, k, v, False, 32 ** -0.5)
+        assert plan.config.meta_dict["BLOCK_N"] == block_n, (batch, plan.config)
+        out = gemslib.decode_attention(q, k, v)
+        expected = decode_ops.decode_attention_reference(q.double(), k.double(), v.double())
+        torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+
+
 def test_a_growing_cache_keeps_one_compiled_launch_per_specialisation(monkeypatch):
     """Decode calls over a cache one position longer each time (a dynamic cache's steps) each
     give their own attention; on a GPU they share the kept compiled launches of their
