@@ -112,8 +112,8 @@ def dependent_launch_here() -> bool:
 
 # GEMSLIB_PDL_EARLY=1: each such kernel also lets the next one launch as soon as its own wait
 # is over (griddepcontrol.launch_dependents), and the GEMVs prefetch their first K step of W
-# into L2 before they wait, so a kernel's ramp runs under the previous one's work. Off by
-# default until timed (docs/notes/decode.md, the GEMVs' boundaries).
+# into L2 before they wait, so a kernel's ramp runs under the previous one's work. Off: an
+# H100's 1B decode step ran 4% slower with it (docs/notes/decode.md, the GEMVs' boundaries).
 EARLY_DEPENDENTS: bool = env_flag("GEMSLIB_PDL_EARLY")
 
 
