@@ -52,6 +52,9 @@ ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program 
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
 BLOCK_N = 128      # keys per block
 STAGES = 3         # K/V ring depth: 32 KB of q + 3 x 64 KB of K/V fit the 227 KB of an SM
+# the forward's ring depth by head dim: at 64, 16 KB of q + 4 x 32 KB of K/V (a fifth stage
+# would fit; four keep the loads ahead of two warpgroups' matmuls that are half as long)
+FORWARD_STAGES = {64: 4, HEAD_DIM: STAGES}
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 # the backward's dK/dV kernel: KEYS keys per consumer warpgroup (two per program), query rows
@@ -671,11 +674,11 @@ _FORWARD = runtime.KeptKernel(_attention_fwd_hopper)
 
 
 @functools.cache  # building them is host time that every forward call would pay again
-def shared_layouts(dtype: torch.dtype):
-    """NVMMA shared layouts of the q and the K/V blocks for ``dtype``."""
+def shared_layouts(dtype: torch.dtype, head_dim: int = HEAD_DIM):
+    """NVMMA shared layouts of the forward's q and K/V blocks for ``dtype`` and ``head_dim``."""
     element = _GL_DTYPES[dtype]
-    return (gl.NVMMASharedLayout.get_default_for([1, 1, ROWS, HEAD_DIM], element),
-            gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, HEAD_DIM], element))
+    return (gl.NVMMASharedLayout.get_default_for([1, 1, ROWS, head_dim], element),
+            gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, head_dim], element))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -687,6 +690,18 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             != (9, 0) or q.shape[-1] not in head_dims or v.shape[-1] != q.shape[-1]:
         return False
     return all(layout.tma_addressable(t) for t in (q, k, v))
+
+
+# The forward at head dim 64 too (the same kernel: its tiles take D from the descriptors, the
+# ring FORWARD_STAGES deep). Opt-in (GEMSLIB_GLUON_FORWARD_D64=1) until timed against the
+# Triton kernel that D64 runs by default (see docs/notes/attention.md)
+FORWARD_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_GLUON_FORWARD_D64") == "1" \
+    else (HEAD_DIM,)
+
+
+def eligible_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``forward`` takes these inputs: ``eligible`` at FORWARD_HEAD_DIMS."""
+    return eligible(q, k, v, FORWARD_HEAD_DIMS)
 
 
 # The dK/dV kernel at head dim 64 too (its dQ then the Triton kernel's: the fused dQ splits D
@@ -710,19 +725,19 @@ def eligible_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             out: torch.Tensor) -> torch.Tensor:
-    """lse (B, Hq, Sq) fp32 for ``eligible`` q (B, Hq, Sq, 128), k and v (B, Hkv, Skv, 128)
-    with Sq, Skv >= 1 and scale >= 0; o written into ``out`` (B, Hq, Sq, 128) of q's dtype,
-    any strides with a unit last one."""
-    batch, n_q_heads, seq_q, _ = q.shape
+    """lse (B, Hq, Sq) fp32 for ``eligible_forward`` q (B, Hq, Sq, D), k and v (B, Hkv, Skv,
+    D), D one of FORWARD_STAGES' head dims, with Sq, Skv >= 1 and scale >= 0; o written into
+    ``out`` (B, Hq, Sq, D) of q's dtype, any strides with a unit last one."""
+    batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
-    q_layout, kv_layout = shared_layouts(q.dtype)
-    q_desc = TensorDescriptor.from_tensor(q, [1, 1, ROWS, HEAD_DIM], q_layout)
-    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, HEAD_DIM], kv_layout)
+    q_layout, kv_layout = shared_layouts(q.dtype, head_dim)
+    q_desc = TensorDescriptor.from_tensor(q, [1, 1, ROWS, head_dim], q_layout)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, head_dim], kv_layout)
                       for t in (k, v))
     grid = (batch * n_q_heads * runtime.cdiv(seq_q, 2 * ROWS),)
-    constexprs = dict(CAUSAL=causal, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                      PRODUCER_REGS=PRODUCER_REGS)
+    constexprs = dict(CAUSAL=causal, STAGES=FORWARD_STAGES[head_dim],
+                      CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     with torch.cuda.device(q.device):
         if KEEP_FORWARD_LAUNCH:
             _FORWARD.launch(grid, (q_desc, k_desc, v_desc, out, lse, seq_q, seq_kv, n_q_heads,

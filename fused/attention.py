@@ -479,7 +479,7 @@ def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | Non
                        softcap=softcap)
         return out, lse
     if HOPPER_FORWARD.on and _attention_hopper is not None and batch * n_q_heads * seq_q * \
-            seq_kv and not banded and _attention_hopper.eligible(q, k, v):
+            seq_kv and not banded and _attention_hopper.eligible_forward(q, k, v):
         return out, _attention_hopper.forward(q, k, v, causal, scale, out)
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:

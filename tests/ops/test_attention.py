@@ -309,15 +309,33 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
     row the decode kernel; each matches float64 in o and the log-sum-exp, also when its
     launch is kept past Triton's (called twice: kept, then launched directly); elsewhere the
     Triton kernel gives the same answers."""
+    _check_hopper_forward(case, dtype, causal, kept, 128, monkeypatch)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["triton_launch", "kept_launch"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
+@pytest.mark.parametrize("case", HOPPER_CASES)
+def test_hopper_forward_at_head_dim_64_behind_its_switch(case, dtype, causal, kept,
+                                                         monkeypatch):
+    """With GEMSLIB_GLUON_FORWARD_D64's head dims (not yet timed, so off by default) a D = 64
+    forward on sm_90 runs the same Gluon kernel (its tiles 64 wide, its ring deeper), kept or
+    launched by Triton, and matches float64 as the D = 128 one does."""
+    monkeypatch.setattr(attention_ops._attention_hopper, "FORWARD_HEAD_DIMS", (64, 128))
+    _check_hopper_forward(case, dtype, causal, kept, 64, monkeypatch)
+
+
+def _check_hopper_forward(case, dtype, causal, kept, head_dim, monkeypatch):
     _keep_hopper_launch(monkeypatch, kept)
     batch, n_q, n_kv, seq_q, seq_kv, views, scale = case
-    shapes = [(batch, n_q, seq_q, 128), (batch, n_kv, seq_kv, 128), (batch, n_kv, seq_kv, 128)]
+    shapes = [(batch, n_q, seq_q, head_dim), (batch, n_kv, seq_kv, head_dim),
+              (batch, n_kv, seq_kv, head_dim)]
     if views:  # (B, S, H, D) storage: strided but TMA-addressable
         q, k, v = (random_tensor((b, s, h, d), dtype, scale=1.0).transpose(1, 2)
                    for b, h, s, d in shapes)
     else:
         q, k, v = (random_tensor(shape, dtype, scale=1.0) for shape in shapes)
-    scale = 128 ** -0.5 if scale is None else scale
+    scale = head_dim ** -0.5 if scale is None else scale
     calls = []
     hopper_forward = attention_ops._attention_hopper.forward
     monkeypatch.setattr(attention_ops._attention_hopper, "forward",
@@ -465,6 +483,9 @@ def test_hopper_kernel_is_not_offered_what_tma_cannot_address():
     assert not attention_ops._attention_hopper.eligible(d64, d64, d64)
     assert attention_ops._attention_hopper.eligible(d64, d64, d64, (64, 128)) == HOPPER
     assert not attention_ops._attention_hopper.eligible(q, d64, d64, (64, 128))  # D != Dv
+    # the forward takes D64 only behind GEMSLIB_GLUON_FORWARD_D64 (FORWARD_HEAD_DIMS)
+    assert attention_ops._attention_hopper.eligible_forward(d64, d64, d64) == (
+        HOPPER and 64 in attention_ops._attention_hopper.FORWARD_HEAD_DIMS)
     fp32 = dense(1, 2, 64, 128, dtype=torch.float32)
     assert not attention_ops._attention_hopper.eligible(fp32, fp32, fp32)
     assert not attention_ops._attention_hopper.eligible(q.cpu(), q.cpu(), q.cpu())

@@ -548,10 +548,11 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
     # the forward kernel, or the backward's dK/dV kernel (backward "fused": with dQ), with the
     # launchers' constexprs
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    q_layout, kv_layout = hopper.shared_layouts(dtype)
-    constexprs = {"CAUSAL": causal, "STAGES": hopper.BWD_STAGES if backward else hopper.STAGES,
+    q_layout, kv_layout = hopper.shared_layouts(dtype, head_dim)
+    constexprs = {"CAUSAL": causal,
+                  "STAGES": hopper.BWD_STAGES if backward else hopper.FORWARD_STAGES[head_dim],
                   "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
-    block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {hopper.HEAD_DIM}],{q_layout!r}>"
+    block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {head_dim}],{q_layout!r}>"
     if backward and head_dim != hopper.HEAD_DIM:  # as _launch_backward makes its blocks
         block_layout = hopper.gl.NVMMASharedLayout.get_default_for(
             [1, 1, hopper.KEYS, head_dim], hopper._GL_DTYPES[dtype])
@@ -569,7 +570,7 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
                      "scale_log2": "fp32"}
     else:
         kernel = hopper._attention_fwd_hopper
-        kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {hopper.HEAD_DIM}],{kv_layout!r}>"
+        kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {head_dim}],{kv_layout!r}>"
         signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
                      "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
                      "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32",
@@ -590,8 +591,8 @@ def facts(compiled):
 report = {}
 for dtype in (torch.bfloat16, torch.float16):
     for causal in (False, True):
-        if "d64" in sys.argv[1:]:  # the dK/dV kernel at head dim 64, alone and with dQ
-            for backward in (True, "fused"):
+        if "d64" in sys.argv[1:]:  # the forward and the dK/dV kernel (alone, with dQ) at 64
+            for backward in (False, True, "fused"):
                 report[f"{dtype} {causal} {backward} d64"] = facts(
                     compile_for_sm90(dtype, causal, backward, head_dim=64))
             continue
@@ -636,12 +637,20 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     # GEMSLIB_GLUON_BACKWARD_D64=1: the dK/dV kernel at head dim 64 (s^T, dp^T over D = 64;
     # dv, dk over 64 rows); with GEMSLIB_FUSED_DQ_D64=1 also each warpgroup's partial dq over
     # its 64 keys, the writer's atomics, and a wait that leaves dk's matmul in flight
+    # GEMSLIB_GLUON_FORWARD_D64=1: the forward at head dim 64 (q.K over D = 64, p.V over 128
+    # keys), its ring FORWARD_STAGES deep, within shared memory
+    from gemslib.fused._attention_hopper import FORWARD_STAGES
+
     d64 = _run_compiler(_GLUON_COMPILER, args=["d64"])
-    assert len(d64) == 8
+    assert len(d64) == 12
     for variant, facts in d64.items():
         fused = "fused" in variant
         assert facts["cubin"] and facts["shared"] <= 232448, variant
         assert facts["setmaxnreg"] >= 2, variant
+        if variant.split()[-2] == "False":  # the forward
+            assert facts["wgmma"] >= 64 // 16 + 128 // 16, variant
+            assert facts["shared"] >= FORWARD_STAGES[64] * 2 * 128 * 64 * 2, variant
+            continue
         assert facts["wgmma"] >= 2 * 64 // 16 + 2 * 64 // 16 + fused * 64 // 16, variant
         assert (facts["atomic_adds"] > 0) == (facts["waits_leaving_one"] > 0) == fused, variant
 
