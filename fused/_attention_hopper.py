@@ -52,9 +52,10 @@ ROWS = 64          # query rows per consumer warpgroup (the wgmma M); a program 
 HEAD_DIM = 128     # the head dim (of q, k and v) this kernel is built and tuned for
 BLOCK_N = 128      # keys per block
 STAGES = 3         # K/V ring depth: 32 KB of q + 3 x 64 KB of K/V fit the 227 KB of an SM
-# the forward's ring depth by head dim: at 64, 16 KB of q + 4 x 32 KB of K/V (a fifth stage
-# would fit; four keep the loads ahead of two warpgroups' matmuls that are half as long)
-FORWARD_STAGES = {64: 4, HEAD_DIM: STAGES}
+# the forward's (keys per block, ring depth) by head dim: at 64, 16 KB of q + 4 x 32 KB of
+# K/V (a fifth stage would fit; four keep the loads ahead of matmuls half as long); at 256,
+# 64 KB of q + 2 x 64 KB of K/V in 64-key blocks (128-key ones leave room for one stage)
+FORWARD_TILES = {64: (BLOCK_N, 4), HEAD_DIM: (BLOCK_N, STAGES), 256: (64, 2)}
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
 # the backward's dK/dV kernel: KEYS keys per consumer warpgroup (two per program), query rows
@@ -677,8 +678,9 @@ _FORWARD = runtime.KeptKernel(_attention_fwd_hopper)
 def shared_layouts(dtype: torch.dtype, head_dim: int = HEAD_DIM):
     """NVMMA shared layouts of the forward's q and K/V blocks for ``dtype`` and ``head_dim``."""
     element = _GL_DTYPES[dtype]
+    keys = FORWARD_TILES[head_dim][0]
     return (gl.NVMMASharedLayout.get_default_for([1, 1, ROWS, head_dim], element),
-            gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, head_dim], element))
+            gl.NVMMASharedLayout.get_default_for([1, 1, keys, head_dim], element))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -692,11 +694,13 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return all(layout.tma_addressable(t) for t in (q, k, v))
 
 
-# The forward at head dim 64 too (the same kernel: its tiles take D from the descriptors, the
-# ring FORWARD_STAGES deep). Opt-in (GEMSLIB_GLUON_FORWARD_D64=1) until timed against the
-# Triton kernel that D64 runs by default (see docs/notes/attention.md)
-FORWARD_HEAD_DIMS = (64, HEAD_DIM) if os.environ.get("GEMSLIB_GLUON_FORWARD_D64") == "1" \
-    else (HEAD_DIM,)
+# The forward at head dims 64 and 256 too (the same kernel: its tiles take D and the keys a
+# block from the descriptors, FORWARD_TILES). Each opt-in (GEMSLIB_GLUON_FORWARD_D64=1,
+# GEMSLIB_GLUON_FORWARD_D256=1) until timed against the Triton kernel those head dims run by
+# default (see docs/notes/attention.md)
+FORWARD_HEAD_DIMS = tuple(sorted(
+    {HEAD_DIM} | {dim for dim in (64, 256)
+                  if os.environ.get(f"GEMSLIB_GLUON_FORWARD_D{dim}") == "1"}))
 
 
 def eligible_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -726,17 +730,18 @@ def eligible_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
             out: torch.Tensor) -> torch.Tensor:
     """lse (B, Hq, Sq) fp32 for ``eligible_forward`` q (B, Hq, Sq, D), k and v (B, Hkv, Skv,
-    D), D one of FORWARD_STAGES' head dims, with Sq, Skv >= 1 and scale >= 0; o written into
+    D), D one of FORWARD_TILES' head dims, with Sq, Skv >= 1 and scale >= 0; o written into
     ``out`` (B, Hq, Sq, D) of q's dtype, any strides with a unit last one."""
     batch, n_q_heads, seq_q, head_dim = q.shape
     n_kv_heads, seq_kv = k.shape[1], k.shape[2]
+    keys, stages = FORWARD_TILES[head_dim]
     lse = torch.empty((batch, n_q_heads, seq_q), dtype=torch.float32, device=q.device)
     q_layout, kv_layout = shared_layouts(q.dtype, head_dim)
     q_desc = TensorDescriptor.from_tensor(q, [1, 1, ROWS, head_dim], q_layout)
-    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, BLOCK_N, head_dim], kv_layout)
+    k_desc, v_desc = (TensorDescriptor.from_tensor(t, [1, 1, keys, head_dim], kv_layout)
                       for t in (k, v))
     grid = (batch * n_q_heads * runtime.cdiv(seq_q, 2 * ROWS),)
-    constexprs = dict(CAUSAL=causal, STAGES=FORWARD_STAGES[head_dim],
+    constexprs = dict(CAUSAL=causal, STAGES=stages,
                       CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     with torch.cuda.device(q.device):
         if KEEP_FORWARD_LAUNCH:

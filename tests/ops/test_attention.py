@@ -316,13 +316,14 @@ def test_hopper_kernel_takes_16_bit_head_dim_128_and_matches_reference(case, dty
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16])
 @pytest.mark.parametrize("case", HOPPER_CASES)
-def test_hopper_forward_at_head_dim_64_behind_its_switch(case, dtype, causal, kept,
-                                                         monkeypatch):
-    """With GEMSLIB_GLUON_FORWARD_D64's head dims (not yet timed, so off by default) a D = 64
-    forward on sm_90 runs the same Gluon kernel (its tiles 64 wide, its ring deeper), kept or
-    launched by Triton, and matches float64 as the D = 128 one does."""
-    monkeypatch.setattr(attention_ops._attention_hopper, "FORWARD_HEAD_DIMS", (64, 128))
-    _check_hopper_forward(case, dtype, causal, kept, 64, monkeypatch)
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_hopper_forward_at_head_dims_64_and_256_behind_their_switches(head_dim, case, dtype,
+                                                                      causal, kept, monkeypatch):
+    """With GEMSLIB_GLUON_FORWARD_D64's or _D256's head dim (not yet timed, so off by default)
+    the forward on sm_90 runs the same Gluon kernel (its tiles as FORWARD_TILES gives them for
+    that head dim), kept or launched by Triton, and matches float64 as the D = 128 one does."""
+    monkeypatch.setattr(attention_ops._attention_hopper, "FORWARD_HEAD_DIMS", (head_dim, 128))
+    _check_hopper_forward(case, dtype, causal, kept, head_dim, monkeypatch)
 
 
 def _check_hopper_forward(case, dtype, causal, kept, head_dim, monkeypatch):
@@ -483,9 +484,11 @@ def test_hopper_kernel_is_not_offered_what_tma_cannot_address():
     assert not attention_ops._attention_hopper.eligible(d64, d64, d64)
     assert attention_ops._attention_hopper.eligible(d64, d64, d64, (64, 128)) == HOPPER
     assert not attention_ops._attention_hopper.eligible(q, d64, d64, (64, 128))  # D != Dv
-    # the forward takes D64 only behind GEMSLIB_GLUON_FORWARD_D64 (FORWARD_HEAD_DIMS)
-    assert attention_ops._attention_hopper.eligible_forward(d64, d64, d64) == (
-        HOPPER and 64 in attention_ops._attention_hopper.FORWARD_HEAD_DIMS)
+    # the forward takes D64 and D256 only behind their switches (FORWARD_HEAD_DIMS)
+    d256 = dense(1, 2, 64, 256)
+    for other in (d64, d256):
+        assert attention_ops._attention_hopper.eligible_forward(other, other, other) == (
+            HOPPER and other.shape[-1] in attention_ops._attention_hopper.FORWARD_HEAD_DIMS)
     fp32 = dense(1, 2, 64, 128, dtype=torch.float32)
     assert not attention_ops._attention_hopper.eligible(fp32, fp32, fp32)
     assert not attention_ops._attention_hopper.eligible(q.cpu(), q.cpu(), q.cpu())

@@ -534,7 +534,8 @@ import json, os, sys
 # the fused backward's switches (set before gemslib is imported): with any, only the fused
 # backward compiles
 SWITCHES = {"no_overlap_dk": ("GEMSLIB_DQ_OVERLAP_DK", "0"),
-            "d64": ("GEMSLIB_GLUON_BACKWARD_D64", "1")}
+            "d64": ("GEMSLIB_GLUON_BACKWARD_D64", "1"),
+            "d256": ("GEMSLIB_GLUON_FORWARD_D256", "1")}
 for switch in sys.argv[1:]:
     name, value = SWITCHES[switch]
     os.environ[name] = value
@@ -550,7 +551,7 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     q_layout, kv_layout = hopper.shared_layouts(dtype, head_dim)
     constexprs = {"CAUSAL": causal,
-                  "STAGES": hopper.BWD_STAGES if backward else hopper.FORWARD_STAGES[head_dim],
+                  "STAGES": hopper.BWD_STAGES if backward else hopper.FORWARD_TILES[head_dim][1],
                   "CONSUMER_REGS": hopper.CONSUMER_REGS, "PRODUCER_REGS": hopper.PRODUCER_REGS}
     block = f"tensordesc<{name}[1, 1, {hopper.ROWS}, {head_dim}],{q_layout!r}>"
     if backward and head_dim != hopper.HEAD_DIM:  # as _launch_backward makes its blocks
@@ -570,7 +571,8 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
                      "scale_log2": "fp32"}
     else:
         kernel = hopper._attention_fwd_hopper
-        kv_block = f"tensordesc<{name}[1, 1, {hopper.BLOCK_N}, {head_dim}],{kv_layout!r}>"
+        kv_block = (f"tensordesc<{name}[1, 1, {hopper.FORWARD_TILES[head_dim][0]}, {head_dim}],"
+                    f"{kv_layout!r}>")
         signature = {"q_desc": block, "k_desc": kv_block, "v_desc": kv_block,
                      "out_ptr": f"*{name}", "lse_ptr": "*fp32", "seq_q": "i32", "seq_kv": "i32",
                      "n_q_heads": "i32", "group_size": "i32", "scale_log2": "fp32",
@@ -580,9 +582,22 @@ def compile_for_sm90(dtype, causal, backward, head_dim=hopper.HEAD_DIM):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def local_memory_ops(cubin):
+    # the SASS's loads and stores of local memory: ptxas's register spills
+    import subprocess, tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends",
+                                            "nvidia", "bin", "cuobjdump"), "-sass", handle.name],
+                              capture_output=True, text=True, check=True).stdout
+    return sum(sass.count(op) for op in (" STL", " LDL"))
+
+
 def facts(compiled):
     ptx = compiled.asm["ptx"]
     return {"shared": compiled.metadata.shared, "cubin": bool(compiled.asm["cubin"]),
+            "spills": local_memory_ops(compiled.asm["cubin"]),
             "wgmma": ptx.count("wgmma.mma_async"), "setmaxnreg": ptx.count("setmaxnreg"),
             "atomic_adds": ptx.count("atom.global.gpu.relaxed.add.f32"),
             "waits_leaving_one": ptx.count("wgmma.wait_group.sync.aligned 1;")}
@@ -596,6 +611,10 @@ for dtype in (torch.bfloat16, torch.float16):
                 report[f"{dtype} {causal} {backward} d64"] = facts(
                     compile_for_sm90(dtype, causal, backward, head_dim=64))
             continue
+        if "d256" in sys.argv[1:]:  # the forward at 256
+            report[f"{dtype} {causal} False d256"] = facts(
+                compile_for_sm90(dtype, causal, False, head_dim=256))
+            continue
         for backward in ("fused",) if sys.argv[1:] else (False, True, "fused"):
             report[f"{dtype} {causal} {backward}"] = facts(compile_for_sm90(dtype, causal, backward))
 print(json.dumps(report))
@@ -605,7 +624,8 @@ print(json.dumps(report))
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the attention tests run this kernel for real")
 def test_hopper_attention_kernel_compiles_for_sm90():
     """The Gluon kernels, forward and the backward's dK/dV with and without dQ (bf16/fp16,
-    causal or not), compile to cubins within an SM's shared memory, with their warpgroups'
+    causal or not), compile to cubins within an SM's shared memory (the forward at every head
+    dim it takes without spilling a register), with their warpgroups'
     register budgets rebalanced (setmaxnreg: producer down, consumers up) and every product
     issued as wgmma (forward: q.K and p.V; backward: k.q, v.do over D = 128 and p.do, ds.q over
     64 rows; with dQ also ds.k over 2 x 64 keys, added into dq by atomics); also with the
@@ -622,6 +642,8 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         minimum = {"False": 2 * 128 // 16, "True": 2 * 128 // 16 + 2 * 64 // 16,
                    "fused": 2 * 128 // 16 + 4 * 64 // 16}[kind]
         assert facts["wgmma"] >= minimum, variant
+        if kind == "False":  # the forward keeps its accumulators in registers (the dK/dV
+            assert facts["spills"] == 0, variant  # kernel spills ~32 ops: measured as is)
         # the two warpgroups' 64 x 64 dq halves: 32 elements a thread each
         assert (facts["atomic_adds"] >= 2 * 32) == (kind == "fused"), variant
     # the dq matmuls waited for with dk's still running (the default: one path for both
@@ -638,8 +660,8 @@ def test_hopper_attention_kernel_compiles_for_sm90():
     # dv, dk over 64 rows); with GEMSLIB_FUSED_DQ_D64=1 also each warpgroup's partial dq over
     # its 64 keys, the writer's atomics, and a wait that leaves dk's matmul in flight
     # GEMSLIB_GLUON_FORWARD_D64=1: the forward at head dim 64 (q.K over D = 64, p.V over 128
-    # keys), its ring FORWARD_STAGES deep, within shared memory
-    from gemslib.fused._attention_hopper import FORWARD_STAGES
+    # keys), its ring as FORWARD_TILES says, within shared memory
+    from gemslib.fused._attention_hopper import FORWARD_TILES
 
     d64 = _run_compiler(_GLUON_COMPILER, args=["d64"])
     assert len(d64) == 12
@@ -648,11 +670,20 @@ def test_hopper_attention_kernel_compiles_for_sm90():
         assert facts["cubin"] and facts["shared"] <= 232448, variant
         assert facts["setmaxnreg"] >= 2, variant
         if variant.split()[-2] == "False":  # the forward
-            assert facts["wgmma"] >= 64 // 16 + 128 // 16, variant
-            assert facts["shared"] >= FORWARD_STAGES[64] * 2 * 128 * 64 * 2, variant
+            assert facts["wgmma"] >= 64 // 16 + 128 // 16 and facts["spills"] == 0, variant
+            keys, stages = FORWARD_TILES[64]
+            assert facts["shared"] >= stages * 2 * keys * 64 * 2, variant
             continue
         assert facts["wgmma"] >= 2 * 64 // 16 + 2 * 64 // 16 + fused * 64 // 16, variant
         assert (facts["atomic_adds"] > 0) == (facts["waits_leaving_one"] > 0) == fused, variant
+    # GEMSLIB_GLUON_FORWARD_D256=1: the forward at head dim 256 in 64-key blocks, two stages
+    # (64 KB of q, 2 x 64 KB of K/V), its [64, 256] fp32 accumulator a warpgroup unspilled
+    d256 = _run_compiler(_GLUON_COMPILER, args=["d256"])
+    assert len(d256) == 4
+    for variant, facts in d256.items():
+        assert facts["cubin"] and 2 * 2 * 64 * 256 * 2 <= facts["shared"] <= 232448, variant
+        assert facts["setmaxnreg"] >= 2 and facts["spills"] == 0, variant
+        assert facts["wgmma"] >= 256 // 16 + 64 // 16, variant
 
 
 _FUSED_COMPILER = r"""
