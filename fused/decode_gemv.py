@@ -1067,6 +1067,14 @@ def _tune_problem(rows: int, n_out: int, n_in: int, prologue: str,
     return make
 
 
+def _tune_problems(*makers):
+    """The problems of ``makers`` as one: each made on the device, run one after another."""
+    def make(device):
+        runs = [maker(device) for maker in makers]
+        return lambda: [run() for run in runs]
+    return make
+
+
 def _tune_rotary_problem(rows: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
                          n_in: int, qk_norm: bool, dtype: torch.dtype = torch.bfloat16):
     """A decode step's q/k/v projection with its norm, rotary and cache write (a cache of
@@ -1113,7 +1121,13 @@ TUNING = (
         _GEMV_CANDIDATES,
         # by rows (one, or up to 16) and width: the narrow projections (N 2048, 4096: the o and
         # down projections) have few column tiles and want more of K split
-        (TuneBucket({"rows": 1, "n": 2048, "elem_bytes": 2}, "M1 N2048 K8192 gated",
+        # the o projections first (K no wider than N: a few K steps a column tile, where the
+        # buckets below are sized by the long K of the down projections)
+        (TuneBucket({"rows": 1, "n": 4096, "k": 4096, "elem_bytes": 2},
+                    "M1 N2048 K2048 + M1 N4096 K4096 plain",
+                    _tune_problems(_tune_problem(1, 2048, 2048, "plain"),
+                                   _tune_problem(1, 4096, 4096, "plain"))),
+         TuneBucket({"rows": 1, "n": 2048, "elem_bytes": 2}, "M1 N2048 K8192 gated",
                     _tune_problem(1, 2048, 8192, "gated")),
          TuneBucket({"rows": 1, "n": 4096, "elem_bytes": 2}, "M1 N4096 K14336 gated",
                     _tune_problem(1, 4096, 14336, "gated")),
@@ -1124,6 +1138,10 @@ TUNING = (
                     _tune_problem(1, 16384, 2048, "norm")),
          TuneBucket({"rows": 1, "elem_bytes": 2}, "M1 N28672 K4096 norm",
                     _tune_problem(1, 28672, 4096, "norm")),
+         TuneBucket({"rows": 16, "n": 4096, "k": 4096, "elem_bytes": 2},
+                    "M16 N2048 K2048 + M16 N4096 K4096 plain",
+                    _tune_problems(_tune_problem(16, 2048, 2048, "plain"),
+                                   _tune_problem(16, 4096, 4096, "plain"))),
          TuneBucket({"rows": 16, "n": 2048, "elem_bytes": 2}, "M16 N2048 K8192 gated",
                     _tune_problem(16, 2048, 8192, "gated")),
          TuneBucket({"rows": 16, "n": 4096, "elem_bytes": 2}, "M16 N4096 K14336 gated",
