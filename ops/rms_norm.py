@@ -9,7 +9,8 @@ are stored as offsets from one); the scale is applied in fp32, before the one ro
 
     backward, with x_hat = x * rstd and g = grad * (weight_offset + weight):
     dx        = rstd * (g - x_hat * mean(g * x_hat))   per row
-    dweight   = sum over rows of grad * x_hat          (fp32 partial sums per program, no atomics)
+    dweight   = sum over rows of grad * x_hat          (fp32 partial sums per program, no atomics,
+                                                       then summed by a second kernel)
 
 Rows that fit one block (N <= BLOCK_N) are read once; wider rows loop over column blocks
 (two passes: the sum of squares, then the normalisation). The file reads top-down: kernels,
@@ -209,11 +210,38 @@ def _rms_norm_bwd_kernel(
             p_rstd += 1
 
 
+@triton.jit
+def _rms_norm_dweight_kernel(
+    partial_ptr, dweight_ptr,
+    n_partials, n_cols,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """``dweight[n] = sum over p of partial[p, n]``: the backward's fp32 partial rows
+    (n_partials, n_cols), contiguous, BLOCK_N columns a program, BLOCK_P rows a step; summed
+    in fp32 and rounded once to dweight's dtype (n_cols,)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < n_cols
+    # per-lane sums, reduced over the rows once after the loop
+    b_sums = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for i_p in range(0, n_partials, BLOCK_P):  # i_p: the step's first partial row
+        o_p = i_p + tl.arange(0, BLOCK_P)
+        m_partial = (o_p < n_partials)[:, None] & m_n[None, :]
+        # int64: partial rows * n_cols can pass 2**31 for very wide rows
+        p_partial = partial_ptr + o_p.to(tl.int64)[:, None] * n_cols + o_n[None, :]
+        b_sums += tl.load(p_partial, mask=m_partial, other=0.0)
+    tl.store(dweight_ptr + o_n, tl.sum(b_sums, axis=0).to(dweight_ptr.dtype.element_ty),
+             mask=m_n)
+
+
 RMS_NORM_FWD = runtime.TunedKernel("rms_norm", "rms_norm_fwd", _rms_norm_fwd_kernel,
                                    tunables=("BLOCK_M", "BLOCK_N"), shape_keys=("rows", "cols"),
                                    dependent_launch=True)
 RMS_NORM_BWD = runtime.TunedKernel("rms_norm", "rms_norm_bwd", _rms_norm_bwd_kernel,
                                    tunables=("BLOCK_N",), shape_keys=("rows", "cols"))
+# partials: the rows of rms_norm_bwd's dweight_partial (its programs), not x's rows
+RMS_NORM_DWEIGHT = runtime.TunedKernel("rms_norm", "rms_norm_dweight", _rms_norm_dweight_kernel,
+                                       tunables=("BLOCK_N", "BLOCK_P"),
+                                       shape_keys=("partials", "cols"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,12 +285,15 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None, weight_offset: floa
         return dx, torch.zeros_like(weight) if weight is not None else None
     x_rows, grad_rows = layout.as_rows(x), layout.as_rows(grad)
     n_rows, n_cols = x_rows.shape
-    # enough programs to fill the GPU (4 per SM), few enough partial dweight rows to sum
-    slots = 4 * runtime.multiprocessor_count(x.device.index or 0)
-    rows_per_program = runtime.cdiv(n_rows, slots)
-    n_programs = runtime.cdiv(n_rows, rows_per_program)
-    partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) \
-        if weight is not None else None
+    rows_per_program, n_programs = _backward_programs(n_rows, x.device)
+    partial = None
+    if weight is not None:
+        # kept scratch, not a buffer of the call's own: a call plan replays only launches on
+        # the call's tensors, its outputs and kept scratch. Every element is written by the
+        # backward kernel before the sum reads it (launches on one stream run in order).
+        n_floats = n_programs * n_cols
+        partial = runtime.split_scratch(x.device, 0, n_floats)[1][:n_floats].view(
+            n_programs, n_cols)
     dx_rows = dx.view(-1, n_cols)
     extra_rows = layout.as_rows(grad_extra) if grad_extra is not None else None
     # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
@@ -274,8 +305,31 @@ def _launch_backward(grad, x, weight, rstd, grad_extra=None, weight_offset: floa
         extra_rows.stride(0) if extra_rows is not None else 0, dx_rows.stride(0),
         weight_offset,
         shape=(n_rows, n_cols))
-    dweight = partial.sum(dim=0).to(weight.dtype) if weight is not None else None
+    dweight = _launch_dweight(partial, weight.dtype) if weight is not None else None
     return dx, dweight
+
+
+def _backward_programs(n_rows: int, device: torch.device) -> tuple[int, int]:
+    """(rows a program, programs) of the backward kernel: enough programs to fill the GPU (4
+    per SM), few enough partial dweight rows (one a program) to sum."""
+    slots = 4 * runtime.multiprocessor_count(device.index or 0)
+    rows_per_program = runtime.cdiv(n_rows, slots)
+    return rows_per_program, runtime.cdiv(n_rows, rows_per_program)
+
+
+def _launch_dweight(partial, dtype):
+    """dweight (n_cols,) of ``dtype``: the sum of the fp32 ``partial`` rows (n_partials,
+    n_cols), contiguous; a kernel (not torch's sum), so that the backward's call stays
+    plannable (only kernel launches and allocations)."""
+    n_partials, n_cols = partial.shape
+    dweight = torch.empty(n_cols, dtype=dtype, device=partial.device)
+    # positional, one group per line (TunedKernel.launch forwards no keyword kernel arguments)
+    RMS_NORM_DWEIGHT.launch(
+        lambda meta: (runtime.cdiv(n_cols, meta["BLOCK_N"]),),
+        partial, dweight,
+        n_partials, n_cols,
+        shape=(n_partials, n_cols))
+    return dweight
 
 
 # --------------------------------------------------------------------------------------------
@@ -651,7 +705,10 @@ def _why_not_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, we
 
 
 def _aten_fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    dx, dweight = _backward(grad_out, input, weight, rstd.reshape(-1).float())
+    rstd = rstd.reshape(-1)
+    if rstd.dtype != torch.float32:  # torch's is fp32 for these dtypes; .float() would still
+        rstd = rstd.float()          # be an aten call, which leaves the call unplanned
+    dx, dweight = _backward(grad_out, input, weight, rstd)
     return (dx if output_mask[0] else None,
             dweight if output_mask[1] and weight is not None else None)
 
@@ -734,6 +791,15 @@ def _buckets(shapes, backward: bool):
                  for bound, rows, cols in shapes)
 
 
+def _dweight_problem(rows: int, cols: int):
+    """The dweight sum alone, over the partial rows a rows x cols backward leaves."""
+    def make(device):
+        _, n_programs = _backward_programs(rows, device)
+        partial = torch.randn(n_programs, cols, device=device, dtype=torch.float32)
+        return lambda: _launch_dweight(partial, torch.bfloat16)
+    return make
+
+
 TUNING = (
     # a row per program up to 16K columns in one block, or a few rows together when narrow;
     # blocks narrower than the row stay candidates, since looping over column blocks can win
@@ -760,4 +826,10 @@ TUNING = (
                     for n in (1024, 2048, 4096, 8192) for w in (4, 8, 16) for st in (1, 2)),
               _buckets((({"cols": 1024}, 16384, 1024), ({"cols": 4096}, 4096, 4096),
                         ({"cols": 6144}, 8192, 5120), (None, 2048, 12288)), backward=True)),
+    # the backward's 4-per-SM partial rows: narrower column blocks make more programs, more
+    # rows a step fewer turns of the loop
+    TuneSpace(RMS_NORM_DWEIGHT,
+              tuple({"BLOCK_N": n, "BLOCK_P": p, "num_warps": w}
+                    for n in (64, 128, 256) for p in (16, 32) for w in (4, 8)),
+              (TuneBucket(None, "4096x4096", _dweight_problem(4096, 4096)),)),
 )

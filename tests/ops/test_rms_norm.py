@@ -1,12 +1,19 @@
-"""Accuracy of rms_norm and add_rms_norm, forward and backward, against float64 references."""
+"""Accuracy of rms_norm and add_rms_norm, forward and backward, against float64 references;
+a repeated backward's call plan."""
 
+
+import ctypes
+import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 import gemslib
 from helpers import DEVICE, DTYPES, ON_GPU, random_tensor, opcheck_overloads
-from gemslib import registry
+from gemslib import registry, runtime
+from gemslib.runtime import plans, state
+from gemslib.runtime.launch import launch_key
 from gemslib.accuracy import assert_close_to_reference
 from gemslib.ops import rms_norm as rms_ops
 
@@ -128,6 +135,38 @@ def test_add_rms_norm_gradients(dtype):
     for name, ours, theirs in (("x", x, ref_total), ("residual", residual, ref_total),
                                ("weight", weight, w64)):
         assert_close_to_reference(ours.grad, theirs.grad, dtype, reduction_len=shape[0] * 16, msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partials, cols", [(1, 5), (4, 130), (33, 129), (70, 300)])
+def test_dweight_sum_matches_reference(partials, cols, dtype):
+    """The backward's second kernel alone: fp32 partial rows summed over rows, rounded once to
+    the weight's dtype; columns past a block's end and partial rows past a step's."""
+    partial = random_tensor((partials, cols), torch.float32)
+    dweight = rms_ops._launch_dweight(partial, dtype)
+    assert dweight.shape == (cols,) and dweight.dtype == dtype
+    assert_close_to_reference(dweight, partial.double().sum(dim=0), dtype, reduction_len=partials)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(300, 130), (150, 9000)], ids=str)
+def test_rms_norm_gradients_over_many_programs(shape, dtype, monkeypatch):
+    """A GPU's many backward programs (here 20 SMs' worth, 80): more partial dweight rows than
+    the sum takes in a step, with one-block rows and rows looped over column blocks."""
+    monkeypatch.setattr(runtime, "multiprocessor_count", lambda device_index: 20)
+    _, n_programs = rms_ops._backward_programs(shape[0], torch.device(DEVICE))
+    _, bucket = rms_ops.RMS_NORM_DWEIGHT.select((n_programs, shape[-1]))
+    assert n_programs > 2 * bucket.configs[0].meta_dict["BLOCK_P"]  # a last step not full
+    x = random_tensor(shape, dtype).requires_grad_()
+    weight = random_tensor(shape[-1:], dtype, scale=1.0).requires_grad_()
+    grad = random_tensor(shape, dtype)
+    gemslib.rms_norm(x, weight).backward(grad)
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    rms_ops.rms_norm_reference(x64, w64).backward(grad.double())
+    assert_close_to_reference(x.grad, x64.grad, dtype, reduction_len=shape[-1], msg="dx")
+    assert_close_to_reference(weight.grad, w64.grad, dtype, reduction_len=shape[0] * 16,
+                              msg="dweight")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -552,3 +591,89 @@ def test_fused_rms_norm_backward_in_torch_matches_torch(shape, normalized_shape)
                 assert ours is None
     with pytest.raises(RuntimeError, match="normalized_shape .* must be the trailing dims"):
         rms_ops._fused_rms_norm_backward_in_torch(grad, x.detach(), [7], rstd, None, [True, False])
+
+
+# ---------------------------------------------------------------------------------------------
+# Call plans: a repeated backward replays its launches
+# ---------------------------------------------------------------------------------------------
+
+
+def _tensor_at(pointer: int, like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of ``like``'s dtype, shape and strides over the memory at ``pointer``."""
+    extent = sum((size - 1) * stride for size, stride in zip(like.shape, like.stride())) + 1
+    memory = (ctypes.c_char * (extent * like.element_size())).from_address(pointer)
+    return torch.frombuffer(memory, dtype=like.dtype).as_strided(like.shape, like.stride())
+
+
+@pytest.fixture
+def plans_as_on_a_gpu(monkeypatch):
+    """Call plans made and replayed as on a GPU. The interpreter plans nothing (there is no
+    compiled kernel to replay), so on the CPU every TunedKernel launch here runs as a GPU's kept
+    launch does: a call being planned records it, with a launcher standing for the compiled
+    one that a plan's replay calls with data pointers (it runs the interpreted kernel on the
+    memory they point to). What decides whether a call is planned is the runtime's own:
+    the dispatch mode that watches the call, and the check of the launches' tensors."""
+    runtime.clear_call_plans()
+    if ON_GPU:
+        yield
+        runtime.clear_call_plans()
+        return
+    # calls get signatures (env.INTERPRETER is all plans.py reads of env); a replay's stream
+    monkeypatch.setattr(plans, "env", types.SimpleNamespace(INTERPRETER=False))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+
+    def kept_run(self, config, grid, args):
+        grid_size = tuple(grid(config.meta_dict))
+        kernel_kwargs = self.kernel_kwargs(config)
+
+        def compiled_launcher(*fields):  # 13 launch fields, then the arguments
+            at = [_tensor_at(value, arg) if isinstance(arg, torch.Tensor) else value
+                  for value, arg in zip(fields[13:], args)]
+            with runtime.quiet_interpreter():
+                self.fn[grid_size](*at, **kernel_kwargs)
+
+        # the interpreter's copies in and out of the kernel are no operation of the call's
+        with _disable_current_modes(), runtime.quiet_interpreter():
+            self.fn[grid_size](*args, **kernel_kwargs)
+        if state.planning.launches is not None:
+            compiled = (compiled_launcher, (*grid_size, 1, 1)[:3], 0, False, False, None, (),
+                        None, None)
+            state.planning.launches.append((compiled, args, launch_key(config, grid_size,
+                                                                       args)[1]))
+
+    monkeypatch.setattr(runtime.TunedKernel, "run", kept_run)
+    yield
+    runtime.clear_call_plans()
+
+
+def test_a_repeated_fused_rms_norm_backward_is_planned(plans_as_on_a_gpu):
+    """aten::_fused_rms_norm_backward under enable(), called again and again with one
+    signature, is planned: it launches kernels and allocates, nothing more (dweight's sum
+    over the programs' partial rows is a kernel, the partial rows kept scratch). Each replay
+    gives its own inputs' dx and dweight: the same values as the calls before the plan."""
+    shape, cols = (5, 3, 200), 200
+    sets = []
+    for _ in range(2):
+        x = random_tensor(shape, torch.float32)
+        rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        sets.append((random_tensor(shape, torch.float32), x, rstd,
+                     random_tensor((cols,), torch.float32, scale=1.0)))
+    results = []
+    with gemslib.enable(ops=["rms_norm"]):
+        # the first call of a signature runs alone, the second is planned, the rest replay
+        for grad, x, rstd, weight in (sets[0], sets[1], sets[0], sets[1], sets[0]):
+            fresh = [t.clone() for t in (grad, x, rstd, weight)]  # other tensors, one layout
+            results.append(torch.ops.aten._fused_rms_norm_backward(
+                fresh[0], fresh[1], [cols], fresh[2], fresh[3], [True, True]))
+    assert runtime.call_plan_counts().get("aten::_fused_rms_norm_backward") == (1, 0), \
+        runtime.call_plan_counts()
+    for replayed, first in ((results[2], results[0]), (results[3], results[1]),
+                            (results[4], results[0])):
+        for ours, theirs in zip(replayed, first):
+            assert torch.equal(ours, theirs)
+    grad, x, rstd, weight = (t.double() for t in sets[0])
+    expected_dx, expected_dweight = rms_ops._fused_rms_norm_backward_in_torch(
+        grad, x, [cols], rstd, weight, [True, True])
+    assert_close_to_reference(results[0][0], expected_dx, torch.float32, reduction_len=cols)
+    assert_close_to_reference(results[0][1], expected_dweight, torch.float32, reduction_len=15)
