@@ -7,7 +7,10 @@ post-grad passes.
                           options={"gemslib.rotary_into_cache": False})     # a fusion off
 
 Options named ``gemslib.<fusion>`` switch a fusion (see ``fusion_options``); the rest
-go to inductor as its config patches, as ``backend="inductor"`` takes them.
+go to inductor as its config patches, as ``backend="inductor"`` takes them. With CUDA graphs
+on (``mode="reduce-overhead"`` or ``triton.cudagraphs``), ``gemslib.step_graphs`` (default
+``GEMSLIB_STEP_GRAPHS=1``, else off) replays an inference graph from a CUDA graph of gemslib's
+own instead of inductor's trees (``gemslib.passes.step_graph``: less host time a call).
 
 A warm compile (one inductor's FX graph cache or AOTAutograd's cache serves) skips the
 passes. What the passes did besides editing the graph is therefore written beside inductor's
@@ -56,6 +59,10 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     from torch._inductor.compile_fx import compile_fx
 
     options = dict(options or {})
+    step_graphs = options.pop(STEP_GRAPHS_OPTION, os.environ.get("GEMSLIB_STEP_GRAPHS") == "1")
+    if not isinstance(step_graphs, bool):
+        raise ValueError(f"gemslib backend: option {STEP_GRAPHS_OPTION!r} must be True or "
+                         f"False, got {step_graphs!r}")
     ours = {key: options.pop(key) for key in list(options)
             if key.startswith(OPTION_PREFIX)}
     if mode is not None and options:
@@ -79,6 +86,13 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     # allocate their outputs as their fake kernels do (opcheck'd), so the graph skips them
     patches.setdefault("size_asserts", False)
 
+    # gemslib's own CUDA graph for an inference graph on the GPU; training and CPU graphs
+    # keep inductor's path
+    own_graph = step_graphs and bool(patches.get("triton.cudagraphs")) and \
+        not _trains(example_inputs) and _on_cuda(example_inputs)
+    if own_graph:
+        patches["triton.cudagraphs"] = False
+
     from gemslib.passes.linear import merge_once, merge_state
 
     lower_gemslib_ops_as_fallbacks()
@@ -93,7 +107,24 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
         _write(path, record)
     else:
         _replay(path, record, merge_once)
+    if own_graph:
+        from gemslib.passes.step_graph import StepGraph
+
+        return StepGraph(compiled)
     return compiled
+
+
+STEP_GRAPHS_OPTION = "gemslib.step_graphs"
+
+
+def _trains(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _on_cuda(example_inputs) -> bool:
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.is_cuda for t in tensors)
 
 
 def lower_gemslib_ops_as_fallbacks() -> None:

@@ -1,0 +1,232 @@
+"""gemslib.passes.step_graph: a compiled step replayed from a CUDA graph of its own (the
+backend option gemslib.step_graphs). On the CPU the graph is a stand-in that reruns the step
+on the captured inputs and rewrites the captured outputs, as a replay does; the GPU test
+compiles a module with the option and checks it against eager."""
+
+import logging
+
+import pytest
+import torch
+
+from helpers import DEVICE, ON_GPU
+from gemslib.passes import step_graph
+
+
+class _ReplayedStep:
+    """A CUDA graph's stand-in: ``replay()`` reruns the captured step on the inputs it was
+    captured with and writes the results into the captured outputs."""
+
+    def __init__(self):
+        self.step = None
+        self.outputs = None
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        for captured, new in zip(step_graph._flat(self.outputs), step_graph._flat(self.step())):
+            captured.copy_(new)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """The stand-in graphs made, in order; CPU tensors taken as if on the GPU."""
+    made = []
+
+    def new_graph():
+        made.append(_ReplayedStep())
+        return made[-1]
+
+    def record(graph, stream, step):
+        graph.step = step
+        graph.outputs = step()
+        return graph.outputs
+
+    monkeypatch.setattr(step_graph, "_new_graph", new_graph)
+    monkeypatch.setattr(step_graph, "_side_stream", lambda: None)
+    monkeypatch.setattr(step_graph, "_on_stream", lambda stream, step: step())
+    monkeypatch.setattr(step_graph, "_record", record)
+    monkeypatch.setattr(step_graph, "_on_gpu", lambda tensor: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    return made
+
+
+def _projection(weight, x):
+    return (x @ weight + 1, x.sum())
+
+
+def test_a_step_is_captured_once_then_replayed_with_its_moving_inputs_copied_in(graphs):
+    weight = torch.randn(8, 4)
+    runner = step_graph.StepGraph(_projection)
+    kept = []
+    for call in range(6):
+        x = torch.randn(3, 8)  # a new tensor each call: a moving input
+        out, total = runner(weight, x)
+        torch.testing.assert_close(out, x @ weight + 1)
+        torch.testing.assert_close(total, x.sum())
+        kept.append((x, out.clone(), out))
+    assert len(graphs) == 1 and graphs[0].replays == 6 - step_graph.WARMUP_CALLS
+    assert runner.moving_indices == [1] and runner.static_indices == [0]
+    # every call's output is its own: the graph's buffers are never handed out, so what a
+    # caller kept is not rewritten by later replays
+    captured = graphs[0].outputs[0]
+    for x, value, out in kept:
+        assert out.data_ptr() != captured.data_ptr()
+        torch.testing.assert_close(out, value)
+
+
+def test_a_static_input_at_another_address_is_captured_again_as_a_moving_one(graphs, caplog):
+    def step(weight, bias, x):
+        return (x @ weight + bias,)
+
+    weight, bias, x = torch.randn(8, 4), torch.randn(4), torch.randn(3, 8)
+    runner = step_graph.StepGraph(step)
+    for _ in range(3):
+        runner(weight, bias, x)
+    assert runner.moving_indices == [] and len(graphs) == 1
+    for recapture, moved in enumerate(("weight", "bias"), start=1):
+        if moved == "weight":
+            weight = torch.randn(8, 4)  # a new tensor where a static one was
+        else:
+            bias = torch.randn(4)
+        (out,) = runner(weight, bias, x)
+        torch.testing.assert_close(out, x @ weight + bias)
+        assert len(graphs) == 1 + recapture, moved
+    assert runner.moving_indices == [0, 1] and runner.static_indices == [2]
+    weight = torch.randn(8, 4)  # moving now: copied in, no capture
+    (out,) = runner(weight, bias, x)
+    torch.testing.assert_close(out, x @ weight + bias)
+    assert len(graphs) == 3
+    # a static input moving once more after the last recapture: no graph from then on
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.WARNING, logger="gemslib.passes"):
+        (out,) = runner(weight, bias, x)
+    torch.testing.assert_close(out, x @ weight + bias)
+    assert runner.unsafe is not None and "recaptures" in caplog.text and len(graphs) == 3
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(runner(weight, bias, x)[0], x @ weight + bias)
+
+
+def test_a_moving_input_of_another_layout_runs_without_the_graph(graphs):
+    weight = torch.randn(8, 4)
+    runner = step_graph.StepGraph(_projection)
+    for _ in range(3):
+        runner(weight, torch.randn(3, 8))
+    replays = graphs[0].replays
+    wider = torch.randn(5, 8)
+    out, _ = runner(weight, wider)
+    torch.testing.assert_close(out, wider @ weight + 1)
+    assert graphs[0].replays == replays and runner.unsafe is None
+
+
+@pytest.mark.parametrize("case", ["alias", "written", "failed capture"])
+def test_a_step_it_cannot_capture_safely_runs_without_a_graph(case, graphs, monkeypatch):
+    weight = torch.randn(8, 4)
+
+    def aliasing(w, x):  # an output that is a view of an input
+        return (x @ w, w.view(-1))
+
+    def writing(w, x):  # writes its moving input (as a cache update would)
+        out = x @ w
+        x.add_(1)
+        return (out,)
+
+    step = {"alias": aliasing, "written": writing}.get(case, _projection)
+    if case == "failed capture":
+        def failing(graph, stream, step):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        monkeypatch.setattr(step_graph, "_record", failing)
+    runner = step_graph.StepGraph(step)
+    for _ in range(5):
+        x = torch.randn(3, 8)
+        before = x.clone()
+        torch.testing.assert_close(runner(weight, x)[0],
+                                   before @ weight + (case == "failed capture"))
+        if case == "written":  # the caller's own tensor took the write
+            torch.testing.assert_close(x, before + 1)
+    assert runner.unsafe is not None and runner.graph is None
+    assert {"alias": "aliases", "written": "written by the step",
+            "failed capture": "capture failed"}[case] in runner.unsafe
+
+
+def test_a_symbolic_size_or_a_tensor_off_the_gpu_is_refused_before_any_capture(graphs,
+                                                                               monkeypatch):
+    weight = torch.randn(8, 4)
+    size = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
+    runner = step_graph.StepGraph(lambda w, x, n: _projection(w, x))
+    runner(weight, torch.randn(3, 8), size)
+    assert "symbolic" in runner.unsafe and not graphs
+    monkeypatch.setattr(step_graph, "_on_gpu", lambda tensor: tensor.is_cuda)
+    runner = step_graph.StepGraph(_projection)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(runner(weight, x)[0], x @ weight + 1)
+    assert "not a CUDA device" in runner.unsafe and not graphs
+
+
+def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(monkeypatch):
+    """With gemslib.step_graphs and CUDA graphs on, a GPU inference graph runs in a StepGraph
+    (captured after its warm-up calls, then replayed) and gives eager's answers call after
+    call; a CPU graph keeps inductor's path (no StepGraph); a value that is not a bool is
+    refused, naming the option."""
+    made = []
+
+    class Counted(step_graph.StepGraph):
+        def __init__(self, compiled):
+            super().__init__(compiled)
+            made.append(self)
+
+    monkeypatch.setattr(step_graph, "StepGraph", Counted)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU()).to(DEVICE)
+    options = {"gemslib.step_graphs": True, "triton.cudagraphs": True}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="gemslib", options=options)
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(16, 64, device=DEVICE)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+            kept.append((out, model(x)))
+    for out, expected in kept:  # earlier outputs are not rewritten by later replays
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    if ON_GPU:
+        assert len(made) == 1 and made[0].graph is not None and made[0].unsafe is None
+    else:
+        assert not made
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="gemslib.step_graphs"):
+        torch.compile(model, backend="gemslib",
+                      options={"gemslib.step_graphs": "yes", "triton.cudagraphs": True})(x)
+    torch._dynamo.reset()
+
+
+def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(monkeypatch):
+    """A tiny Llama's static-cache decode step compiled with backend="gemslib" and
+    mode="reduce-overhead", GEMSLIB_STEP_GRAPHS=1: on the GPU the step runs in one StepGraph
+    (its cache written in place, every input static here), each replay's logits eager's; on
+    the CPU inductor's path as before, the same logits."""
+    pytest.importorskip("transformers")
+    from benchmark import decode, realmodels
+
+    made = []
+
+    class Counted(step_graph.StepGraph):
+        def __init__(self, compiled):
+            super().__init__(compiled)
+            made.append(self)
+
+    monkeypatch.setattr(step_graph, "StepGraph", Counted)
+    monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", "1")
+    spec = realmodels.model_spec("llama3-8b", tiny=True, layers=None)
+    model = realmodels.build_model(spec, DEVICE.type, torch.float32).eval()
+    ids = realmodels.input_ids(spec, 1, 12, DEVICE)
+    with torch.no_grad():
+        expected = decode._step_runner("eager", model, ids, 16)[0]()
+        step, rewind = decode._step_runner("static-gemslib", model, ids, 16)
+        for _ in range(5):
+            rewind()
+            torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
+    if ON_GPU:
+        assert len(made) == 1 and made[0].unsafe is None and made[0].graph is not None
+    else:
+        assert not made
+    torch._dynamo.reset()
