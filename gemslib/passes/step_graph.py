@@ -18,7 +18,8 @@ move, the replay and a copy of each output:
 
 A call with a static input at another address captures the step again with that input
 among the moving ones (at most ``RECAPTURES`` times); a call with a moving input of another
-layout runs the compiled step without a graph. A step that cannot be captured safely (a
+layout, or an input that is not a tensor (a dynamic size) of another value, runs the
+compiled step without a graph. A step that cannot be captured safely (a
 symbolic size among its inputs, a tensor off the GPU, an output that aliases an input, an
 input the step writes that moves between calls (its twin would take the write), a capture
 that fails, too many recaptures) runs without a graph from then on, said once in the log.
@@ -94,6 +95,8 @@ class StepGraph:
         self.moving_indices: list[int] = []
         self.twins: list[torch.Tensor] = []
         self.twin_layouts: list[tuple] = []
+        self.values: list[tuple[int, Any]] = []
+        self.told_other_sizes = False
         self.outputs: Any = None
         self.recaptures = 0
         self.stream = None  # the capture's stream, warmed up by the last warm-up call
@@ -123,7 +126,13 @@ class StepGraph:
             return self._capture(args)
         if not _same_pointers(args, self.static_pointers, self.static_indices):
             return self._recapture(args)
-        if not self._moving_layouts_match(args):
+        if not self._moving_layouts_match(args) or any(
+                args[i] != value for i, value in self.values):
+            if not self.told_other_sizes:
+                self.told_other_sizes = True
+                log.warning("gemslib step_graphs: a call of other sizes than the captured "
+                            "one runs without the CUDA graph (one graph a step: leave the "
+                            "option off for a step called at many sizes)")
             return self.compiled(*args)
         if self.moving_indices:
             torch._foreach_copy_(self.twins, [args[i] for i in self.moving_indices])
@@ -156,6 +165,9 @@ class StepGraph:
         if written_moving:  # its twin would take the write, not the caller's tensor
             return self._give_up(f"input {written_moving[0]} is written by the step and comes "
                                  f"at another address each call", args)
+        # the inputs that are not tensors (a dynamic size's value): the graph holds the
+        # captured ones, so a call with others runs without it
+        self.values = [(i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         self.twins = [args[i].clone() for i in self.moving_indices]
         self.twin_layouts = [_layout(args[i]) for i in self.moving_indices]
         graph_args = list(args)

@@ -14,15 +14,21 @@ from gemslib.passes import step_graph
 
 class _ReplayedStep:
     """A CUDA graph's stand-in: ``replay()`` reruns the captured step on the inputs it was
-    captured with and writes the results into the captured outputs."""
+    captured with and writes the results into the captured outputs. The capture has to run
+    the step to have outputs; the replay right after it then stands for that run (a real
+    capture runs nothing), so each call runs the step once, its writes to the inputs too."""
 
     def __init__(self):
         self.step = None
         self.outputs = None
         self.replays = 0
+        self.ran_at_capture = False
 
     def replay(self):
         self.replays += 1
+        if self.ran_at_capture:
+            self.ran_at_capture = False
+            return
         for captured, new in zip(step_graph._flat(self.outputs), step_graph._flat(self.step())):
             captured.copy_(new)
 
@@ -39,6 +45,7 @@ def graphs(monkeypatch):
     def record(graph, stream, step):
         graph.step = step
         graph.outputs = step()
+        graph.ran_at_capture = True
         return graph.outputs
 
     monkeypatch.setattr(step_graph, "_new_graph", new_graph)
@@ -104,6 +111,20 @@ def test_a_static_input_at_another_address_is_captured_again_as_a_moving_one(gra
     assert runner.unsafe is not None and "recaptures" in caplog.text and len(graphs) == 3
     x = torch.randn(3, 8)
     torch.testing.assert_close(runner(weight, bias, x)[0], x @ weight + bias)
+
+
+def test_an_input_that_is_not_a_tensor_is_held_to_its_captured_value(graphs):
+    """A dynamic size comes as a plain number at run time: the graph holds the captured one,
+    so a call with another runs without it."""
+    def scaled(weight, x, n):
+        return (x @ weight * n,)
+
+    weight = torch.randn(8, 4)
+    runner = step_graph.StepGraph(scaled)
+    for n in (3, 3, 3, 3, 5, 3):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(runner(weight, x, n)[0], x @ weight * n)
+    assert len(graphs) == 1 and graphs[0].replays == 3 and runner.unsafe is None  # not call 5
 
 
 def test_a_moving_input_of_another_layout_runs_without_the_graph(graphs):
@@ -229,4 +250,61 @@ def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(monkeyp
         assert len(made) == 1 and made[0].unsafe is None and made[0].graph is not None
     else:
         assert not made
+    torch._dynamo.reset()
+
+
+def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_it(graphs,
+                                                                                   monkeypatch):
+    """The integration on any device: the backend's compiled static-cache step (dynamo's
+    positional inputs, AOTAutograd's outputs, the cache written in place) in a StepGraph over
+    the stand-in graph, taken as on the GPU: captured once after its warm-up, every input
+    static, nothing refused, each replay's logits eager's."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from benchmark import decode, realmodels
+    backend = sys.modules["gemslib.passes.backend"]  # the package's name is the function's
+
+    made = []
+
+    class Counted(step_graph.StepGraph):
+        def __init__(self, compiled):
+            super().__init__(compiled)
+            made.append(self)
+
+    monkeypatch.setattr(step_graph, "StepGraph", Counted)
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", "1")
+    spec = realmodels.model_spec("llama3-8b", tiny=True, layers=None)
+    model = realmodels.build_model(spec, DEVICE.type, torch.float32).eval()
+    ids = realmodels.input_ids(spec, 1, 12, DEVICE)
+    with torch.no_grad():
+        expected = decode._step_runner("eager", model, ids, 16)[0]()
+        step, rewind = decode._step_runner("static-gemslib", model, ids, 16)
+        for _ in range(5):
+            rewind()
+            torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
+    assert len(made) == 1 and made[0].unsafe is None, made and made[0].unsafe
+    assert len(graphs) == 1 and graphs[0].replays == 5 - step_graph.WARMUP_CALLS
+    assert made[0].moving_indices == [] and made[0].written  # the cache, written in place
+    torch._dynamo.reset()
+
+    # generate()'s way: the token, its mask and its position new tensors every step, so they
+    # move (copied into their twins), and the steps walk through the cache
+    made.clear()
+    token, mask = decode._step_inputs(1, 12, DEVICE)
+    with torch.no_grad():
+        eager_cache = decode._prefilled_cache(model, ids, True, 20)
+        cache = decode._prefilled_cache(model, ids, True, 20)
+        compiled = torch.compile(model, **decode.static_compile_arguments("static-gemslib"))
+        for position in range(12, 18):
+            arguments = dict(input_ids=token + position, cache_position=torch.tensor(
+                [position], device=DEVICE), attention_mask=torch.ones(
+                    1, position + 1, dtype=torch.long, device=DEVICE), use_cache=True)
+            expected = model(past_key_values=eager_cache, **arguments).logits
+            got = compiled(past_key_values=cache, **arguments).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert len(made) >= 1 and all(runner.unsafe is None for runner in made), \
+        [runner.unsafe for runner in made]
+    assert any(runner.moving_indices for runner in made)
     torch._dynamo.reset()
