@@ -108,9 +108,9 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     else:
         _replay(path, record, merge_once)
     if own_graph:
-        from gemslib.passes.step_graph import StepGraph
+        from gemslib.passes.step_graph import StepGraphs
 
-        return StepGraph(compiled)
+        return StepGraphs(compiled)
     return compiled
 
 

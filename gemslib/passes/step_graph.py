@@ -18,8 +18,10 @@ move, the replay and a copy of each output:
 
 A call with a static input at another address captures the step again with that input
 among the moving ones (at most ``RECAPTURES`` times); a call with a moving input of another
-layout, or an input that is not a tensor (a dynamic size) of another value, runs the
-compiled step without a graph. A step that cannot be captured safely (a
+layout runs the compiled step without a graph. A step compiled with dynamic sizes gets them
+as numbers among its inputs: :class:`StepGraphs` keeps a :class:`StepGraph` for each set of
+their values (``SIZES`` at most; calls of further sizes run without a graph), as inductor's
+trees record one graph a size. A step that cannot be captured safely (a
 symbolic size among its inputs, a tensor off the GPU, an output that aliases an input, an
 input the step writes that moves between calls (its twin would take the write), a capture
 that fails, too many recaptures) runs without a graph from then on, said once in the log.
@@ -36,6 +38,7 @@ log = logging.getLogger("gemslib.passes")
 
 WARMUP_CALLS = 2
 RECAPTURES = 2
+SIZES = 8  # captured graphs a step keeps, one a set of dynamic sizes (each its own memory)
 
 
 def _new_graph():
@@ -131,8 +134,7 @@ class StepGraph:
             if not self.told_other_sizes:
                 self.told_other_sizes = True
                 log.warning("gemslib step_graphs: a call of other sizes than the captured "
-                            "one runs without the CUDA graph (one graph a step: leave the "
-                            "option off for a step called at many sizes)")
+                            "ones runs without a CUDA graph")
             return self.compiled(*args)
         if self.moving_indices:
             torch._foreach_copy_(self.twins, [args[i] for i in self.moving_indices])
@@ -225,3 +227,38 @@ def _map(fn, outputs):
     if isinstance(outputs, tuple):
         return tuple(_map(fn, item) for item in outputs)
     return fn(outputs)
+
+
+class StepGraphs:
+    """The backend's wrapper of ``compiled``: a :class:`StepGraph` for each set of values of
+    its number inputs (a dynamic size's value at run time; none for a step of static
+    shapes), ``SIZES`` at most. What makes one StepGraph refuse its step (a capture that
+    fails, an output aliasing an input, ...) is the step's, so every size then runs without
+    a graph."""
+
+    def __init__(self, compiled: Callable):
+        self.compiled = compiled
+        self.value_indices: list[int] | None = None
+        self.by_sizes: dict[tuple, StepGraph] = {}
+        self.unsafe: str | None = None
+        self.told_too_many = False
+
+    def __call__(self, *args):
+        if self.unsafe is not None:
+            return self.compiled(*args)
+        if self.value_indices is None:
+            self.value_indices = [i for i, a in enumerate(args)
+                                  if not isinstance(a, torch.Tensor)]
+        sizes = tuple(args[i] for i in self.value_indices)
+        runner = self.by_sizes.get(sizes)
+        if runner is None:
+            if len(self.by_sizes) >= SIZES:
+                if not self.told_too_many:
+                    self.told_too_many = True
+                    log.warning("gemslib step_graphs: more than %d sizes of one step; the "
+                                "others run without a CUDA graph", SIZES)
+                return self.compiled(*args)
+            runner = self.by_sizes[sizes] = StepGraph(self.compiled)
+        outputs = runner(*args)
+        self.unsafe = runner.unsafe
+        return outputs

@@ -190,7 +190,7 @@ def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(monkeypa
     refused, naming the option."""
     made = []
 
-    class Counted(step_graph.StepGraph):
+    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
         def __init__(self, compiled):
             super().__init__(compiled)
             made.append(self)
@@ -230,7 +230,7 @@ def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(monkeyp
 
     made = []
 
-    class Counted(step_graph.StepGraph):
+    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
         def __init__(self, compiled):
             super().__init__(compiled)
             made.append(self)
@@ -267,7 +267,7 @@ def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_i
 
     made = []
 
-    class Counted(step_graph.StepGraph):
+    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
         def __init__(self, compiled):
             super().__init__(compiled)
             made.append(self)
@@ -290,7 +290,8 @@ def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_i
     torch._dynamo.reset()
 
     # generate()'s way: the token, its mask and its position new tensors every step, so they
-    # move (copied into their twins), and the steps walk through the cache
+    # move (copied into their twins), and the steps walk through the cache (the mask over the
+    # whole cache, one size: a growing one would make each step a size of its own)
     made.clear()
     token, mask = decode._step_inputs(1, 12, DEVICE)
     with torch.no_grad():
@@ -300,7 +301,7 @@ def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_i
         for position in range(12, 18):
             arguments = dict(input_ids=token + position, cache_position=torch.tensor(
                 [position], device=DEVICE), attention_mask=torch.ones(
-                    1, position + 1, dtype=torch.long, device=DEVICE), use_cache=True)
+                    1, 20, dtype=torch.long, device=DEVICE), use_cache=True)
             expected = model(past_key_values=eager_cache, **arguments).logits
             got = compiled(past_key_values=cache, **arguments).logits
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -308,3 +309,33 @@ def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_i
         [runner.unsafe for runner in made]
     assert any(runner.moving_indices for runner in made)
     torch._dynamo.reset()
+
+
+def test_each_set_of_dynamic_sizes_gets_a_graph_of_its_own_up_to_a_limit(graphs, monkeypatch,
+                                                                          caplog):
+    """A step compiled with dynamic sizes gets their values as numbers: each value gets its
+    own StepGraph (warmed up, captured, replayed), a value past SIZES runs without one, and
+    a refusal by one size's graph is the step's."""
+    monkeypatch.setattr(step_graph, "SIZES", 2)
+
+    def rows(weight, x, n):  # n: the dynamic size x's rows come with
+        return (x[:n] @ weight,)
+
+    weight = torch.randn(8, 4)
+    runners = step_graph.StepGraphs(rows)
+    with caplog.at_level(logging.WARNING, logger="gemslib.passes"):
+        for n in (3, 5, 3, 5, 3, 5, 3, 5, 7, 7):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(runners(weight, x, n)[0], x @ weight)
+    assert sorted(runners.by_sizes) == [(3,), (5,)] and len(graphs) == 2
+    assert all(graph.replays == 2 for graph in graphs)  # its capture's, then one more
+    assert "more than 2 sizes" in caplog.text and runners.unsafe is None
+
+    def aliasing(weight, x, n):
+        return (x[:n] @ weight, weight.view(-1))
+
+    runners = step_graph.StepGraphs(aliasing)
+    for n in (3, 3, 3, 5):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(runners(weight, x, n)[0], x @ weight)
+    assert "aliases" in runners.unsafe and list(runners.by_sizes) == [(3,)]
