@@ -393,6 +393,13 @@ _decode_layouts: dict[tuple, _DecodePlan | None] = {}
 _UNCHECKED = object()
 
 
+def _planned_config(q, k_cache) -> runtime.LaunchConfig:
+    """DECODE's config for q (B, Hq, D) against k_cache (B, Hkv, L, D): by head dim, element
+    bytes (fp32 caches need smaller K/V stages: shared memory), cache length and B x Hkv."""
+    return DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2],
+                                  q.shape[0] * k_cache.shape[1]))
+
+
 def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window: int = 0,
                    softcap: float = 0.0) -> tuple | None:
     """What a decode plan depends on, from decode_attention's raw arguments (None for
@@ -405,8 +412,7 @@ def _decode_layout(q, k_cache, v_cache, seqlens, scale, key_mask=None, window: i
                 None if key_mask is None else (key_mask.shape, key_mask.stride(),
                                                key_mask.dtype, key_mask.device),
                 scale, window, softcap,
-                DECODE.planned_config((q.shape[-1], q.element_size(), k_cache.shape[-2],
-                                       q.shape[0] * k_cache.shape[1])))
+                _planned_config(q, k_cache))
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -422,9 +428,7 @@ def _launch_plan(q, k_cache, v_cache, has_seqlens: bool, scale: float,
     if batch * n_q_heads * head_dim_v == 0 or cache_len == 0:
         return None
     return _plan_decode(q, k_cache, v_cache, has_seqlens, scale,
-                        # elem_bytes: fp32 caches need smaller K/V stages (shared memory)
-                        DECODE.planned_config((head_dim, q.element_size(), cache_len,
-                                               batch * k_cache.shape[1])),
+                        _planned_config(q, k_cache),
                         with_lse=with_lse,
                         key_mask_strides=None if key_mask is None else key_mask.stride(),
                         out_strides=None if out is None else out.stride()[:2], window=window,

@@ -12,9 +12,9 @@ the GPU and the wall time of a call is its host part alone; the blocks of each f
 alternate, the least kept. Printed, us a call: the host part; the same with dynamo's guards
 skipped (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``);
 ``cudagraph_mark_step_begin`` alone (``--no-trees``: inductor's plain cudagraphify instead of
-its trees); the host time of the step's CUDA graph launch inside real calls (``CUDAGraph.replay``
-timed: the driver's part, which grows with the graph's kernels); then a cProfile of one block, by own
-time and by cumulative time (the guards and the replay's C++ are inside the calls that run
+its trees); the host time of the step's CUDA graph launch inside real calls
+(``CUDAGraph.replay`` timed: the driver's part); then a cProfile of one block, by own time
+and by cumulative time (the guards and the replay's C++ are inside the calls that run
 them). The graph is not replayed alone: on the H100 a lone replay of gemslib's step tripped
 an embedding's index check (its inputs' memory is the trees' to reuse between calls).
 """

@@ -11,9 +11,10 @@ kernels a layer cut the step's call time twice (launch and boundaries), and spli
 step's graph would overlap the submission with the GPU's work.
 
 Graphs of N launches of one kind (also split into ``--parts`` graphs replayed one after
-another), each kernel touching one element (so the GPU's work is the launches alone): torch's ``add_`` (an aten elementwise kernel), a Triton kernel, the same
-Triton kernel launched dependent (``launch_pdl``, waiting in ``griddepcontrol.wait``: the
-programmatic edges gemslib's step kernels have), and cuBLAS's 1x256 @ 256x256 ``mm``.
+another), each kernel touching one element (so the GPU's work is the launches alone):
+torch's ``add_`` (an aten elementwise kernel), a Triton kernel, the same Triton kernel
+launched dependent (``launch_pdl``, waiting in ``griddepcontrol.wait``: the programmatic
+edges gemslib's step kernels have), and cuBLAS's 1x256 @ 256x256 ``mm``.
 Printed per kind and N, us (least and median over the samples):
 - host: ``graph.replay()``'s wall time with the stream held busy (a sleep kernel queued
   first), so the launch never waits for the GPU;

@@ -86,7 +86,8 @@ def _layout(tensor: torch.Tensor) -> tuple:
 
 class StepGraph:
     """``compiled`` (a compiled graph's callable, called with its inputs as positional
-    arguments) replayed from one CUDA graph, as the module docstring says."""
+    arguments) replayed from one CUDA graph, as the module docstring says, for calls whose
+    number inputs (dynamic sizes) have one set of values: :class:`StepGraphs` keys them."""
 
     def __init__(self, compiled: Callable):
         self.compiled = compiled
@@ -98,8 +99,6 @@ class StepGraph:
         self.moving_indices: list[int] = []
         self.twins: list[torch.Tensor] = []
         self.twin_layouts: list[tuple] = []
-        self.values: list[tuple[int, Any]] = []
-        self.told_other_sizes = False
         self.outputs: Any = None
         self.recaptures = 0
         self.stream = None  # the capture's stream, warmed up by the last warm-up call
@@ -129,12 +128,7 @@ class StepGraph:
             return self._capture(args)
         if not _same_pointers(args, self.static_pointers, self.static_indices):
             return self._recapture(args)
-        if not self._moving_layouts_match(args) or any(
-                args[i] != value for i, value in self.values):
-            if not self.told_other_sizes:
-                self.told_other_sizes = True
-                log.warning("gemslib step_graphs: a call of other sizes than the captured "
-                            "ones runs without a CUDA graph")
+        if not self._moving_layouts_match(args):
             return self.compiled(*args)
         if self.moving_indices:
             torch._foreach_copy_(self.twins, [args[i] for i in self.moving_indices])
@@ -167,9 +161,6 @@ class StepGraph:
         if written_moving:  # its twin would take the write, not the caller's tensor
             return self._give_up(f"input {written_moving[0]} is written by the step and comes "
                                  f"at another address each call", args)
-        # the inputs that are not tensors (a dynamic size's value): the graph holds the
-        # captured ones, so a call with others runs without it
-        self.values = [(i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
         self.twins = [args[i].clone() for i in self.moving_indices]
         self.twin_layouts = [_layout(args[i]) for i in self.moving_indices]
         graph_args = list(args)

@@ -57,6 +57,38 @@ def graphs(monkeypatch):
     return made
 
 
+@pytest.fixture
+def made(monkeypatch):
+    """The StepGraphs made (StepGraphs makes one a size), in order."""
+    runners = []
+
+    class Counted(step_graph.StepGraph):
+        def __init__(self, compiled):
+            super().__init__(compiled)
+            runners.append(self)
+
+    monkeypatch.setattr(step_graph, "StepGraph", Counted)
+    return runners
+
+
+def _tiny_llama_steps(calls: int = 5):
+    """(model, prompt ids, the decode module): a tiny Llama's static-cache step compiled with
+    backend="gemslib" and mode="reduce-overhead", called ``calls`` times at one fill, each
+    call's logits checked against eager's."""
+    from benchmark import decode, realmodels
+
+    spec = realmodels.model_spec("llama3-8b", tiny=True, layers=None)
+    model = realmodels.build_model(spec, DEVICE.type, torch.float32).eval()
+    ids = realmodels.input_ids(spec, 1, 12, DEVICE)
+    with torch.no_grad():
+        expected = decode._step_runner("eager", model, ids, 16)[0]()
+        step, rewind = decode._step_runner("static-gemslib", model, ids, 16)
+        for _ in range(calls):
+            rewind()
+            torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
+    return model, ids, decode
+
+
 def _projection(weight, x):
     return (x @ weight + 1, x.sum())
 
@@ -115,12 +147,12 @@ def test_a_static_input_at_another_address_is_captured_again_as_a_moving_one(gra
 
 def test_an_input_that_is_not_a_tensor_is_held_to_its_captured_value(graphs):
     """A dynamic size comes as a plain number at run time: the graph holds the captured one,
-    so a call with another runs without it."""
+    so a call with another does not replay it (it warms up a StepGraph of its own)."""
     def scaled(weight, x, n):
         return (x @ weight * n,)
 
     weight = torch.randn(8, 4)
-    runner = step_graph.StepGraph(scaled)
+    runner = step_graph.StepGraphs(scaled)
     for n in (3, 3, 3, 3, 5, 3):
         x = torch.randn(3, 8)
         torch.testing.assert_close(runner(weight, x, n)[0], x @ weight * n)
@@ -183,19 +215,11 @@ def test_a_symbolic_size_or_a_tensor_off_the_gpu_is_refused_before_any_capture(g
     assert "not a CUDA device" in runner.unsafe and not graphs
 
 
-def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(monkeypatch):
+def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(made):
     """With gemslib.step_graphs and CUDA graphs on, a GPU inference graph runs in a StepGraph
     (captured after its warm-up calls, then replayed) and gives eager's answers call after
     call; a CPU graph keeps inductor's path (no StepGraph); a value that is not a bool is
     refused, naming the option."""
-    made = []
-
-    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
-        def __init__(self, compiled):
-            super().__init__(compiled)
-            made.append(self)
-
-    monkeypatch.setattr(step_graph, "StepGraph", Counted)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU()).to(DEVICE)
     options = {"gemslib.step_graphs": True, "triton.cudagraphs": True}
     torch._dynamo.reset()
@@ -220,32 +244,14 @@ def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(monkeypa
     torch._dynamo.reset()
 
 
-def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(monkeypatch):
+def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(made, monkeypatch):
     """A tiny Llama's static-cache decode step compiled with backend="gemslib" and
     mode="reduce-overhead", GEMSLIB_STEP_GRAPHS=1: on the GPU the step runs in one StepGraph
     (its cache written in place, every input static here), each replay's logits eager's; on
     the CPU inductor's path as before, the same logits."""
     pytest.importorskip("transformers")
-    from benchmark import decode, realmodels
-
-    made = []
-
-    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
-        def __init__(self, compiled):
-            super().__init__(compiled)
-            made.append(self)
-
-    monkeypatch.setattr(step_graph, "StepGraph", Counted)
     monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", "1")
-    spec = realmodels.model_spec("llama3-8b", tiny=True, layers=None)
-    model = realmodels.build_model(spec, DEVICE.type, torch.float32).eval()
-    ids = realmodels.input_ids(spec, 1, 12, DEVICE)
-    with torch.no_grad():
-        expected = decode._step_runner("eager", model, ids, 16)[0]()
-        step, rewind = decode._step_runner("static-gemslib", model, ids, 16)
-        for _ in range(5):
-            rewind()
-            torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
+    model, ids, decode = _tiny_llama_steps()
     if ON_GPU:
         assert len(made) == 1 and made[0].unsafe is None and made[0].graph is not None
     else:
@@ -253,7 +259,7 @@ def test_a_static_cache_decode_step_in_its_own_graph_gives_eagers_logits(monkeyp
     torch._dynamo.reset()
 
 
-def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_it(graphs,
+def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_it(graphs, made,
                                                                                    monkeypatch):
     """The integration on any device: the backend's compiled static-cache step (dynamo's
     positional inputs, AOTAutograd's outputs, the cache written in place) in a StepGraph over
@@ -262,28 +268,11 @@ def test_the_backend_hands_a_compiled_decode_step_to_a_step_graph_that_replays_i
     pytest.importorskip("transformers")
     import sys
 
-    from benchmark import decode, realmodels
     backend = sys.modules["gemslib.passes.backend"]  # the package's name is the function's
 
-    made = []
-
-    class Counted(step_graph.StepGraph):  # the StepGraphs it makes, one a size
-        def __init__(self, compiled):
-            super().__init__(compiled)
-            made.append(self)
-
-    monkeypatch.setattr(step_graph, "StepGraph", Counted)
     monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
     monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", "1")
-    spec = realmodels.model_spec("llama3-8b", tiny=True, layers=None)
-    model = realmodels.build_model(spec, DEVICE.type, torch.float32).eval()
-    ids = realmodels.input_ids(spec, 1, 12, DEVICE)
-    with torch.no_grad():
-        expected = decode._step_runner("eager", model, ids, 16)[0]()
-        step, rewind = decode._step_runner("static-gemslib", model, ids, 16)
-        for _ in range(5):
-            rewind()
-            torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
+    model, ids, decode = _tiny_llama_steps()
     assert len(made) == 1 and made[0].unsafe is None, made and made[0].unsafe
     assert len(graphs) == 1 and graphs[0].replays == 5 - step_graph.WARMUP_CALLS
     assert made[0].moving_indices == [] and made[0].written  # the cache, written in place
