@@ -455,6 +455,37 @@ PyObject* module_register_replay(PyObject*, PyObject* args) {
   return reinterpret_cast<PyObject*>(registration);
 }
 
+// same_data_ptrs(args, packed): whether args[i] is a tensor whose data_ptr() is p for each
+// (i, p) in `packed` (bytes of int64 pairs). A step graph checks its static inputs' addresses
+// with it on every call; torch's own check converts every tensor of the list first.
+PyObject* module_same_data_ptrs(PyObject*, PyObject* args) {
+  PyObject *inputs, *packed;
+  if (!PyArg_ParseTuple(args, "OS", &inputs, &packed)) return nullptr;
+  if (!PyTuple_Check(inputs) && !PyList_Check(inputs)) {
+    PyErr_SetString(PyExc_TypeError, "gemslib: same_data_ptrs needs a tuple or list");
+    return nullptr;
+  }
+  Py_ssize_t bytes = PyBytes_GET_SIZE(packed);
+  if (bytes % (2 * sizeof(int64_t)) != 0) {
+    PyErr_SetString(PyExc_ValueError, "gemslib: same_data_ptrs needs (index, pointer) pairs");
+    return nullptr;
+  }
+  const auto* pairs = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(packed));
+  Py_ssize_t count = PySequence_Fast_GET_SIZE(inputs);
+  PyObject** items = PySequence_Fast_ITEMS(inputs);
+  for (Py_ssize_t k = 0; k < bytes / static_cast<Py_ssize_t>(sizeof(int64_t)); k += 2) {
+    int64_t index = pairs[k];
+    if (index < 0 || index >= count || !THPVariable_Check(items[index])) Py_RETURN_FALSE;
+    const at::Tensor& tensor = THPVariable_Unpack(items[index]);
+    try {
+      if (reinterpret_cast<int64_t>(tensor.const_data_ptr()) != pairs[k + 1]) Py_RETURN_FALSE;
+    } catch (const std::exception&) {  // a tensor without storage has no address to match
+      Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 PyObject* module_load_driver(PyObject*, PyObject*) {
   if (load_driver()) Py_RETURN_TRUE;
   Py_RETURN_FALSE;
@@ -465,6 +496,8 @@ PyMethodDef module_methods[] = {
      "setup(torch.Tensor, torch.nn.Parameter, split_scratch)"},
     {"register_replay", module_register_replay, METH_VARARGS,
      "register_replay(name, table, allowed): replay an aten override's plans after autograd"},
+    {"same_data_ptrs", module_same_data_ptrs, METH_VARARGS,
+     "same_data_ptrs(args, packed): each args[i].data_ptr() == p for the (i, p) int64 pairs"},
     {"load_driver", module_load_driver, METH_NOARGS,
      "find the CUDA driver's launch functions; False where there is no driver"},
     {nullptr, nullptr, 0, nullptr}};

@@ -328,3 +328,18 @@ def test_each_set_of_dynamic_sizes_gets_a_graph_of_its_own_up_to_a_limit(graphs,
         x = torch.randn(n, 8)
         torch.testing.assert_close(runners(weight, x, n)[0], x @ weight)
     assert "aliases" in runners.unsafe and list(runners.by_sizes) == [(3,)]
+
+
+@pytest.mark.parametrize("native_module", [True, False])
+def test_the_static_inputs_check_is_the_native_one_where_it_is_built(native_module, monkeypatch):
+    """A step graph checks its static inputs' addresses on every call: through gemslib's
+    native module where it is built, else torch's check; either says whether every listed
+    input is still where it was."""
+    from gemslib.runtime import native
+
+    built = native.load(native.build()) if native_module else None
+    monkeypatch.setattr(native, "module", lambda: built)
+    weight, cache, token = torch.randn(8, 4), torch.zeros(16), torch.ones(1)
+    check = step_graph._pointer_check([0, 2], [weight.data_ptr(), cache.data_ptr()])
+    assert check((weight, token, cache)) and check([weight, token.clone(), cache])
+    assert not check((weight.clone(), token, cache)) and not check((weight, token, cache[1:]))

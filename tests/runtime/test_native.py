@@ -279,3 +279,32 @@ def test_the_kernel_after_autograd_keeps_a_plan_under_the_key_of_the_call_it_pas
         library._destroy()
     with pytest.raises(ValueError, match="namespace::name"):
         built.register_replay("twice", table, lambda: True)
+
+
+def test_same_data_ptrs_matches_each_listed_input_s_address_and_nothing_else(built):
+    """same_data_ptrs(args, packed): True only where every (index, pointer) pair of the
+    int64 bytes names a tensor at that address (views count by their own offset); a moved
+    tensor, a number, an index past the inputs or bad bytes say no or raise, never read
+    outside the inputs."""
+    import array
+
+    weight, cache = torch.randn(8, 4), torch.zeros(16)
+    view = cache[4:]
+    args = (weight, 3, cache, view)
+
+    def packed(*pairs):
+        return array.array("q", [value for pair in pairs for value in pair]).tobytes()
+
+    listed = packed((0, weight.data_ptr()), (2, cache.data_ptr()), (3, view.data_ptr()))
+    assert built.same_data_ptrs(args, listed) is True
+    assert built.same_data_ptrs(list(args), listed) is True
+    assert built.same_data_ptrs(args, packed()) is True
+    assert built.same_data_ptrs((weight.clone(), 3, cache, view), listed) is False
+    assert built.same_data_ptrs(args, packed((3, cache.data_ptr()))) is False  # view != base
+    assert built.same_data_ptrs(args, packed((1, 3))) is False  # a number is no tensor
+    assert built.same_data_ptrs(args, packed((4, 0))) is False
+    assert built.same_data_ptrs(args, packed((-1, 0))) is False
+    with pytest.raises(ValueError, match="pairs"):
+        built.same_data_ptrs(args, b"\0" * 12)
+    with pytest.raises(TypeError, match="tuple or list"):
+        built.same_data_ptrs(weight, listed)
