@@ -17,13 +17,13 @@ torch only) and a Python loop.
 from __future__ import annotations
 
 import argparse
-import array
 import dataclasses
 import time
 
 import torch
 
 from benchmark.models import MODELS, build_model
+from gemslib.passes import step_graph
 from gemslib.runtime import native
 
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None):
         print(f"native module not built: {err}")
     ways = {}
     if built is not None:  # as step_graph._pointer_check calls it on a GPU
-        packed = array.array("q", [v for pair in zip(indices, pointers) for v in pair]).tobytes()
+        packed = step_graph.packed_pairs(indices, pointers)
         ways["gemslib native"] = lambda a: built.same_data_ptrs(a, packed)
     torch_check = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if torch_check is not None:  # in torch's CUDA builds only

@@ -73,6 +73,11 @@ def _on_gpu(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+def packed_pairs(indices: list[int], pointers: list[int]) -> bytes:
+    """The (index, pointer) pairs as the native ``same_data_ptrs`` reads them: int64 bytes."""
+    return array.array("q", [value for pair in zip(indices, pointers) for value in pair]).tobytes()
+
+
 def _pointer_check(indices: list[int], pointers: list[int]) -> Callable[[Sequence[Any]], bool]:
     """``check(args)``: whether ``args[i].data_ptr() == pointers[k]`` for each ``indices[k] =
     i``. Run on every call over every static input (a step's parameters and cache: ~200 at
@@ -83,9 +88,8 @@ def _pointer_check(indices: list[int], pointers: list[int]) -> Callable[[Sequenc
 
     built = native.module()
     if built is not None:
-        packed = array.array("q", [value for pair in zip(indices, pointers) for value in pair])
-        packed_bytes = packed.tobytes()
-        return lambda args: built.same_data_ptrs(args, packed_bytes)
+        packed = packed_pairs(indices, pointers)
+        return lambda args: built.same_data_ptrs(args, packed)
     checker = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
     if checker is not None:
         return lambda args: checker(list(args), pointers, indices)
