@@ -111,7 +111,7 @@ def _layer_kernel(p_x, p_w_qkv, p_h0, p_w_o, p_h1, p_w_gate_up, p_h2, p_w_down, 
     program to finish puts the counters back to 0 for the next launch."""
     i_program = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    PERSISTENT: tl.constexpr = PHASE == ALL_PHASES
+    PERSISTENT: tl.constexpr = PHASE < 0  # ALL_PHASES
     if PERSISTENT or PHASE == 0:
         b_w = _first_block(p_w_qkv, i_program, qkv_rows, hidden, BLOCK_N_WIDE, BLOCK_K)
         _tiles(p_w_qkv, p_x, p_h0, b_w, i_program, n_programs, qkv_rows, hidden,
