@@ -41,10 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from gemslib import pdl
+
 # (hidden, q/k/v rows, intermediate): Llama-3.2-1B and Llama-3-8B
 MODELS = {"1b": (2048, 3072, 8192), "8b": (4096, 6144, 14336)}
 SPIN_LIMIT = 1 << 20  # polls of a counter before a wait gives up (~1 s, not a hang)
 ALL_PHASES = -1  # the kernel's PHASE for the persistent launch
+PREFETCH_COLS = tl.constexpr(2048)  # columns of a first tile asked of L2 with PREFETCH 2
+PREFETCHES = {0: "nothing", 1: "registers", 2: "L2"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,39 +105,49 @@ def _arrive_and_wait(p_count, n_programs, p_error, spin_limit):
 
 
 @triton.jit
+def _phase(p_w, p_x, p_out, n_out, n_in, p_count, p_error, i_program, n_programs, spin_limit,
+           WAIT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """One projection's tiles, after (WAIT) every program has counted itself in p_count. What
+    of this program's first tile of W is asked for before the wait: PREFETCH 0 nothing, 1 its
+    first K block into registers, 2 its first PREFETCH_COLS columns into L2."""
+    if WAIT and PREFETCH == 2:
+        o_n = i_program * BLOCK_N + tl.arange(0, BLOCK_N)
+        pdl.prefetch_rows_to_l2(p_w, o_n, o_n < n_out, 0, n_in, n_in, PREFETCH_COLS)
+    if PREFETCH == 1:
+        b_w = _first_block(p_w, i_program, n_out, n_in, BLOCK_N, BLOCK_K)
+    if WAIT:
+        _arrive_and_wait(p_count, n_programs, p_error, spin_limit)
+    if PREFETCH != 1:
+        b_w = _first_block(p_w, i_program, n_out, n_in, BLOCK_N, BLOCK_K)
+    _tiles(p_w, p_x, p_out, b_w, i_program, n_programs, n_out, n_in, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _layer_kernel(p_x, p_w_qkv, p_h0, p_w_o, p_h1, p_w_gate_up, p_h2, p_w_down, p_out,
                   p_counts, p_error, hidden, qkv_rows, inter, spin_limit,
-                  PHASE: tl.constexpr, BLOCK_N_WIDE: tl.constexpr,
+                  PHASE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N_WIDE: tl.constexpr,
                   BLOCK_N_NARROW: tl.constexpr, BLOCK_K: tl.constexpr):
     """One layer's projections. PHASE 0..3: that projection alone (a tile grid, a program a
     tile); ALL_PHASES: all four in turn, the grid's programs resident at once, each phase
-    after counter p_counts[phase - 1] says every program finished the one before. The last
-    program to finish puts the counters back to 0 for the next launch."""
+    after counter p_counts[phase - 1] says every program finished the one before (PREFETCH:
+    :func:`_phase`). The last program to finish puts the counters back to 0 for the next
+    launch."""
     i_program = tl.program_id(0)
     n_programs = tl.num_programs(0)
     PERSISTENT: tl.constexpr = PHASE < 0  # ALL_PHASES
     if PERSISTENT or PHASE == 0:
-        b_w = _first_block(p_w_qkv, i_program, qkv_rows, hidden, BLOCK_N_WIDE, BLOCK_K)
-        _tiles(p_w_qkv, p_x, p_h0, b_w, i_program, n_programs, qkv_rows, hidden,
-               BLOCK_N_WIDE, BLOCK_K)
+        _phase(p_w_qkv, p_x, p_h0, qkv_rows, hidden, p_counts, p_error, i_program, n_programs,
+               spin_limit, False, PREFETCH, BLOCK_N_WIDE, BLOCK_K)
     if PERSISTENT or PHASE == 1:
-        b_w = _first_block(p_w_o, i_program, hidden, hidden, BLOCK_N_NARROW, BLOCK_K)
-        if PERSISTENT:
-            _arrive_and_wait(p_counts + 0, n_programs, p_error, spin_limit)
-        _tiles(p_w_o, p_h0, p_h1, b_w, i_program, n_programs, hidden, hidden,
-               BLOCK_N_NARROW, BLOCK_K)
+        _phase(p_w_o, p_h0, p_h1, hidden, hidden, p_counts + 0, p_error, i_program,
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K)
     if PERSISTENT or PHASE == 2:
-        b_w = _first_block(p_w_gate_up, i_program, 2 * inter, hidden, BLOCK_N_WIDE, BLOCK_K)
-        if PERSISTENT:
-            _arrive_and_wait(p_counts + 1, n_programs, p_error, spin_limit)
-        _tiles(p_w_gate_up, p_h1, p_h2, b_w, i_program, n_programs, 2 * inter, hidden,
-               BLOCK_N_WIDE, BLOCK_K)
+        _phase(p_w_gate_up, p_h1, p_h2, 2 * inter, hidden, p_counts + 1, p_error, i_program,
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_WIDE, BLOCK_K)
     if PERSISTENT or PHASE == 3:
-        b_w = _first_block(p_w_down, i_program, hidden, inter, BLOCK_N_NARROW, BLOCK_K)
-        if PERSISTENT:
-            _arrive_and_wait(p_counts + 2, n_programs, p_error, spin_limit)
-        _tiles(p_w_down, p_h2, p_out, b_w, i_program, n_programs, hidden, inter,
-               BLOCK_N_NARROW, BLOCK_K)
+        _phase(p_w_down, p_h2, p_out, hidden, inter, p_counts + 2, p_error, i_program,
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K)
     if PERSISTENT:
         tl.debug_barrier()
         if tl.atomic_add(p_counts + 3, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
@@ -212,10 +226,11 @@ class Launches:
     ``programs_per_sm`` x SMs, at most the occupancy), else four a layer (tile grids)."""
 
     def __init__(self, layers: list[Layer], block_n_wide: int, block_n_narrow: int,
-                 block_k: int, num_warps: int, persistent: bool, programs_per_sm: int = 0):
+                 block_k: int, num_warps: int, persistent: bool, programs_per_sm: int = 0,
+                 prefetch: int = 1):
         self.layers, self.persistent = layers, persistent
         self.meta = dict(BLOCK_N_WIDE=block_n_wide, BLOCK_N_NARROW=block_n_narrow,
-                         BLOCK_K=block_k, num_warps=num_warps)
+                         BLOCK_K=block_k, num_warps=num_warps, PREFETCH=prefetch)
         device = layers[0].x.device
         self.counts = torch.zeros(4, device=device, dtype=torch.int32)
         self.error = torch.zeros(1, device=device, dtype=torch.int32)
@@ -250,7 +265,8 @@ class Launches:
 
     def label(self) -> str:
         meta = self.meta
-        grid = f", {self.programs} programs" if self.persistent else ""
+        grid = f", {self.programs} programs, first W: {PREFETCHES[meta['PREFETCH']]}" \
+            if self.persistent else ""
         return (f"N{meta['BLOCK_N_WIDE']}/{meta['BLOCK_N_NARROW']} K{meta['BLOCK_K']} "
                 f"w{meta['num_warps']}{grid}")
 
@@ -298,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="two configs a way, not sixteen")
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=[0],
                         help="persistent grids to try, programs an SM (0: the occupancy)")
+    parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1, 2],
+                        choices=sorted(PREFETCHES), help="what of a phase's first W tile a "
+                        "persistent program asks for before it waits: 0 nothing, 1 a K block "
+                        "into registers, 2 its first columns into L2 (default: each)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_layer: needs a CUDA GPU (a wait on another program cannot pass in "
@@ -328,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             phases = Launches(layers, **config, persistent=False)
             phases_us, phases_error, phases_out = _timed_us(phases, layers)
             show(f"phases {phases.label()}", phases_us, phases_error)
-            for per_sm in args.programs_per_sm:
-                persistent = Launches(layers, **config, persistent=True, programs_per_sm=per_sm)
+            for per_sm, prefetch in itertools.product(args.programs_per_sm, args.prefetch):
+                persistent = Launches(layers, **config, persistent=True, programs_per_sm=per_sm,
+                                      prefetch=prefetch)
                 persistent()
                 if persistent.error.item():  # a wait gave up: the grid was not all resident
                     print(f"  persistent {persistent.label()}: a wait gave up; not timed")
