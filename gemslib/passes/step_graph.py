@@ -91,8 +91,11 @@ def _pointer_check(indices: list[int], pointers: list[int]) -> Callable[[Sequenc
         packed = packed_pairs(indices, pointers)
         return lambda args: built.same_data_ptrs(args, packed)
     checker = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if checker is not None:
-        return lambda args: checker(list(args), pointers, indices)
+    if checker is not None:  # its pointers are indexed by the input's index, as args are
+        by_input: list[int | None] = [None] * (max(indices, default=-1) + 1)
+        for index, pointer in zip(indices, pointers):
+            by_input[index] = pointer
+        return lambda args: checker(list(args), by_input, indices)
     return lambda args: all(args[i].data_ptr() == pointer
                             for i, pointer in zip(indices, pointers))
 
