@@ -68,23 +68,32 @@ def _first_block(p_w, i_tile, n_out, n_in, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
 
 @triton.jit
 def _tiles(p_w, p_x, p_out, b_w_first, i_program, n_programs, n_out, n_in,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUM_EACH_STEP: tl.constexpr):
     """out[n] = sum_k W[n, k] x[k] for the tiles i_program, i_program + n_programs, ... of
-    BLOCK_N rows; b_w_first: the first tile's first K block, already loaded. x is read past L1
-    (``.cg``): another SM wrote it in this launch."""
+    BLOCK_N rows; b_w_first: the first tile's first K block, already loaded. The products
+    add up in a (BLOCK_N, BLOCK_K) fp32 tile summed over K once at the end, or (SUM_EACH_STEP,
+    as decode_gemv's one-row path does) each K step is summed into a (BLOCK_N,) row. x is read
+    past L1 (``.cg``): another SM wrote it in this launch."""
     b_w_block = b_w_first
     for i_tile in range(i_program, tl.cdiv(n_out, BLOCK_N), n_programs):
         o_n = i_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         o_k = tl.arange(0, BLOCK_K)
         b_x = tl.load(p_x + o_k, mask=o_k < n_in, other=0.0, cache_modifier=".cg")
         b_acc = b_w_block.to(tl.float32) * b_x.to(tl.float32)[None, :]
+        if SUM_EACH_STEP:
+            b_acc = tl.sum(b_acc, axis=1)
         for i_k in range(BLOCK_K, n_in, BLOCK_K):
             o_k = i_k + tl.arange(0, BLOCK_K)
             b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * n_in + o_k[None, :],
                           mask=(o_n[:, None] < n_out) & (o_k[None, :] < n_in), other=0.0)
             b_x = tl.load(p_x + o_k, mask=o_k < n_in, other=0.0, cache_modifier=".cg")
-            b_acc += b_w.to(tl.float32) * b_x.to(tl.float32)[None, :]
-        tl.store(p_out + o_n, tl.sum(b_acc, axis=1).to(p_out.dtype.element_ty), mask=o_n < n_out)
+            if SUM_EACH_STEP:
+                b_acc += tl.sum(b_w.to(tl.float32) * b_x.to(tl.float32)[None, :], axis=1)
+            else:
+                b_acc += b_w.to(tl.float32) * b_x.to(tl.float32)[None, :]
+        if not SUM_EACH_STEP:
+            b_acc = tl.sum(b_acc, axis=1)
+        tl.store(p_out + o_n, b_acc.to(p_out.dtype.element_ty), mask=o_n < n_out)
         b_w_block = _first_block(p_w, i_tile + n_programs, n_out, n_in, BLOCK_N, BLOCK_K)
 
 
@@ -107,7 +116,7 @@ def _arrive_and_wait(p_count, n_programs, p_error, spin_limit):
 @triton.jit
 def _phase(p_w, p_x, p_out, n_out, n_in, p_count, p_error, i_program, n_programs, spin_limit,
            WAIT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_K: tl.constexpr):
+           BLOCK_K: tl.constexpr, SUM_EACH_STEP: tl.constexpr):
     """One projection's tiles, after (WAIT) every program has counted itself in p_count. What
     of this program's first tile of W is asked for before the wait: PREFETCH 0 nothing, 1 its
     first K block into registers, 2 its first PREFETCH_COLS columns into L2."""
@@ -120,14 +129,16 @@ def _phase(p_w, p_x, p_out, n_out, n_in, p_count, p_error, i_program, n_programs
         _arrive_and_wait(p_count, n_programs, p_error, spin_limit)
     if PREFETCH != 1:
         b_w = _first_block(p_w, i_program, n_out, n_in, BLOCK_N, BLOCK_K)
-    _tiles(p_w, p_x, p_out, b_w, i_program, n_programs, n_out, n_in, BLOCK_N, BLOCK_K)
+    _tiles(p_w, p_x, p_out, b_w, i_program, n_programs, n_out, n_in, BLOCK_N, BLOCK_K,
+           SUM_EACH_STEP)
 
 
 @triton.jit
 def _layer_kernel(p_x, p_w_qkv, p_h0, p_w_o, p_h1, p_w_gate_up, p_h2, p_w_down, p_out,
                   p_counts, p_error, hidden, qkv_rows, inter, spin_limit,
                   PHASE: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N_WIDE: tl.constexpr,
-                  BLOCK_N_NARROW: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N_NARROW: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SUM_EACH_STEP: tl.constexpr = False):
     """One layer's projections. PHASE 0..3: that projection alone (a tile grid, a program a
     tile); ALL_PHASES: all four in turn, the grid's programs resident at once, each phase
     after counter p_counts[phase - 1] says every program finished the one before (PREFETCH:
@@ -138,16 +149,19 @@ def _layer_kernel(p_x, p_w_qkv, p_h0, p_w_o, p_h1, p_w_gate_up, p_h2, p_w_down, 
     PERSISTENT: tl.constexpr = PHASE < 0  # ALL_PHASES
     if PERSISTENT or PHASE == 0:
         _phase(p_w_qkv, p_x, p_h0, qkv_rows, hidden, p_counts, p_error, i_program, n_programs,
-               spin_limit, False, PREFETCH, BLOCK_N_WIDE, BLOCK_K)
+               spin_limit, False, PREFETCH, BLOCK_N_WIDE, BLOCK_K, SUM_EACH_STEP)
     if PERSISTENT or PHASE == 1:
         _phase(p_w_o, p_h0, p_h1, hidden, hidden, p_counts + 0, p_error, i_program,
-               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K)
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K,
+               SUM_EACH_STEP)
     if PERSISTENT or PHASE == 2:
         _phase(p_w_gate_up, p_h1, p_h2, 2 * inter, hidden, p_counts + 1, p_error, i_program,
-               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_WIDE, BLOCK_K)
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_WIDE, BLOCK_K,
+               SUM_EACH_STEP)
     if PERSISTENT or PHASE == 3:
         _phase(p_w_down, p_h2, p_out, hidden, inter, p_counts + 2, p_error, i_program,
-               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K)
+               n_programs, spin_limit, PERSISTENT, PREFETCH, BLOCK_N_NARROW, BLOCK_K,
+               SUM_EACH_STEP)
     if PERSISTENT:
         tl.debug_barrier()
         if tl.atomic_add(p_counts + 3, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
@@ -209,6 +223,18 @@ def reference(layers: list[Layer]) -> torch.Tensor:
     return x
 
 
+# each projection: (name, its input's field and width, its output's field, its weight's field)
+PROJECTIONS = (("q/k/v", "x", "h0", "w_qkv"), ("o", "h0", "h1", "w_o"),
+               ("gate/up", "h1", "h2", "w_gate_up"), ("down", "h2", "out", "w_down"))
+
+
+def projection_input(layer: Layer, index: int) -> torch.Tensor:
+    """Projection ``index``'s (1, K) input in ``layer``, as the chain reads it."""
+    width = layer.w_qkv.shape[1], layer.w_o.shape[1], layer.w_gate_up.shape[1], \
+        layer.w_down.shape[1]
+    return getattr(layer, PROJECTIONS[index][1])[None, :width[index]]
+
+
 def linear_layers(layers: list[Layer], linear) -> torch.Tensor:
     """The chain's output through ``linear(x (1, K), w) -> (1, N)`` (cuBLAS or decode_gemv),
     one call a projection, its own activations."""
@@ -227,10 +253,11 @@ class Launches:
 
     def __init__(self, layers: list[Layer], block_n_wide: int, block_n_narrow: int,
                  block_k: int, num_warps: int, persistent: bool, programs_per_sm: int = 0,
-                 prefetch: int = 1):
-        self.layers, self.persistent = layers, persistent
+                 prefetch: int = 1, sum_each_step: bool = False, only: int | None = None):
+        self.layers, self.persistent, self.only = layers, persistent, only
         self.meta = dict(BLOCK_N_WIDE=block_n_wide, BLOCK_N_NARROW=block_n_narrow,
-                         BLOCK_K=block_k, num_warps=num_warps, PREFETCH=prefetch)
+                         BLOCK_K=block_k, num_warps=num_warps, PREFETCH=prefetch,
+                         SUM_EACH_STEP=sum_each_step)
         device = layers[0].x.device
         self.counts = torch.zeros(4, device=device, dtype=torch.int32)
         self.error = torch.zeros(1, device=device, dtype=torch.int32)
@@ -259,16 +286,20 @@ class Launches:
             rows = (layer.qkv_rows, layer.hidden, 2 * layer.inter, layer.hidden)
             blocks = (self.meta["BLOCK_N_WIDE"], self.meta["BLOCK_N_NARROW"]) * 2
             for phase, (n_out, block_n) in enumerate(zip(rows, blocks)):
+                if self.only is not None and phase != self.only:
+                    continue
                 _layer_kernel[(triton.cdiv(n_out, block_n),)](*self._args(layer), PHASE=phase,
                                                               **self.meta)
-        return self.layers[-1].out
+        return self.layers[-1].out if self.only is None else \
+            getattr(self.layers[-1], PROJECTIONS[self.only][2])
 
     def label(self) -> str:
         meta = self.meta
         grid = f", {self.programs} programs, first W: {PREFETCHES[meta['PREFETCH']]}" \
             if self.persistent else ""
+        summed = ", K summed each step" if meta["SUM_EACH_STEP"] else ""
         return (f"N{meta['BLOCK_N_WIDE']}/{meta['BLOCK_N_NARROW']} K{meta['BLOCK_K']} "
-                f"w{meta['num_warps']}{grid}")
+                f"w{meta['num_warps']}{grid}{summed}")
 
 
 def resident_programs_per_sm(compiled, device) -> int:
@@ -344,10 +375,13 @@ def main(argv: list[str] | None = None) -> int:
              *_timed_us(lambda: linear_layers(layers, torch.nn.functional.linear), layers))
         show("decode_gemv (file's configs, four launches)",
              *_timed_us(lambda: linear_layers(layers, decode_gemv), layers))
+        best_phases = None
         for config in QUICK_CONFIGS if args.quick else CONFIGS:
             phases = Launches(layers, **config, persistent=False)
             phases_us, phases_error, phases_out = _timed_us(phases, layers)
             show(f"phases {phases.label()}", phases_us, phases_error)
+            best_phases = min(best_phases or (phases_us, config), (phases_us, config),
+                              key=lambda timed: timed[0])
             for per_sm, prefetch in itertools.product(args.programs_per_sm, args.prefetch):
                 persistent = Launches(layers, **config, persistent=True, programs_per_sm=per_sm,
                                       prefetch=prefetch)
@@ -359,7 +393,36 @@ def main(argv: list[str] | None = None) -> int:
                 same = torch.equal(out, phases_out) and not persistent.error.item()
                 show(f"persistent {persistent.label()}" + ("" if same else " DIFFERS"), us,
                      error)
+        _per_projection(layers, best_phases[1], copy_gbps)
     return 0
+
+
+def _per_projection(layers: list[Layer], config: dict, copy_gbps: float) -> None:
+    """Each projection alone over the layers (one CUDA graph a way), us a call and % of copy:
+    cuBLAS, decode_gemv, and the chain's best tile config summing over K at the end and at
+    each step, so the projection that holds a way back, and what the sums cost, show."""
+    from benchmark.harness import graphed, median_ms
+    from gemslib.fused.decode_gemv import decode_gemv
+
+    print(f"  each projection alone (tiles {Launches(layers, **config, persistent=False).label()}"
+          f"): us a call (% of copy)")
+    for index, (name, _, _, weight_name) in enumerate(PROJECTIONS):
+        weight_bytes = 2 * getattr(layers[0], weight_name).numel()
+        ways = {"cuBLAS": lambda: [torch.nn.functional.linear(projection_input(layer, index),
+                                                              getattr(layer, weight_name))
+                                   for layer in layers],
+                "decode_gemv": lambda: [decode_gemv(projection_input(layer, index),
+                                                    getattr(layer, weight_name))
+                                        for layer in layers],
+                "tiles, K summed at the end": Launches(layers, **config, persistent=False,
+                                                       only=index),
+                "tiles, K summed each step": Launches(layers, **config, persistent=False,
+                                                      only=index, sum_each_step=True)}
+        figures = []
+        for way, fn in ways.items():
+            us = median_ms(graphed(fn)) * 1e3 / len(layers)
+            figures.append(f"{way} {us:.1f} ({weight_bytes / us / 1e3 / copy_gbps:.0%})")
+        print(f"    {name:<8} " + ", ".join(figures), flush=True)
 
 
 if __name__ == "__main__":
