@@ -23,8 +23,10 @@ instead of waiting for another kernel: with the norm it first reads its rows who
 each at decode, from L2) for their rms; with the gate it forms act(gate) * up as it loads.
 
 Tiling: a program per BLOCK_N rows of W (per K range with SPLIT_K), all M rows of x in it, K
-in BLOCK_K steps. M = 1 (and the config's GEMV 1) multiplies the W tile by the row and sums
-over K (tl.sum): a plain GEMV, fp32 products on the CUDA cores, nothing padded; M in 2..16
+in BLOCK_K steps. M = 1 (and the config's GEMV 1 or 2) multiplies the W tile by the row and
+sums over K (tl.sum), each K step as it comes (GEMV 1) or once after the loop from a tile of
+fp32 products (GEMV 2, no barrier a step): a plain GEMV, fp32 products on the CUDA cores,
+nothing padded; M in 2..16
 takes tl.dot on a 16-row tile (tensor cores): a multiply-and-sum there would cost M fp32 FMAs
 per weight element, near the CUDA cores' rate at Hopper's bandwidth for 16 rows, where the
 tensor cores spend nothing that matters. More than 16 rows are not a decode step: they are
@@ -92,6 +94,7 @@ NO_PROLOGUE, NORM, GATED = 0, 1, 2
 # ``gated=`` -> ops.silu's ACTIVATION codes (NO_GATE: no gated prologue)
 ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu_erf": GELU_ERF}
 NO_GATE = -1
+SUM_AT_END_GEMV = 2  # the config's GEMV for a one-row call summing its products after the loop
 _GATED_NAMES = {code: name for name, code in ACTIVATIONS.items()}
 
 
@@ -130,16 +133,23 @@ def _split_range(split_len, n_in, SPLIT_K: tl.constexpr):
 def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in, k_begin, k_end,
                    eps, weight_offset, stride_x_row, stride_weight_row,
                    PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SUM_AT_END: tl.constexpr):
     """(BLOCK_M, BLOCK_N) fp32: sum over k in [k_begin, k_end) of a[m, k] W[n, k] for the rows
     o_m of x (m_m: those that exist) and the rows o_n of W (m_n), a = prologue(x) (the file's
-    docstring). BLOCK_M 1: products by multiply and tl.sum; else tl.dot (IEEE: fp32 products
-    in full precision)."""
+    docstring). BLOCK_M 1: products by multiply and tl.sum, each K step's summed over K as it
+    comes, or (SUM_AT_END) added up in a (BLOCK_N, BLOCK_K) fp32 tile summed over K once after
+    the loop: a K step's sum spans the warps, so each costs a round of shared memory and
+    barriers that keeps the program's next loads from issuing, where the tile costs
+    BLOCK_N x BLOCK_K / threads registers. Else tl.dot (IEEE: fp32 products in full
+    precision)."""
     p_x = x_ptr + o_m.to(tl.int64)[:, None] * stride_x_row
     p_w = weight_ptr + o_n.to(tl.int64)[:, None] * stride_weight_row
     if PROLOGUE == 1:  # NORM: each program's own pass over its rows, whole, for their rms
         b_rstd = _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M, BLOCK_K)
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SUM_AT_END:
+        b_products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i_k in range(k_begin, k_end, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
         m_k = o_k < k_end
@@ -157,12 +167,16 @@ def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
         else:
             b_a = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if BLOCK_M == 1:  # one row: (BLOCK_N, BLOCK_K) products summed over K
+        if BLOCK_M == 1 and SUM_AT_END:  # one row, its products summed after the loop
+            b_products += b_w.to(tl.float32) * b_a.to(tl.float32)
+        elif BLOCK_M == 1:  # one row: (BLOCK_N, BLOCK_K) products summed over K
             b_acc += tl.sum(b_w.to(tl.float32) * b_a.to(tl.float32), axis=1)[None, :]
         elif IEEE:
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc)
+    if SUM_AT_END:
+        b_acc = tl.sum(b_products, axis=1)[None, :]
     return b_acc
 
 
@@ -233,8 +247,9 @@ def _decode_gemv_kernel(
     n_rows, n_out, n_in, eps, weight_offset, split_len, n_splits, max_contrib,
     stride_x_row, stride_weight_row, stride_residual_row, stride_out_row,
     PROLOGUE: tl.constexpr, ACTIVATION: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    STREAM_K: tl.constexpr = 0, PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
+    SUM_AT_END: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, STREAM_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PDL_EARLY: tl.constexpr = False,
 ):
     """Grid (cdiv(n_out, BLOCK_N), n_splits): rows [i_n BLOCK_N, +BLOCK_N) of W (n_out, n_in)
     against all n_rows (<= BLOCK_M) rows of x, unit last strides; out (n_rows, n_out). x is
@@ -254,6 +269,8 @@ def _decode_gemv_kernel(
     wave of tiles running on part of them. A tile one program takes whole is finished by it;
     one cut between programs is summed by the last of them to arrive (:func:`_stream_k_total`,
     part (tiles, max_contrib, BLOCK_M, BLOCK_N) fp32, arrivals (tiles,) int32 zeroed).
+    SUM_AT_END (BLOCK_M 1): the products summed over K once after the loop
+    (:func:`_tile_products`).
     PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
     before it on the stream; PDL_EARLY (gemslib.pdl): a tile grid's program first asks L2 for
     its first K step of W, and after the wait lets the next kernel launch."""
@@ -279,7 +296,7 @@ def _decode_gemv_kernel(
                                    (it - tile_begin) * BLOCK_K,
                                    tl.minimum(n_in, (seg_end - tile_begin) * BLOCK_K), eps,
                                    weight_offset, stride_x_row, stride_weight_row, PROLOGUE,
-                                   ACTIVATION, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                                   ACTIVATION, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, SUM_AT_END)
             if (it == tile_begin) & (seg_end == tile_begin + k_steps):
                 _gemv_epilogue(b_acc, bias_ptr, residual_ptr, out_ptr, o_m, o_n, m_n, m_tile,
                                stride_residual_row, stride_out_row)
@@ -308,7 +325,7 @@ def _decode_gemv_kernel(
         b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
                                k_begin, k_end, eps, weight_offset, stride_x_row,
                                stride_weight_row, PROLOGUE, ACTIVATION, IEEE, BLOCK_M, BLOCK_N,
-                               BLOCK_K)
+                               BLOCK_K, SUM_AT_END)
         m_tile = m_m[:, None] & m_n[None, :]
         finish = True
         if SPLIT_K > 1:
@@ -319,7 +336,8 @@ def _decode_gemv_kernel(
                            stride_residual_row, stride_out_row)
 
 
-# GEMV 1: a call of one row takes the multiply-and-sum products (BLOCK_M 1), GEMV 0 the 16-row
+# GEMV 1: a call of one row takes the multiply-and-sum products (BLOCK_M 1), summed over K each
+# step; GEMV 2 (SUM_AT_END_GEMV) those products summed once after the K loop; GEMV 0 the 16-row
 # tl.dot tile as more rows do; the launcher decides BLOCK_M from it and the rows
 DECODE_GEMV = runtime.TunedKernel(
     "decode_gemv", "decode_gemv", _decode_gemv_kernel,
@@ -375,7 +393,7 @@ def _decode_gemv_rotary_kernel(
     pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
                            k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
-                           PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+                           PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False)
     finish = True
     if SPLIT_K > 1:
         b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n,
@@ -550,6 +568,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0),
         prologue, max(activation, 0), x.dtype == torch.float32, block_m,
+        block_m == 1 and config.meta_dict["GEMV"] == SUM_AT_END_GEMV,
         shape=shape, config=config)
     return out
 
@@ -1106,10 +1125,20 @@ _CANDIDATES = tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": gemv,
                     for n, k in ((32, 256), (16, 256), (64, 128), (32, 512), (64, 256))
                     for split in (1, 2, 4, 8) for gemv in (1, 0) for w in (4, 8))
 
+# one row's products summed after the K loop (GEMV 2): narrow tiles of long K steps, many
+# programs each streaming its rows without a barrier a step (a tile of 4-8 rows of 512 ran a
+# Llama layer's chained projections at 72-92% of copy on the H100, decode_gemv's GEMV 1 at
+# 65-83%: docs/notes/decode.md); the product tile at most 64 fp32 registers a thread
+_SUM_AT_END_CANDIDATES = tuple(
+    {"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": split, "GEMV": SUM_AT_END_GEMV, "num_warps": w,
+     "num_stages": 3}
+    for n in (4, 8, 16) for k in (512, 1024) for split in (1, 2, 4) for w in (4, 8)
+    if n * k <= 64 * 32 * w)
+
 # the tile grid's candidates, and stream-K's: 2, 4 or 8 programs an SM sharing the tiles' K
 # steps equally, no split
 _GEMV_CANDIDATES = (
-    tuple({**candidate, "STREAM_K": 0} for candidate in _CANDIDATES)
+    tuple({**candidate, "STREAM_K": 0} for candidate in _CANDIDATES + _SUM_AT_END_CANDIDATES)
     + tuple({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": 1, "STREAM_K": per_sm, "GEMV": gemv,
              "num_warps": w, "num_stages": 3}
             for n, k in ((32, 256), (16, 256), (64, 128)) for per_sm in (2, 4, 8)

@@ -113,6 +113,22 @@ def test_one_row_through_the_dot_tile(prologue, dtype, poisoned_outputs):
     _assert_close(out, inputs)
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("sharing", [{}, {"split_k": 3}, {"stream_k": 4}])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_one_row_summed_after_the_loop(prologue, sharing, dtype, poisoned_outputs):
+    """GEMV 2: one row's products added up in a (BLOCK_N, BLOCK_K) tile and summed over K
+    once after the loop, alone, with K split and with stream-K shares (a share's tile is
+    summed after its own K steps): the same within rounding as the reference; a tile of 4
+    rows, the narrowest the tuner tries."""
+    inputs = _inputs(1, dtype, prologue)
+    config = _config(block_n=4, block_k=16, gemv=gemv_ops.SUM_AT_END_GEMV, **sharing)
+    with gemv_ops.DECODE_GEMV.forced(config) as shapes:
+        out = _call(inputs)
+    assert shapes == [(1, N_OUT, N_IN, inputs["x"].element_size())]  # the kernel ran
+    _assert_close(out, inputs)
+
+
 # how the K steps are shared: split in whole 16-wide steps (72 -> 32 + 32 + 8; asked in 8 ->
 # 5 splits of 16, the last 8), or STREAM_K programs (the interpreter's one "SM" x STREAM_K)
 # sharing the 7 column tiles x 5 K steps equally: one takes all; 4 cut tiles between two

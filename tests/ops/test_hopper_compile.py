@@ -286,6 +286,8 @@ CALLS = [
     # ... and its stream-K form (programs sharing the tiles' K steps), one row and three
     lambda: _stream_k_gemv(1, gemv=1),
     lambda: _stream_k_gemv(3, gemv=0),
+    # ... and one row's products summed after the K loop (GEMV 2), stream-K
+    lambda: _stream_k_gemv(1, gemv=2),
     # the q/k/v GEMV with its rotary and cache write: one row, and 3 on the tl.dot tile
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 1, 4, 256),
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 3, 4, 256),
