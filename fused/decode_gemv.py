@@ -356,9 +356,9 @@ def _decode_gemv_rotary_kernel(
     stride_k_cache_b, stride_k_cache_h, stride_k_cache_l,
     stride_v_cache_b, stride_v_cache_h, stride_v_cache_l,
     PROLOGUE: tl.constexpr, IEEE: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HEAD_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
-    PDL_EARLY: tl.constexpr = False,
+    HEAD_PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, SUM_AT_END: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False,
 ):
     """A decode step's q/k/v projection with its rotary and its static cache's update: y =
     prologue(x) @ W.T (+ bias), W (n_out, n_in) the q, k and v weights end to end, n_out =
@@ -393,7 +393,7 @@ def _decode_gemv_rotary_kernel(
     pdl.wait_for_previous_kernel(PDL, PDL_EARLY)
     b_acc = _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
                            k_begin, k_end, eps, weight_offset, stride_x_row, stride_weight_row,
-                           PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                           PROLOGUE, 0, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, SUM_AT_END)
     finish = True
     if SPLIT_K > 1:
         b_acc, finish = _split_k_total(b_acc, part_ptr, arrivals_ptr, i_n, o_m, o_n,
@@ -975,6 +975,7 @@ def _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin, i
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NORM if norm_weight is not None else NO_PROLOGUE, x.dtype == torch.float32,
         bool(interleaved), head_pairs, block_m,
+        block_m == 1 and config.meta_dict["GEMV"] == SUM_AT_END_GEMV,
         shape=shape, config=config)
     return q_out
 
@@ -1184,7 +1185,7 @@ TUNING = (
                     _tune_problem(16, 4096, 4096, "plain", dtype=torch.float32)))),
     TuneSpace(
         DECODE_GEMV_ROTARY,
-        _CANDIDATES,
+        _CANDIDATES + _SUM_AT_END_CANDIDATES,
         # Llama-3.2-1B's q/k/v (N 3072: 96 tiles of 32 rows, K split), Llama-3-8B's and
         # Qwen3-8B's (N 6144, Qwen3's tiles grown to whole heads for its q/k norm)
         (TuneBucket({"rows": 1, "n": 4096, "elem_bytes": 2}, "M1 N3072 K2048",

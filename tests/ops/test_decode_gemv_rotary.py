@@ -179,6 +179,19 @@ def test_the_per_head_qk_norm_matches_reference(shape, block_n, offset, interlea
     assert (results[0].double() - unnormed[0]).abs().max() > 0.1  # the norm is not a no-op
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("qk_norm", [None, "w"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_one_row_summed_after_the_loop(split_k, qk_norm, dtype, poisoned_outputs):
+    """GEMV 2 at one row: the products summed over K once after the loop, in narrow tiles
+    (4 rows: two pairs) and with K split; with the per-head norm the tile grows to a head."""
+    inputs = _inputs(1, 1, 4, 2, 16, dtype, qk_norm=qk_norm)
+    config = _config(block_n=4, block_k=16, split_k=split_k, gemv=gemv_ops.SUM_AT_END_GEMV)
+    results, ran = _kernel_ran(inputs, config)
+    assert ran
+    _assert_matches(results, inputs)
+
+
 def test_a_tile_grown_to_whole_heads_keeps_its_size_and_program_count():
     grown = gemv_ops._whole_heads(_config(block_n=32, block_k=256, split_k=2), 128)
     assert grown.meta_dict == {"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 8, "GEMV": 1}

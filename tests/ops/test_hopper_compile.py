@@ -179,6 +179,15 @@ def _stream_k_gemv(rows, gemv):
                             residual=_bf16(rows, 100), norm_weight=_bf16(512))
 
 
+def _summed_at_end_gemv_rotary():
+    from gemslib.fused import decode_gemv as gemv_ops
+
+    config = runtime.LaunchConfig((("BLOCK_N", 8), ("BLOCK_K", 512), ("SPLIT_K", 2),
+                                   ("GEMV", gemv_ops.SUM_AT_END_GEMV)), 4, 3)
+    with gemv_ops.DECODE_GEMV_ROTARY.forced(config):
+        _decode_gemv_rotary(_tensors_of(torch.bfloat16), 1, 4, 1024)
+
+
 def _attention_with_descriptors(q, k, v, causal):
     config = runtime.LaunchConfig((("BLOCK_M", 64), ("BLOCK_N", 64), ("USE_TMA", 1), ("LAZY", 1)),
                                   4, 2)
@@ -291,6 +300,8 @@ CALLS = [
     # the q/k/v GEMV with its rotary and cache write: one row, and 3 on the tl.dot tile
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 1, 4, 256),
     lambda: _decode_gemv_rotary(_tensors_of(torch.bfloat16), 3, 4, 256),
+    # ... and one row's products summed after the K loop (GEMV 2)
+    lambda: _summed_at_end_gemv_rotary(),
 ]
 
 
