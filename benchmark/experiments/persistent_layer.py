@@ -399,10 +399,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _per_projection(layers: list[Layer], config: dict, copy_gbps: float) -> None:
     """Each projection alone over the layers (one CUDA graph a way), us a call and % of copy:
-    cuBLAS, decode_gemv, and the chain's best tile config summing over K at the end and at
-    each step, so the projection that holds a way back, and what the sums cost, show."""
+    cuBLAS, decode_gemv (the file's configs, and forced to the tiles' shape with GEMV 2), and
+    the chain's best tile config summing over K at the end and at each step, so the
+    projection that holds a way back, and what the sums cost, show."""
     from benchmark.harness import graphed, median_ms
-    from gemslib.fused.decode_gemv import decode_gemv
+    from gemslib import runtime
+    from gemslib.fused.decode_gemv import DECODE_GEMV, SUM_AT_END_GEMV, decode_gemv
+
+    def decode_gemv_as_tiles(index):
+        """decode_gemv forced to the tiles' shape, its products summed after the loop."""
+        block_n = config["block_n_wide"] if index in (0, 2) else config["block_n_narrow"]
+        forced = runtime.LaunchConfig((("BLOCK_N", block_n), ("BLOCK_K", config["block_k"]),
+                                       ("SPLIT_K", 1), ("STREAM_K", 0),
+                                       ("GEMV", SUM_AT_END_GEMV)), config["num_warps"], 3)
+
+        def call():
+            with DECODE_GEMV.forced(forced):
+                return [decode_gemv(projection_input(layer, index),
+                                    getattr(layer, PROJECTIONS[index][3])) for layer in layers]
+        return call
 
     print(f"  each projection alone (tiles {Launches(layers, **config, persistent=False).label()}"
           f"): us a call (% of copy)")
@@ -414,6 +429,7 @@ def _per_projection(layers: list[Layer], config: dict, copy_gbps: float) -> None
                 "decode_gemv": lambda: [decode_gemv(projection_input(layer, index),
                                                     getattr(layer, weight_name))
                                         for layer in layers],
+                "decode_gemv GEMV 2 as the tiles": decode_gemv_as_tiles(index),
                 "tiles, K summed at the end": Launches(layers, **config, persistent=False,
                                                        only=index),
                 "tiles, K summed each step": Launches(layers, **config, persistent=False,
