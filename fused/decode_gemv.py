@@ -148,7 +148,8 @@ def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
     if PROLOGUE == 1:  # NORM: each program's own pass over its rows, whole, for their rms
         b_rstd = _rows_rstd(p_x, m_m, n_in, eps, BLOCK_M, BLOCK_K)
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SUM_AT_END:
+    ROW_SUMMED_AT_END: tl.constexpr = BLOCK_M == 1 and SUM_AT_END
+    if ROW_SUMMED_AT_END:
         b_products = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for i_k in range(k_begin, k_end, BLOCK_K):
         o_k = i_k + tl.arange(0, BLOCK_K)
@@ -167,7 +168,7 @@ def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
         else:
             b_a = tl.load(p_x + o_k[None, :], mask=m_x, other=0.0)
         b_w = tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-        if BLOCK_M == 1 and SUM_AT_END:  # one row, its products summed after the loop
+        if ROW_SUMMED_AT_END:  # one row, its products summed after the loop
             b_products += b_w.to(tl.float32) * b_a.to(tl.float32)
         elif BLOCK_M == 1:  # one row: (BLOCK_N, BLOCK_K) products summed over K
             b_acc += tl.sum(b_w.to(tl.float32) * b_a.to(tl.float32), axis=1)[None, :]
@@ -175,7 +176,7 @@ def _tile_products(x_ptr, weight_ptr, norm_weight_ptr, o_m, m_m, o_n, m_n, n_in,
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc, input_precision="ieee")
         else:
             b_acc = tl.dot(b_a, tl.trans(b_w), b_acc)
-    if SUM_AT_END:
+    if ROW_SUMMED_AT_END:
         b_acc = tl.sum(b_products, axis=1)[None, :]
     return b_acc
 
@@ -269,8 +270,8 @@ def _decode_gemv_kernel(
     wave of tiles running on part of them. A tile one program takes whole is finished by it;
     one cut between programs is summed by the last of them to arrive (:func:`_stream_k_total`,
     part (tiles, max_contrib, BLOCK_M, BLOCK_N) fp32, arrivals (tiles,) int32 zeroed).
-    SUM_AT_END (BLOCK_M 1): the products summed over K once after the loop
-    (:func:`_tile_products`).
+    SUM_AT_END: with BLOCK_M 1, the products summed over K once after the loop
+    (:func:`_tile_products`); no effect on the tl.dot tile.
     PDL: launched dependent (runtime.dependent_launch_here), it first waits for the kernel
     before it on the stream; PDL_EARLY (gemslib.pdl): a tile grid's program first asks L2 for
     its first K step of W, and after the wait lets the next kernel launch."""
@@ -568,8 +569,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0),
         prologue, max(activation, 0), x.dtype == torch.float32, block_m,
-        block_m == 1 and config.meta_dict["GEMV"] == SUM_AT_END_GEMV,
-        shape=shape, config=config)
+        config.meta_dict["GEMV"] == SUM_AT_END_GEMV, shape=shape, config=config)
     return out
 
 
@@ -974,8 +974,7 @@ def _launch_rotary(x, weight, bias, norm_weight, eps, weight_offset, cos, sin, i
         x.stride(0), weight.stride(0), q_out.stride(0), *table_strides,
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         NORM if norm_weight is not None else NO_PROLOGUE, x.dtype == torch.float32,
-        bool(interleaved), head_pairs, block_m,
-        block_m == 1 and config.meta_dict["GEMV"] == SUM_AT_END_GEMV,
+        bool(interleaved), head_pairs, block_m, config.meta_dict["GEMV"] == SUM_AT_END_GEMV,
         shape=shape, config=config)
     return q_out
 

@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{model}: {args.layers} layers of {layers[0].weight_bytes / 2**20:.0f} MiB, "
               f"floor {floor_us:.1f} us a layer")
 
-        def show(way, us, error, out=None):
+        def show(way, us, error, _output=None):  # _timed_us's output, not shown
             print(f"  {way:<48} {us:7.1f} ({floor_us / us:5.1%})  err {error:.1e}", flush=True)
 
         show("cuBLAS (F.linear, four launches)",
