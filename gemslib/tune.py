@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
     parser.add_argument("--verdicts", action="store_true",
                         help="instead: time each fusion of the graph passes against inductor's "
-                             "path at the models' widths and write where each is used (the "
+                             "path at the models' widths (decode_gemv: a stack of decoder "
+                             "layers with and without it) and write where each is used (the "
                              "file in use's configs kept)")
     parser.add_argument("--user", action="store_true",
                         help="write <device>.yaml into gemslib's cache on this machine "

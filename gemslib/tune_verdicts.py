@@ -15,6 +15,13 @@ gated activations) saying ``use: gemslib`` where gemslib's time was at most indu
 tuner's margin for noise), else ``use: inductor``. The passes read them (``verdict_allows``)
 and leave a site whose bucket says inductor to inductor. The rest of the file is the file in
 use's, so a run adds verdicts to the configs already tuned.
+
+decode_gemv (a decode step's projections taking the norms, the gated activation and the
+residual adds around them; on by default only where measured) is weighed on a whole layer
+instead: a stack of decoder layers of each model's widths at one token (attention left out),
+compiled by gemslib with the fusion and without it, its weights several times the L2 so that
+each replay reads them from memory as a step does; its verdict goes to each width a folded
+site is keyed on (the hidden, the attention output's and the intermediate width).
 """
 
 from __future__ import annotations
@@ -74,6 +81,128 @@ def widths(kind: str) -> list[int]:
     from gemslib.models import MODELS
 
     return sorted({getattr(spec, kind) for spec in MODELS.values()})
+
+
+# --------------------------------------------------------------------------------------------
+# decode_gemv, weighed on whole layers
+# --------------------------------------------------------------------------------------------
+
+DECODE_FUSION = "decode_gemv"
+# a stack's weights at least this much, several times an H100's or H200's 50 MB of L2
+DECODE_STACK_BYTES = 256 << 20
+
+
+class DecodeLayers(torch.nn.Module):
+    """``layers`` decoder layers of ``spec``'s widths at a decode step's one token, attention
+    left out: per layer the input norm (the residual add after the previous layer's down
+    projection before it), the q, k and v projections (q, ``heads * head_dim`` wide, standing
+    for the attention's output; k and v returned so that they are computed), the o projection,
+    the residual add and norm, gate and up, ``act(gate) * up`` (SiLU, GELU-tanh for Gemma),
+    the down projection, whose residual add ends the stack. Every form decode_gemv folds, as
+    the models write them: ``3 * layers`` sites (the first norm, and per layer the norm after
+    o and the gated down projection, and the residual add and norm between two layers)."""
+
+    def __init__(self, spec, layers: int):
+        super().__init__()
+        attention_width = spec.heads * spec.head_dim
+        kv_width = spec.kv_heads * spec.head_dim
+        self.eps = spec.eps
+        self.gelu = spec.family.startswith("gemma")
+
+        def linear(inputs, outputs):
+            return torch.nn.Linear(inputs, outputs, bias=False)
+
+        self.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            layer = torch.nn.Module()
+            layer.q, layer.k, layer.v = (linear(spec.hidden, width) for width in
+                                         (attention_width, kv_width, kv_width))
+            layer.o = linear(attention_width, spec.hidden)
+            layer.gate, layer.up = (linear(spec.hidden, spec.intermediate) for _ in range(2))
+            layer.down = linear(spec.intermediate, spec.hidden)
+            layer.input_norm, layer.post_norm = (torch.nn.Parameter(torch.rand(spec.hidden) + 0.5)
+                                                 for _ in range(2))
+            self.layers.append(layer)
+
+    def _norm(self, x, weight):
+        from gemslib.passes.forms import transformers_rms_norm
+
+        return transformers_rms_norm(x, weight, self.eps)
+
+    def forward(self, x):
+        residual, h, keys_values = x, None, []
+        for layer in self.layers:
+            if h is not None:
+                residual = residual + h
+            normed = self._norm(residual, layer.input_norm)
+            q = layer.q(normed)
+            keys_values += [layer.k(normed), layer.v(normed)]
+            residual = residual + layer.o(q)
+            normed = self._norm(residual, layer.post_norm)
+            gate, up = layer.gate(normed), layer.up(normed)
+            act = (torch.nn.functional.gelu(gate, approximate="tanh") if self.gelu else
+                   torch.nn.functional.silu(gate))
+            h = layer.down(act * up)
+        return residual + h, keys_values
+
+
+def decode_stack_layers(spec, elem_bytes: int = 2) -> int:
+    """Layers in the stack timed for ``spec``: enough for :data:`DECODE_STACK_BYTES` of
+    weights, at least 2."""
+    attention_width = spec.heads * spec.head_dim
+    per_layer = spec.hidden * (2 * attention_width + 2 * spec.kv_heads * spec.head_dim
+                               + 3 * spec.intermediate) * elem_bytes
+    return max(2, -(-DECODE_STACK_BYTES // per_layer))
+
+
+def decode_widths(spec) -> tuple[int, ...]:
+    """The widths decode_gemv's sites in ``spec``'s layers are keyed on (their first
+    projection's input): the hidden, the attention output's and the intermediate."""
+    return tuple(sorted({spec.hidden, spec.heads * spec.head_dim, spec.intermediate}))
+
+
+def measure_decode(spec, timer: Callable[[Callable], float], device,
+                   dtype: torch.dtype = torch.bfloat16, layers: int | None = None
+                   ) -> tuple[float, float]:
+    """(ms a layer with decode_gemv, ms a layer without) for a :class:`DecodeLayers` stack of
+    ``spec``'s widths at one token (``layers`` deep, else :func:`decode_stack_layers`), each
+    compiled by gemslib; the compile with the fusion must have folded every site (else a
+    RuntimeError)."""
+    import gemslib
+
+    layers = layers or decode_stack_layers(spec, torch.empty((), dtype=dtype).element_size())
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a GB of weights at 8B's widths
+        model = DecodeLayers(spec, layers).to(dtype)
+    x = torch.randn(1, 1, spec.hidden, device=device, dtype=dtype)
+    times = {}
+    with torch.no_grad(), runtime.ignoring_verdicts():
+        for on in (True, False):
+            torch._dynamo.reset()
+            gemslib.reset_fusion_report()
+            compiled = torch.compile(model, backend="gemslib", dynamic=False,
+                                     options={f"gemslib.{DECODE_FUSION}": on})
+            times[on] = timer(lambda: compiled(x)) / layers
+            folded = gemslib.fusion_report().get(DECODE_FUSION, 0)
+            if folded != (3 * layers if on else 0):
+                raise RuntimeError(f"{DECODE_FUSION} at {spec.title}'s widths: the compile "
+                                   f"{'with' if on else 'without'} it folded {folded} sites "
+                                   f"of {3 * layers}")
+    return times[True], times[False]
+
+
+def decode_verdict_buckets(timings: Mapping[tuple[int, ...], tuple[float, float]]
+                           ) -> tuple[list, dict[tuple[int, int], tuple[float, float]]]:
+    """(buckets, the timings they were made from by width) from ``{widths: (ms with, ms
+    without)}``, one entry a model (its :func:`decode_widths`): every width of a model takes
+    its verdict; a width several models share takes the least favourable of theirs."""
+    by_width: dict[tuple[int, int], tuple[float, float]] = {}
+    for widths_of_model, (ours, theirs) in timings.items():
+        for cols in widths_of_model:
+            kept = by_width.get((cols, 1))
+            if kept is None or ours / theirs > kept[0] / kept[1]:
+                by_width[cols, 1] = (ours, theirs)
+    return verdict_buckets(by_width), by_width
 
 
 def measure(fusion: str, rows: int, cols: int, timer: Callable[[Callable], float],
@@ -148,8 +277,8 @@ def with_verdicts(text: str, lines: list[str]) -> str:
 
 
 def main(out: Path, quick: bool, progress=print) -> int:
-    """Measure every fusion of :data:`FORMS`, and write the file in use with these verdicts
-    to ``out``. Returns 0, or 1 where a fusion could not be measured (left out)."""
+    """Measure every fusion of :data:`FORMS`, then decode_gemv at each model's widths, and
+    write the file in use with these verdicts to ``out``. Returns 0, or 1 where a fusion could not be measured (left out)."""
     started = time.perf_counter()
     timer = tune_search.do_bench_ms(quick, calls=CALLS_PER_REPLAY)
     device = torch.device(runtime.device_type())
@@ -176,6 +305,27 @@ def main(out: Path, quick: bool, progress=print) -> int:
             out.write_text(with_verdicts(in_use_text,
                                          tune_search.render_verdicts({**kept, **verdicts}, notes)))
             runtime.load_tune_config(out)  # what was written must load
+    from gemslib.models import MODELS
+
+    decode_timer = tune_search.do_bench_ms(quick)
+    decode_timings = {}
+    for spec in MODELS.values():
+        if decode_widths(spec) in decode_timings:
+            continue
+        try:
+            decode_timings[decode_widths(spec)] = measure_decode(spec, decode_timer, device)
+        except Exception as err:  # reported; the fusion keeps what it had
+            progress(f"  {DECODE_FUSION} at {spec.title}'s widths: not measured: {err}")
+            failed += 1
+            continue
+        ours, theirs = decode_timings[decode_widths(spec)]
+        progress(f"  {DECODE_FUSION} a layer of {spec.title} at one token: with it "
+                 f"{ours * 1e3:.1f} us, without {theirs * 1e3:.1f} us")
+    if decode_timings:
+        verdicts[DECODE_FUSION], notes[DECODE_FUSION] = decode_verdict_buckets(decode_timings)
+        out.write_text(with_verdicts(in_use_text,
+                                     tune_search.render_verdicts({**kept, **verdicts}, notes)))
+        runtime.load_tune_config(out)
     progress(f"wrote {out} (verdicts of {', '.join(verdicts)})" if verdicts else
              f"nothing measured: {out} not written")
     progress(f"in {time.perf_counter() - started:.0f} s")

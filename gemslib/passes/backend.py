@@ -39,8 +39,8 @@ log = logging.getLogger("gemslib.passes")
 _passes: dict[tuple, GemslibPasses] = {}  # one pass object per set of options
 
 
-def passes_for(options: Mapping[str, bool]) -> GemslibPasses:
-    """The pass for ``options`` (``{"gemslib.<fusion>": bool}``), every fusion's default
+def passes_for(options: Mapping[str, bool | str]) -> GemslibPasses:
+    """The pass for ``options`` (``{"gemslib.<fusion>": value}``), every fusion's default
     read now (an environment variable may give one)."""
     resolved = fusion_options(options)
     key = tuple(sorted(resolved.items()))

@@ -74,15 +74,36 @@ def rows_and_cols(value: Any) -> dict[str, int] | None:
     return {"rows": rows, "cols": shape[-1]}
 
 
+# the fusions of the compile in flight that are on only where the tune config's verdicts
+# measured them faster (their option "measured"): GemslibPasses sets it while it runs
+_measured_only: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "gemslib_measured_only", default=frozenset())
+
+
+@contextlib.contextmanager
+def measured_only(fusions: frozenset[str]):
+    """Inside the block, :func:`verdict_allows` lets ``fusions`` replace a site only where a
+    verdict says gemslib's path is faster."""
+    token = _measured_only.set(frozenset(fusions))
+    try:
+        yield
+    finally:
+        _measured_only.reset(token)
+
+
 def verdict_allows(fusion: str, value: Any) -> bool:
     """Whether the tune config in use lets ``fusion`` replace a site whose main input is
     ``value`` (a FakeTensor): its ``verdicts`` say which path the tuner measured faster per
-    rows-and-columns bucket (``python -m gemslib.tune --verdicts``). Symbolic sizes, and
-    fusions without verdicts, keep gemslib's path."""
+    rows-and-columns bucket (``python -m gemslib.tune --verdicts``). Where it has none (or
+    the sizes are symbolic), gemslib's path, but for a fusion on only where measured
+    (:func:`measured_only`), which is then left out."""
     from gemslib import runtime
 
     shape = rows_and_cols(value)
-    return shape is None or runtime.fusion_verdict(fusion, shape) == "gemslib"
+    verdict = None if shape is None else runtime.fusion_verdict(fusion, shape)
+    if verdict is None:
+        return fusion not in _measured_only.get()
+    return verdict == "gemslib"
 
 
 @dataclass

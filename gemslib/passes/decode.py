@@ -39,12 +39,14 @@ Conditions: every projection of a site has M <= FOLD_ROWS rows (one: a B1 step; 
 static (the FakeTensor's size; a symbolic size is left alone), a kernel dtype on the kernel
 device, every tensor of the site one dtype, weights (and biases) graph inputs; an inference
 graph (a training compile's graphs save the intermediates, which the rewrite would drop); the
-tune config's verdict, where it has one; for 4., a full rotary without the per-head q/k norm.
-Anything else is left as it is. Off by default (``gemslib.decode_gemv``, or
-``GEMSLIB_DECODE_GEMV=1``): on the H100 the folded projections run at 0.98-1.05x the unfused
-path at one row (each saving a launch the per-op timing does not show), behind it at 16 rows,
-and a whole step with the rewrite has not yet been timed; a fusion is on by default only where
-it was measured at least as fast as inductor's and cuBLAS's path. 4. is on wherever 1.-3. are
+tune config's ``decode_gemv`` verdict for the width of the site's first projection input.
+For 4., a full rotary without the per-head q/k norm. Anything else is left as it is. By
+default (option value ``"measured"``) a site is folded only where the GPU's tune config has a
+verdict saying so (``python -m gemslib.tune --verdicts`` times a stack of layers at each
+model's widths with and without the rewrite): on the H100 the folded projections ran at
+0.98-1.16x the unfused path at one row by shape and config, so no one default is right.
+``gemslib.decode_gemv=True`` (or ``GEMSLIB_DECODE_GEMV=1``) folds wherever no verdict says
+otherwise, ``False`` (``=0``) nowhere. 4. is on wherever 1.-3. are
 (``gemslib.decode_gemv_rotary`` or ``GEMSLIB_DECODE_GEMV_ROTARY=0`` turns it off alone).
 """
 

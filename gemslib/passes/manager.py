@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib
 import logging
+import os
 import pkgutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -27,7 +28,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gemslib.passes.base import (CompileRecord, GraphPattern, GraphRewrite, in_flight,
-                                 verdict_allows)
+                                 measured_only, verdict_allows)
 
 log = logging.getLogger("gemslib.passes")
 
@@ -85,13 +86,16 @@ def _rewrites() -> list[GraphRewrite]:
 
 
 OPTION_PREFIX = "gemslib."
+# an option's third value: the fusion is on only at the shapes where the tune config in use has
+# a verdict measuring it faster than the path without it (``python -m gemslib.tune --verdicts``)
+MEASURED = "measured"
 # a fusion whose default the environment gives: (the variable, the default where it is not
 # set): a way in or out without code. Every other fusion is on.
 _ENVIRONMENT_DEFAULTS = {
     "rotary_into_cache": ("GEMSLIB_ROTARY_INTO_CACHE", True),
-    # off until it is measured on a GPU at least as fast as inductor's path at decode's
-    # shapes (docs/notes/decode.md, issue 56)
-    "decode_gemv": ("GEMSLIB_DECODE_GEMV", False),
+    # measured on the H100 at one row between 0.98x and 1.16x the unfused path, by shape
+    # and config (docs/notes/decode.md, issue 56): used where the GPU's file says it wins
+    "decode_gemv": ("GEMSLIB_DECODE_GEMV", MEASURED),
     # (it takes decode_gemv's q/k/v projections: with decode_gemv off it finds none)
     "decode_gemv_rotary": ("GEMSLIB_DECODE_GEMV_ROTARY", True),
 }
@@ -102,21 +106,23 @@ def fusion_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([p.fusion for p in _patterns()] + [r.fusion for r in _rewrites()]))
 
 
-def fusion_default(name: str) -> bool:
-    """Whether fusion ``name`` is on where no option names it: its environment variable's
-    value where it has one and it is set (read now), else its default (on, but for the
-    fusions :data:`_ENVIRONMENT_DEFAULTS` gives another)."""
+def fusion_default(name: str) -> bool | str:
+    """Fusion ``name``'s value where no option names it: its environment variable's (read
+    now; "1" on, "0" off) where it has one and it is set, else its default (on, but for the
+    fusions :data:`_ENVIRONMENT_DEFAULTS` gives another: off, or :data:`MEASURED`)."""
     from gemslib import runtime
 
     variable, default = _ENVIRONMENT_DEFAULTS.get(name, (None, True))
-    return default if variable is None else runtime.env_flag(variable, default=default)
+    if variable is None or not os.environ.get(variable, "").strip():
+        return default
+    return runtime.env_flag(variable)
 
 
-def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
-    """{fusion: on} from ``options`` (``{"gemslib.<fusion>": bool}``), every fusion not named
-    taking its default (:func:`fusion_default`: on, but for those with an environment variable
-    (:data:`_ENVIRONMENT_DEFAULTS`) its value where set, read now, else their default). An
-    unknown ``gemslib.*`` key, or a value that is not a bool, is a ValueError."""
+def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool | str]:
+    """{fusion: True, False or :data:`MEASURED`} from ``options``
+    (``{"gemslib.<fusion>": value}``), every fusion not named taking its default
+    (:func:`fusion_default`). An unknown ``gemslib.*`` key, or another value, is a
+    ValueError."""
     known = fusion_names()
     chosen = {name: fusion_default(name) for name in known}
     for key, value in (options or {}).items():
@@ -124,9 +130,9 @@ def fusion_options(options: Mapping[str, Any] | None = None) -> dict[str, bool]:
         if name not in chosen:
             raise ValueError(f"gemslib backend: unknown option {key!r}; the gemslib options are "
                              f"{', '.join(OPTION_PREFIX + n for n in known)}")
-        if not isinstance(value, bool):
-            raise ValueError(f"gemslib backend: option {key!r} must be True or False, got "
-                             f"{value!r}")
+        if not isinstance(value, bool) and value != MEASURED:
+            raise ValueError(f"gemslib backend: option {key!r} must be True, False or "
+                             f"{MEASURED!r}, got {value!r}")
         chosen[name] = value
     return chosen
 
@@ -308,29 +314,38 @@ def _apply_rewrites(graph: torch.fx.Graph, fusions: frozenset[str],
 
 
 class GemslibPasses(CustomGraphPass):
-    """The inductor post-grad pass for one set of options (``{"gemslib.<fusion>": bool}``;
+    """The inductor post-grad pass for one set of options (``{"gemslib.<fusion>": value}``;
     see :func:`fusion_options`): the families' ``GRAPH_REWRITES``, then their
     ``GRAPH_PATTERNS``, then the rewrites marked ``after_patterns`` (each phase of rewrites
     stage by stage), each only where its fusion is on. Options not given take their defaults
     when the pass runs."""
 
-    def __init__(self, options: Mapping[str, bool] | None = None):
+    def __init__(self, options: Mapping[str, bool | str] | None = None):
         self.options = dict(options or {})
         if self.options:
             fusion_options(self.options)  # an unknown key fails here, not at the compile
 
     def fusions(self) -> frozenset[str]:
-        """The fusions switched on."""
+        """The fusions switched on (those on only where measured included)."""
         return frozenset(name for name, on in fusion_options(self.options).items() if on)
 
+    def measured_only(self) -> frozenset[str]:
+        """The fusions on only where the tune config's verdicts measured them faster."""
+        return frozenset(name for name, on in fusion_options(self.options).items()
+                         if on == MEASURED)
+
     def __call__(self, graph: torch.fx.Graph) -> None:
+        record = in_flight()
+        if record is not None:
+            record.ran = True
+        with measured_only(self.measured_only()):
+            self._fuse(graph)
+
+    def _fuse(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
         from gemslib import runtime
 
-        record = in_flight()
-        if record is not None:
-            record.ran = True
         fusions = self.fusions()
         replaced = _apply_rewrites(graph, fusions)
         if replaced:
@@ -367,7 +382,7 @@ class GemslibPasses(CustomGraphPass):
         record = in_flight()
         if record is not None:
             digest.update(record.state.encode())
-        digest.update(repr(sorted(self.fusions())).encode())
+        digest.update(repr(sorted(fusion_options(self.options).items())).encode())
         digest.update(repr(runtime.GRAPH_OVERLOADS.on).encode())
         digest.update(repr(runtime.verdicts_ignored()).encode())
         try:

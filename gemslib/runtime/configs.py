@@ -360,8 +360,9 @@ _verdicts_ignored = 0  # ignoring_verdicts() blocks open
 
 @contextlib.contextmanager
 def ignoring_verdicts():
-    """Inside the block every fusion is used wherever it applies (the tuner measuring both
-    paths, whatever the file in use decided)."""
+    """Inside the block the file's verdicts are set aside: every fusion switched on is used
+    wherever it applies (the tuner measuring both paths, whatever the file in use decided);
+    one on only where measured is off unless switched on."""
     global _verdicts_ignored
     _verdicts_ignored += 1
     try:
@@ -370,7 +371,7 @@ def ignoring_verdicts():
         _verdicts_ignored -= 1
 
 
-VERDICTS_ENV = "GEMSLIB_VERDICTS"  # "0": every fusion wherever it applies
+VERDICTS_ENV = "GEMSLIB_VERDICTS"  # "0": the verdicts set aside, as in ignoring_verdicts()
 
 
 def verdicts_ignored() -> bool:
@@ -379,17 +380,17 @@ def verdicts_ignored() -> bool:
     return bool(_verdicts_ignored) or os.environ.get(VERDICTS_ENV, "1").strip() == "0"
 
 
-def fusion_verdict(fusion: str, shape: Mapping[str, int]) -> str:
+def fusion_verdict(fusion: str, shape: Mapping[str, int]) -> str | None:
     """``"gemslib"`` or ``"inductor"``: which path the file in use measured faster for
-    ``fusion`` at ``shape`` (its ``verdicts``; gemslib's where the file has none, or where
-    :func:`verdicts_ignored`). A bucket bounding a key the shape does not give does not
+    ``fusion`` at ``shape`` (its ``verdicts``); None where it has no verdict for it there, or
+    where :func:`verdicts_ignored`. A bucket bounding a key the shape does not give does not
     apply."""
     if verdicts_ignored():
-        return "gemslib"
+        return None
     for bound, use in active_configs()[0].verdicts.get(fusion, ()):
         if bound is None or (set(bound) <= set(shape) and within(bound, shape)):
             return use
-    return "gemslib"
+    return None
 
 
 def forget_loaded() -> None:

@@ -163,8 +163,9 @@ def test_a_step_of_more_than_one_row_keeps_its_launches_by_default(monkeypatch):
     _assert_logits_close(logits, expected)
 
 
-def test_the_option_switches_it_on_and_it_is_off_by_default(monkeypatch):
-    """Off by default (no decode_gemv site, the norms and the activation launched as before);
+def test_the_option_switches_it_on_and_by_default_it_is_off_without_a_verdict(monkeypatch):
+    """By default (no decode_gemv verdict in the tune config; the suite sets verdicts aside)
+    no decode_gemv site, the norms and the activation launched as before;
     ``options={"gemslib.decode_gemv": True}`` turns it on without the variable, the variable
     set turns it on unless the option says False; the results are eager's either way."""
     monkeypatch.delenv(ON, raising=False)
@@ -178,20 +179,58 @@ def test_the_option_switches_it_on_and_it_is_off_by_default(monkeypatch):
     ids = torch.randint(0, spec.vocab, (1, 1), device=DEVICE)
     with torch.no_grad():
         expected = model(ids).logits
-        for options, sites in (({"gemslib.decode_gemv": True}, 3 * layers + 1), (None, 0)):
-            torch._dynamo.reset()
-            gemslib.reset_fusion_report()
+        for options, sites in (({"gemslib.decode_gemv": True}, 3 * spec.layers + 1),
+                               (None, 0)):
             # a prefill of one token is a decode_gemv site too
-            got = torch.compile(model, backend="gemslib", fullgraph=True,
-                                options=options)(ids).logits
-            assert gemslib.fusion_report().get("decode_gemv", 0) == sites
-            _assert_logits_close(got, expected)
+            _assert_logits_close(_one_token(model, ids, options, sites), expected)
         monkeypatch.setenv(ON, "1")
-        torch._dynamo.reset()
-        gemslib.reset_fusion_report()
-        torch.compile(model, backend="gemslib", fullgraph=True,
-                      options={"gemslib.decode_gemv": False})(ids)
-        assert "decode_gemv" not in gemslib.fusion_report()
+        _one_token(model, ids, {"gemslib.decode_gemv": False}, 0)
+
+
+def _one_token(model, ids, options, sites):
+    """The logits of ``model`` compiled by gemslib with ``options`` on one token, after
+    checking that the compile folded ``sites`` decode_gemv sites."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    got = torch.compile(model, backend="gemslib", fullgraph=True, options=options)(ids).logits
+    assert gemslib.fusion_report().get("decode_gemv", 0) == sites, gemslib.fusion_report()
+    return got
+
+
+_DECODE_GEMV_VERDICTS = """
+schema: 1
+device: test
+ops: {{}}
+verdicts:
+  decode_gemv:
+    - max: {{rows: 1, cols: {cols}}}
+      use: {narrow}
+    - use: {wide}
+"""
+
+
+@pytest.mark.parametrize("narrow, wide", [("gemslib", "gemslib"), ("inductor", "inductor"),
+                                          ("inductor", "gemslib")])
+def test_by_default_it_folds_where_the_tune_config_measured_it_faster(config_file,
+                                                                      monkeypatch, narrow,
+                                                                      wide):
+    """Its default is "measured": a site is folded where the file's decode_gemv verdict
+    for its main input (the rows its first projection reads) says gemslib, left where it says
+    inductor; switched on, the verdict still decides where it has one."""
+    monkeypatch.delenv(ON, raising=False)
+    spec, model = _tiny("llama3-8b")
+    config_file(_DECODE_GEMV_VERDICTS.format(cols=spec.hidden, narrow=narrow, wide=wide))
+    ids = torch.randint(0, spec.vocab, (1, 1), device=DEVICE)
+    # a site's rows: the first norm's, and the residual add + norm after the o projection
+    # (keyed on o's input), of the hidden width; the gated down projection's, and the residual
+    # add + norm after it (keyed on its input), of the intermediate's, wider
+    sites = {"gemslib": spec.layers + 1, "inductor": 0}[narrow] + \
+        {"gemslib": 2 * spec.layers, "inductor": 0}[wide]
+    with torch.no_grad():
+        expected = model(ids).logits
+        for options in (None, {"gemslib.decode_gemv": True}):
+            _assert_logits_close(_one_token(model, ids, options, sites), expected)
+        _one_token(model, ids, {"gemslib.decode_gemv": False}, 0)
 
 
 @pytest.mark.parametrize("batch, prompt, step", [(32, 12, True), (2, 12, False)],

@@ -69,37 +69,50 @@ def test_an_option_changes_the_uuid(monkeypatch):
     monkeypatch.delenv("GEMSLIB_DECODE_GEMV", raising=False)
     default = passes_for({})
     assert default.uuid() == passes_for({"gemslib.attention": True}).uuid()
-    assert default.uuid() == passes_for({"gemslib.decode_gemv": False}).uuid()
+    assert default.uuid() == passes_for({"gemslib.decode_gemv": manager.MEASURED}).uuid()
     for name in manager.fusion_names():
-        flipped = not manager.fusion_default(name)
-        assert passes_for({f"gemslib.{name}": flipped}).uuid() != default.uuid(), name
+        for other in (True, False, manager.MEASURED):
+            if other != manager.fusion_default(name):
+                assert passes_for({f"gemslib.{name}": other}).uuid() != default.uuid(), (
+                    name, other)
 
 
-def test_every_fusion_is_on_by_default_but_decode_gemv(monkeypatch):
-    """decode_gemv waits for its GPU measurement (docs/notes/decode.md)."""
+def test_every_fusion_is_on_by_default_but_decode_gemv_which_is_on_where_measured(
+        monkeypatch):
+    """decode_gemv is used where the tune config's verdicts measured it faster
+    (docs/notes/decode.md)."""
     for variable, _ in manager._ENVIRONMENT_DEFAULTS.values():
         monkeypatch.delenv(variable, raising=False)
     defaults = manager.fusion_options()
-    assert not defaults.pop("decode_gemv") and all(defaults.values()), defaults
+    assert defaults.pop("decode_gemv") == manager.MEASURED
+    assert all(value is True for value in defaults.values()), defaults
 
 
 @pytest.mark.parametrize("variable, fusion, default", [
     ("GEMSLIB_ROTARY_INTO_CACHE", "rotary_into_cache", True),
-    ("GEMSLIB_DECODE_GEMV", "decode_gemv", False)])
+    ("GEMSLIB_DECODE_GEMV", "decode_gemv", manager.MEASURED)])
 def test_the_environment_is_only_the_default_of_its_option(monkeypatch, variable, fusion,
                                                            default):
     monkeypatch.delenv(variable, raising=False)
-    assert manager.fusion_options()[fusion] is default
-    monkeypatch.setenv(variable, "1" if not default else "0")
-    assert manager.fusion_options()[fusion] is not default
-    assert passes_for({}).uuid() == passes_for({f"gemslib.{fusion}": not default}).uuid()
-    assert manager.fusion_options({f"gemslib.{fusion}": default})[fusion] is default
+    assert manager.fusion_options()[fusion] == default
+    for set_to, value in (("1", True), ("0", False)):
+        monkeypatch.setenv(variable, set_to)
+        assert manager.fusion_options()[fusion] is value
+        assert passes_for({}).uuid() == passes_for({f"gemslib.{fusion}": value}).uuid()
+        assert manager.fusion_options({f"gemslib.{fusion}": default})[fusion] == default
+
+
+def test_an_option_is_true_false_or_measured():
+    assert manager.fusion_options({"gemslib.rms_norm": "measured"})["rms_norm"] == "measured"
+    with pytest.raises(ValueError, match=r"'gemslib\.rms_norm' must be True, False or "
+                                         r"'measured', got 'yes'"):
+        manager.fusion_options({"gemslib.rms_norm": "yes"})
 
 
 def test_an_unknown_option_is_named_with_the_known_ones():
     with pytest.raises(ValueError, match=r"'gemslib\.nope'.*gemslib\.rotary_into_cache"):
         gemslib.passes.backend(None, [], options={"gemslib.nope": False})
-    with pytest.raises(ValueError, match="True or False"):
+    with pytest.raises(ValueError, match="True, False or .measured."):
         gemslib.passes.GemslibPasses({"gemslib.attention": "no"})
 
 
