@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m gemslib.tune", description=doc_summary(__doc__),
         epilog="exit codes: 0 every operator tuned; 1 not done: no CUDA GPU here (nothing "
                "written), or an operator could not be tuned (reported); 2 bad arguments")
-    parser.add_argument("--ops", nargs="+", help="operators to tune (default: all)")
+    parser.add_argument("--ops", nargs="+", help="operators to tune (default: all); with "
+                        "--verdicts, the fusions to time (default: all)")
     parser.add_argument("--out", type=Path, help="file to write (default: ./<device>.yaml)")
     parser.add_argument("--verdicts", action="store_true",
                         help="instead: time each fusion of the graph passes against inductor's "
@@ -271,19 +272,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.user and args.out is not None:
         parser.error("--user and --out: --user writes into gemslib's cache, --out elsewhere")
     if args.verdicts:
-        if args.ops or args.model is not None:
-            parser.error("--verdicts times the fusions: without --ops or --model")
+        from gemslib import tune_verdicts
+
+        if args.model is not None:
+            parser.error("--verdicts times the fusions at every model's widths: without "
+                         "--model")
+        unknown = sorted(set(args.ops or ()) - set(tune_verdicts.FUSIONS))
+        if unknown:
+            parser.error(f"--verdicts --ops names fusions: unknown {unknown}; they are "
+                         f"{list(tune_verdicts.FUSIONS)}")
         if not gpu_available():
             print("python -m gemslib.tune: needs a CUDA GPU and there is no CUDA GPU here; "
                   "nothing was written.", file=sys.stderr)
             return NO_GPU_EXIT
-        from gemslib import tune_verdicts
-
         name = runtime.device_name()
         out = runtime.user_configs_dir() / f"{name}.yaml" if args.user else \
             args.out or Path(f"{name}.yaml")
         out.parent.mkdir(parents=True, exist_ok=True)
-        return tune_verdicts.main(out, args.quick)
+        return tune_verdicts.main(out, args.quick, fusions=args.ops)
     if args.model is not None:
         if args.ops:
             parser.error("--ops and --model: --model tunes the kernels the model launches")

@@ -76,6 +76,10 @@ FORMS: dict[str, tuple[Callable, Callable, str]] = {
 }
 
 
+DECODE_FUSION = "decode_gemv"  # weighed on whole layers (below), not a form alone
+FUSIONS = (*FORMS, DECODE_FUSION)  # what --verdicts times, in its order
+
+
 def widths(kind: str) -> list[int]:
     """The distinct ``hidden`` or ``intermediate`` sizes of the models of gemslib.models."""
     from gemslib.models import MODELS
@@ -87,7 +91,6 @@ def widths(kind: str) -> list[int]:
 # decode_gemv, weighed on whole layers
 # --------------------------------------------------------------------------------------------
 
-DECODE_FUSION = "decode_gemv"
 # a stack's weights at least this much, several times an H100's or H200's 50 MB of L2
 DECODE_STACK_BYTES = 256 << 20
 
@@ -276,9 +279,10 @@ def with_verdicts(text: str, lines: list[str]) -> str:
     return kept + "\n" + ("\n".join(lines) + "\n" if lines else "")
 
 
-def main(out: Path, quick: bool, progress=print) -> int:
-    """Measure every fusion of :data:`FORMS`, then decode_gemv at each model's widths, and
-    write the file in use with these verdicts to ``out``. Returns 0, or 1 where a fusion could not be measured (left out)."""
+def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
+    """Measure every fusion of :data:`FORMS`, then decode_gemv at each model's widths (or
+    only those of ``fusions``), and write the file in use with these verdicts to ``out`` (its
+    verdicts of the fusions not measured kept). Returns 0, or 1 where a fusion could not be measured (left out)."""
     started = time.perf_counter()
     timer = tune_search.do_bench_ms(quick, calls=CALLS_PER_REPLAY)
     device = torch.device(runtime.device_type())
@@ -286,7 +290,10 @@ def main(out: Path, quick: bool, progress=print) -> int:
     verdicts, notes, failed = {}, {}, 0
     in_use = runtime.active_configs()[0]
     in_use_text, kept = in_use.path.read_text(), dict(in_use.verdicts)
+    chosen = set(fusions or FUSIONS)
     for fusion, (_, _, kind) in FORMS.items():
+        if fusion not in chosen:
+            continue
         timings = {}
         for cols in widths(kind):
             for rows in rows_list:
@@ -309,7 +316,7 @@ def main(out: Path, quick: bool, progress=print) -> int:
 
     decode_timer = tune_search.do_bench_ms(quick)
     decode_timings = {}
-    for spec in MODELS.values():
+    for spec in MODELS.values() if DECODE_FUSION in chosen else ():
         if decode_widths(spec) in decode_timings:
             continue
         try:
