@@ -146,3 +146,73 @@ def test_a_run_of_some_fusions_keeps_the_others_verdicts(config_file, tmp_path, 
     assert verdicts["rms_norm"] == (({"rows": 4}, "inductor"), (None, "gemslib"))
     assert set(verdicts) == {"rms_norm", "decode_gemv"}
     assert all(use == "inductor" for _, use in verdicts["decode_gemv"])
+
+
+def test_decode_gemv_is_measured_on_a_stack_of_layers_with_every_site_folded(config_file):
+    """The stack compiled with decode_gemv folds all its 3 sites a layer, even where the file
+    in use's verdict leaves it out; without, none; both compute the stack's eager output and
+    the time returned is a layer's."""
+    from gemslib.models import MODELS
+    from helpers import DEVICE
+
+    spec = MODELS["llama3.2-1b"].tiny()
+    config_file("""
+        schema: 1
+        device: test
+        ops: {}
+        verdicts:
+          decode_gemv:
+            - use: inductor
+    """)
+    layers, outputs = 3, []
+
+    def timer(call):
+        outputs.append(call())
+        return 6.0 * len(outputs)
+
+    # fp32: the interpreter's casts to bf16 truncate
+    ours, theirs = tune_verdicts.measure_decode(spec, timer, DEVICE, torch.float32, layers)
+    assert (ours, theirs) == (2.0, 4.0)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = tune_verdicts.DecodeLayers(spec, layers)
+    x = torch.randn(1, 1, spec.hidden, device=DEVICE)  # what measure_decode drew, reseeded
+    with torch.no_grad():
+        expected, keys_values = model(x)
+    assert len(keys_values) == 2 * layers
+    for got, _ in outputs:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_gelu_family_s_stack_folds_its_gated_activation_too():
+    from gemslib.models import MODELS
+    from helpers import DEVICE
+
+    def timer(call):
+        call()
+        return 1.0
+
+    ours, theirs = tune_verdicts.measure_decode(MODELS["gemma-7b"].tiny(), timer, DEVICE,
+                                                torch.float32, 2)
+    assert (ours, theirs) == (0.5, 0.5)
+
+
+def test_decode_verdicts_go_to_each_width_of_a_model_the_least_favourable_where_shared():
+    timings = {(2048, 8192): (1.0, 1.1), (3072, 8192): (1.2, 1.0), (4096, 14336): (1.0, 1.0)}
+    buckets, by_width = tune_verdicts.decode_verdict_buckets(timings)
+    assert by_width[8192, 1] == (1.2, 1.0) and by_width[2048, 1] == (1.0, 1.1)
+    assert buckets == [({"cols": 2048}, "gemslib"), ({"cols": 3072}, "inductor"),
+                       ({"cols": 4096}, "gemslib"), ({"cols": 8192}, "inductor"),
+                       (None, "gemslib")]
+
+
+def test_a_stack_holds_several_times_an_l2_of_weights():
+    from gemslib.models import MODELS
+
+    for spec in MODELS.values():
+        layers = tune_verdicts.decode_stack_layers(spec)
+        attention, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+        per_layer = 2 * spec.hidden * (2 * attention + 2 * kv + 3 * spec.intermediate)
+        assert layers >= 2 and layers * per_layer >= tune_verdicts.DECODE_STACK_BYTES
+        assert (layers - 1) * per_layer < tune_verdicts.DECODE_STACK_BYTES or layers == 2
+    assert tune_verdicts.decode_widths(MODELS["gemma-7b"]) == (3072, 4096, 24576)
