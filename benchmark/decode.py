@@ -127,6 +127,19 @@ def static_compile_arguments(way: str, module_guards: bool = True) -> dict:
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
+def gemslib_settings() -> str:
+    """What decides a gemslib step besides the code, for its row: the tune-config file in use
+    and the defaults the environment gives the decode fusions and the step graphs."""
+    import os
+
+    from gemslib import runtime
+    from gemslib.passes import manager
+
+    step_graphs = "on" if os.environ.get("GEMSLIB_STEP_GRAPHS") == "1" else "off"
+    return (f"tune config {runtime.config_path().name}; decode_gemv "
+            f"{manager.fusion_default('decode_gemv')}; step graphs {step_graphs}")
+
+
 def _step_runner(way: str, model, ids, cache_len: int, module_guards: bool = True):
     """(step, rewind): ``step()`` runs one decode step at P valid positions and returns its
     last logits; ``rewind()`` takes the cache back to the prompt, so that every step sees the
@@ -204,6 +217,7 @@ def run_decode_way(job: dict) -> dict:
                     import gemslib
 
                     figures["fusion_report"] = gemslib.fusion_report()
+                    figures["gemslib_settings"] = gemslib_settings()
                 # every step at the same fill: the rewind before it, untimed
                 realmodels.time_calls(step, device, job["warmup"], before=rewind)
                 if way == "enable":
@@ -412,6 +426,7 @@ def _row(result: dict, key: str, floor_ms: float | None) -> dict:
             "tokens_per_s": figures.get("tokens_per_s"),
             "first_call_s": figures.get("first_call_s"), "rel_error": figures.get("rel_error"),
             "top1": figures.get("top1"), "fusion_report": figures.get("fusion_report"),
+            "gemslib_settings": figures.get("gemslib_settings"),
             "cudagraph_skips": figures.get("cudagraph_skips"),
             "eager_step_ms": figures.get("eager_step_ms"),
             "eager_tokens_per_s": figures.get("eager_tokens_per_s"),
@@ -458,6 +473,8 @@ def format_markdown(report: dict) -> str:
                 if row.get("fusion_report") is not None:
                     fusions = ", ".join(f"{k} {v}" for k, v in sorted(row["fusion_report"].items()))
                     lines.append(f"\n- {row['way']} fusions: {fusions or 'none'}")
+                if row.get("gemslib_settings"):
+                    lines.append(f"\n- {row['way']}: {row['gemslib_settings']}")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

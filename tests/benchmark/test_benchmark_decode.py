@@ -58,6 +58,11 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     assert (skips == 0) if torch.cuda.is_available() else (skips >= 1)
     markdown = (tmp_path / "decode.md").read_text()
     assert "## Llama-3-8B (tiny), 2 layers, decode B2 12+3 of 32" in markdown
+    # what decides the gemslib row besides the code: the file in use, the decode defaults
+    from gemslib import runtime
+
+    assert f"- static-gemslib: tune config {runtime.config_path().name}; decode_gemv " \
+        in markdown and "step graphs off" in markdown, markdown
     assert markdown.count("\n| static-gemslib | ") == 1
 
 
