@@ -282,7 +282,8 @@ def with_verdicts(text: str, lines: list[str]) -> str:
 def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
     """Measure every fusion of :data:`FORMS`, then decode_gemv at each model's widths (or
     only those of ``fusions``), and write the file in use with these verdicts to ``out`` (its
-    verdicts of the fusions not measured kept). Returns 0, or 1 where a fusion could not be measured (left out)."""
+    verdicts of the fusions not measured kept). Returns 0, or 1 where a fusion could not be
+    measured (left out)."""
     started = time.perf_counter()
     timer = tune_search.do_bench_ms(quick, calls=CALLS_PER_REPLAY)
     device = torch.device(runtime.device_type())
@@ -291,6 +292,14 @@ def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
     in_use = runtime.active_configs()[0]
     in_use_text, kept = in_use.path.read_text(), dict(in_use.verdicts)
     chosen = set(fusions or FUSIONS)
+
+    def write(fusion, buckets, timings):
+        # after each fusion, so a run cut short keeps what it finished
+        verdicts[fusion], notes[fusion] = buckets, timings
+        out.write_text(with_verdicts(in_use_text,
+                                     tune_search.render_verdicts({**kept, **verdicts}, notes)))
+        runtime.load_tune_config(out)  # what was written must load
+
     for fusion, (_, _, kind) in FORMS.items():
         if fusion not in chosen:
             continue
@@ -307,11 +316,7 @@ def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
                 progress(f"  {fusion} {rows}x{cols}: gemslib {ours * 1e3:.1f} us, inductor "
                          f"{theirs * 1e3:.1f} us")
         if timings:
-            verdicts[fusion], notes[fusion] = verdict_buckets(timings), timings
-            # written after each fusion, so a run cut short keeps what it finished
-            out.write_text(with_verdicts(in_use_text,
-                                         tune_search.render_verdicts({**kept, **verdicts}, notes)))
-            runtime.load_tune_config(out)  # what was written must load
+            write(fusion, verdict_buckets(timings), timings)
     from gemslib.models import MODELS
 
     decode_timer = tune_search.do_bench_ms(quick)
@@ -329,10 +334,7 @@ def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
         progress(f"  {DECODE_FUSION} a layer of {spec.title} at one token: with it "
                  f"{ours * 1e3:.1f} us, without {theirs * 1e3:.1f} us")
     if decode_timings:
-        verdicts[DECODE_FUSION], notes[DECODE_FUSION] = decode_verdict_buckets(decode_timings)
-        out.write_text(with_verdicts(in_use_text,
-                                     tune_search.render_verdicts({**kept, **verdicts}, notes)))
-        runtime.load_tune_config(out)
+        write(DECODE_FUSION, *decode_verdict_buckets(decode_timings))
     progress(f"wrote {out} (verdicts of {', '.join(verdicts)})" if verdicts else
              f"nothing measured: {out} not written")
     progress(f"in {time.perf_counter() - started:.0f} s")
