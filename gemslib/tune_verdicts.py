@@ -16,6 +16,12 @@ tuner's margin for noise), else ``use: inductor``. The passes read them (``verdi
 and leave a site whose bucket says inductor to inductor. The rest of the file is the file in
 use's, so a run adds verdicts to the configs already tuned.
 
+attention (SDPA -> gemslib's kernel) is timed against SDPA as inductor runs it, a causal
+prompt of one sequence at each model's heads and several lengths; its verdicts are keyed on
+the head dim (``cols``) and the prompt length (``rows``), the least favourable where models
+share a head dim. transformers' eager attention that inductor's own patterns leave as it is
+(a logit cap) is not under them: inductor's path there computes the scores whole.
+
 decode_gemv (a decode step's projections taking the norms, the gated activation and the
 residual adds around them; on by default only where measured) is weighed on a whole layer
 instead: a stack of decoder layers of each model's widths at one token (attention left out),
@@ -77,7 +83,8 @@ FORMS: dict[str, tuple[Callable, Callable, str]] = {
 
 
 DECODE_FUSION = "decode_gemv"  # weighed on whole layers (below), not a form alone
-FUSIONS = (*FORMS, DECODE_FUSION)  # what --verdicts times, in its order
+ATTENTION_FUSION = "attention"  # weighed against SDPA at each model's heads (below)
+FUSIONS = (*FORMS, ATTENTION_FUSION, DECODE_FUSION)  # what --verdicts times, in its order
 
 
 def widths(kind: str) -> list[int]:
@@ -85,6 +92,69 @@ def widths(kind: str) -> list[int]:
     from gemslib.models import MODELS
 
     return sorted({getattr(spec, kind) for spec in MODELS.values()})
+
+
+# --------------------------------------------------------------------------------------------
+# attention, against SDPA at each model's heads
+# --------------------------------------------------------------------------------------------
+
+ATTENTION_ROWS = (512, 2048, 8192)  # prompt lengths, one sequence, causal
+
+
+def _causal_attention(q, k, v):
+    """transformers' SDPA attention of a causal prefill: K and V (B, Hkv, S, D) repeated to
+    q's heads (its ``repeat_kv``), then SDPA."""
+    batch, kv_heads, seq, head_dim = k.shape
+    groups = q.shape[1] // kv_heads
+    if groups > 1:
+        k, v = (t[:, :, None].expand(batch, kv_heads, groups, seq, head_dim)
+                .reshape(batch, kv_heads * groups, seq, head_dim) for t in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_heads() -> list[tuple[int, int, int]]:
+    """The distinct (heads, kv_heads, head_dim) of the models of gemslib.models."""
+    from gemslib.models import MODELS
+
+    return sorted({(spec.heads, spec.kv_heads, spec.head_dim) for spec in MODELS.values()})
+
+
+def measure_attention(heads: int, kv_heads: int, head_dim: int, seq: int,
+                      timer: Callable[[Callable], float], device,
+                      dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+    """(gemslib's ms, inductor's ms) for a causal prefill's attention of one ``seq``-long
+    sequence at these heads, each compiled by its backend (inductor's: SDPA, the vendor
+    kernel torch picks); the gemslib compile must have fused it (else a RuntimeError)."""
+    import gemslib
+
+    q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype)
+            for _ in range(2))
+    times = {}
+    with torch.no_grad(), runtime.ignoring_verdicts():
+        for backend in ("gemslib", "inductor"):
+            torch._dynamo.reset()
+            gemslib.reset_fusion_report()
+            compiled = torch.compile(_causal_attention, backend=backend, dynamic=False)
+            times[backend] = timer(lambda: compiled(q, k, v))
+            if backend == "gemslib" and gemslib.fusion_report().get(ATTENTION_FUSION) != 1:
+                raise RuntimeError(f"attention at {heads}/{kv_heads} heads of {head_dim}, "
+                                   f"{seq} rows: the gemslib compile made "
+                                   f"{gemslib.fusion_report()}, not one attention")
+    return times["gemslib"], times["inductor"]
+
+
+def attention_verdict_buckets(timings: Mapping[tuple[int, int, int, int], tuple[float, float]]
+                              ) -> tuple[list, dict[tuple[int, int], tuple[float, float]]]:
+    """(buckets, the timings they were made from) from ``{(heads, kv_heads, head_dim, rows):
+    (gemslib ms, inductor ms)}``: keyed on the head dim (``cols``) and the prompt length
+    (``rows``), the least favourable of the models sharing a head dim."""
+    by_dim: dict[tuple[int, int], tuple[float, float]] = {}
+    for (_, _, head_dim, rows), (ours, theirs) in timings.items():
+        kept = by_dim.get((head_dim, rows))
+        if kept is None or ours / theirs > kept[0] / kept[1]:
+            by_dim[head_dim, rows] = (ours, theirs)
+    return verdict_buckets(by_dim), by_dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,7 +350,8 @@ def with_verdicts(text: str, lines: list[str]) -> str:
 
 
 def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
-    """Measure every fusion of :data:`FORMS`, then decode_gemv at each model's widths (or
+    """Measure every fusion of :data:`FORMS`, attention at each model's heads, then
+    decode_gemv at each model's widths (or
     only those of ``fusions``), and write the file in use with these verdicts to ``out`` (its
     verdicts of the fusions not measured kept). Returns 0, or 1 where a fusion could not be
     measured (left out)."""
@@ -317,6 +388,23 @@ def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
                          f"{theirs * 1e3:.1f} us")
         if timings:
             write(fusion, verdict_buckets(timings), timings)
+    attention_timer = tune_search.do_bench_ms(quick)
+    attention_timings = {}
+    for heads, kv_heads, head_dim in attention_heads() if ATTENTION_FUSION in chosen else ():
+        for seq in ATTENTION_ROWS[::2] if quick else ATTENTION_ROWS:
+            key = (heads, kv_heads, head_dim, seq)
+            try:
+                attention_timings[key] = measure_attention(*key, attention_timer, device)
+            except Exception as err:  # reported; the fusion keeps what it had
+                progress(f"  {ATTENTION_FUSION} {heads}/{kv_heads}x{head_dim} S{seq}: not "
+                         f"measured: {err}")
+                failed += 1
+                continue
+            ours, theirs = attention_timings[key]
+            progress(f"  {ATTENTION_FUSION} {heads}/{kv_heads}x{head_dim} S{seq}: gemslib "
+                     f"{ours * 1e3:.1f} us, SDPA under inductor {theirs * 1e3:.1f} us")
+    if attention_timings:
+        write(ATTENTION_FUSION, *attention_verdict_buckets(attention_timings))
     from gemslib.models import MODELS
 
     decode_timer = tune_search.do_bench_ms(quick)

@@ -22,7 +22,7 @@ from gemslib import runtime
 from gemslib.fused import attention as _attention_ops  # noqa: F401  (torch.ops.gemslib.attention)
 from gemslib.fused import decode_attention as _decode_ops  # noqa: F401  (... .decode_attention)
 from gemslib.fused._attention_common import default_scale
-from gemslib.passes.base import GraphRewrite
+from gemslib.passes.base import GraphRewrite, verdict_allows_at
 from gemslib.passes.forms import arguments, call_node, live_users, same_size
 
 _aten, _prims = torch.ops.aten, torch.ops.prims
@@ -342,12 +342,24 @@ def _mask_form(mask, seq_q, seq_kv, bands: dict):
     return None
 
 
+def _attention_shape(q_val) -> dict[str, int] | None:
+    """What the attention verdicts are keyed on: ``cols`` the head dim, ``rows`` the query
+    rows of a sequence (left out where symbolic: a dynamic prompt length takes the verdict
+    measured at the longest prompts)."""
+    head_dim, seq_q = q_val.shape[-1], q_val.shape[2]
+    if not isinstance(head_dim, int):
+        return None
+    return {"cols": head_dim, **({"rows": seq_q} if isinstance(seq_q, int) else {})}
+
+
 def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     """SDPA whose mask is none, causal (``is_causal``, or transformers' causal mask proven from
     its index arithmetic), a causal sliding window so proven, or lets every query see every
     key -> gemslib's attention (its ``window`` for the sliding one) (which runs
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
-    mask, or a use of the log-sum-exp leaves the site to inductor."""
+    mask, a use of the log-sum-exp, or a tune-config verdict that measured SDPA faster at the
+    site's head dim and prompt length (``python -m gemslib.tune --verdicts``) leaves the site
+    to inductor. A static cache's decode step is not under those verdicts."""
     sites, bands, extents = [], {}, {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
@@ -378,7 +390,7 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     continue
                 causal, window = form
             scale = _sdpa_scale(args, q_val)
-            if scale is None:
+            if scale is None or not verdict_allows_at("attention", _attention_shape(q_val)):
                 continue
             k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
             with graph.inserting_before(node):

@@ -94,12 +94,19 @@ def measured_only(fusions: frozenset[str]):
 def verdict_allows(fusion: str, value: Any) -> bool:
     """Whether the tune config in use lets ``fusion`` replace a site whose main input is
     ``value`` (a FakeTensor): its ``verdicts`` say which path the tuner measured faster per
-    rows-and-columns bucket (``python -m gemslib.tune --verdicts``). Where it has none (or
-    the sizes are symbolic), gemslib's path, but for a fusion on only where measured
+    rows-and-columns bucket (``python -m gemslib.tune --verdicts``); see
+    :func:`verdict_allows_at`."""
+    return verdict_allows_at(fusion, rows_and_cols(value))
+
+
+def verdict_allows_at(fusion: str, shape: Mapping[str, int] | None) -> bool:
+    """Whether the tune config in use lets ``fusion`` replace a site of ``shape`` (the keys its
+    verdicts bound, e.g. ``rows`` and ``cols``; a key left out where its size is symbolic, so
+    that only buckets not bounding it apply). Where it has no verdict for the shape (or
+    ``shape`` is None), gemslib's path, but for a fusion on only where measured
     (:func:`measured_only`), which is then left out."""
     from gemslib import runtime
 
-    shape = rows_and_cols(value)
     verdict = None if shape is None else runtime.fusion_verdict(fusion, shape)
     if verdict is None:
         return fusion not in _measured_only.get()

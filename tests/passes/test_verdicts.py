@@ -91,3 +91,44 @@ def test_a_malformed_verdict_names_its_key(tmp_path, verdicts, message):
     path.write_text(f"schema: 1\ndevice: test\nops: {{}}\nverdicts:\n  {verdicts}\n")
     with pytest.raises(runtime.TuneConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         runtime.load_tune_config(path)
+
+
+_ATTENTION_VERDICTS = """
+schema: 1
+device: test
+ops: {}
+verdicts:
+  attention:
+    - max: {rows: 32, cols: 16}
+      use: inductor
+    - max: {cols: 16}
+      use: gemslib
+    - max: {cols: 32}
+      use: inductor
+    - use: gemslib
+"""
+
+
+def test_sdpa_is_left_to_inductor_at_the_head_dims_and_lengths_its_verdict_says(config_file):
+    """Keyed on the head dim and the prompt length; a dynamic prompt length skips the buckets
+    bounding the length (the one measured at the longest prompts decides)."""
+    from gemslib import tune_verdicts
+
+    config_file(_ATTENTION_VERDICTS)
+
+    def attention(head_dim, seq, dynamic=False):
+        q = torch.randn(1, 4, seq, head_dim, device=DEVICE)
+        k, v = (torch.randn(1, 2, seq, head_dim, device=DEVICE) for _ in range(2))
+        torch._dynamo.reset()
+        gemslib.reset_fusion_report()
+        with torch.no_grad():
+            expected = tune_verdicts._causal_attention(q, k, v)
+            got = torch.compile(tune_verdicts._causal_attention, backend="gemslib",
+                                dynamic=dynamic)(q, k, v)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        return gemslib.fusion_report().get("attention", 0)
+
+    assert attention(16, 32) == 0
+    assert attention(16, 48) == 1
+    assert attention(16, 32, dynamic=True) == 1  # rows unknown: the {cols: 16} bucket
+    assert attention(32, 48) == 0 and attention(64, 16) == 1

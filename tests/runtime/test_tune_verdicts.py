@@ -138,14 +138,19 @@ def test_a_run_of_some_fusions_keeps_the_others_verdicts(config_file, tmp_path, 
                         lambda fusion, *args, **kw: measured.append(fusion) or (1.0, 2.0))
     monkeypatch.setattr(tune_verdicts, "measure_decode",
                         lambda spec, *args, **kw: measured.append(spec.title) or (2.0, 1.0))
+    monkeypatch.setattr(tune_verdicts, "measure_attention",
+                        lambda *args, **kw: measured.append(args[:4]) or (1.0, 2.0))
     out = tmp_path / "gpu.yaml"
     assert tune_verdicts.main(out, True, progress=lambda line: None,
-                              fusions=["decode_gemv"]) == 0
+                              fusions=["decode_gemv", "attention"]) == 0
     assert "rms_norm" not in measured and "silu_and_mul" not in measured and measured
+    assert {args[:3] for args in measured if isinstance(args, tuple)} == \
+        set(tune_verdicts.attention_heads())
     verdicts = runtime.load_tune_config(out).verdicts
     assert verdicts["rms_norm"] == (({"rows": 4}, "inductor"), (None, "gemslib"))
-    assert set(verdicts) == {"rms_norm", "decode_gemv"}
+    assert set(verdicts) == {"rms_norm", "decode_gemv", "attention"}
     assert all(use == "inductor" for _, use in verdicts["decode_gemv"])
+    assert verdicts["attention"] == ((None, "gemslib"),)
 
 
 def test_decode_gemv_is_measured_on_a_stack_of_layers_with_every_site_folded(config_file):
@@ -216,3 +221,54 @@ def test_a_stack_holds_several_times_an_l2_of_weights():
         assert layers >= 2 and layers * per_layer >= tune_verdicts.DECODE_STACK_BYTES
         assert (layers - 1) * per_layer < tune_verdicts.DECODE_STACK_BYTES or layers == 2
     assert tune_verdicts.decode_widths(MODELS["gemma-7b"]) == (3072, 4096, 24576)
+
+
+def test_attention_is_measured_against_sdpa_with_the_fusion_made(config_file):
+    """The gemslib compile fuses the causal SDPA (even where the file in use's verdict leaves
+    it to inductor) and each backend's compiled call is what gets timed; both give SDPA's
+    output."""
+    from helpers import DEVICE
+
+    config_file("""
+        schema: 1
+        device: test
+        ops: {}
+        verdicts:
+          attention:
+            - use: inductor
+    """)
+    timed = []
+
+    def timer(call):
+        timed.append(call())
+        return float(len(timed))
+
+    torch.manual_seed(0)
+    ours, theirs = tune_verdicts.measure_attention(4, 2, 16, 32, timer, DEVICE, torch.float32)
+    assert (ours, theirs) == (1.0, 2.0)
+    torch.manual_seed(0)  # what measure_attention drew, redrawn
+    q = torch.randn(1, 4, 32, 16, device=DEVICE)
+    k, v = (torch.randn(1, 2, 32, 16, device=DEVICE) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    for got in timed:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_verdicts_are_keyed_on_head_dim_and_length_the_least_favourable_shared():
+    timings = {(32, 8, 128, 512): (1.0, 1.1), (28, 4, 128, 512): (1.2, 1.0),
+               (32, 8, 128, 8192): (1.0, 1.1), (28, 4, 128, 8192): (1.0, 1.05),
+               (32, 8, 64, 512): (1.0, 1.0), (32, 8, 64, 8192): (1.5, 1.0)}
+    buckets, by_dim = tune_verdicts.attention_verdict_buckets(timings)
+    assert by_dim == {(128, 512): (1.2, 1.0), (128, 8192): (1.0, 1.05),
+                      (64, 512): (1.0, 1.0), (64, 8192): (1.5, 1.0)}
+    assert buckets == [({"rows": 512, "cols": 64}, "gemslib"), ({"cols": 64}, "inductor"),
+                       ({"rows": 512, "cols": 128}, "inductor"), (None, "gemslib")]
+
+
+def test_attention_heads_are_the_models():
+    from gemslib.models import MODELS
+
+    heads = tune_verdicts.attention_heads()
+    assert set(heads) == {(s.heads, s.kv_heads, s.head_dim) for s in MODELS.values()}
+    assert len(heads) == len(set(heads))
