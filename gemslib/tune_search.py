@@ -313,6 +313,20 @@ def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]]
     return {op: blocks[op] for op in config_file.ops}, verdicts
 
 
+def verdict_blocks(lines: list[str]) -> dict[str, list[str]]:
+    """Per fusion, its lines of a ``verdicts:`` section's ``lines`` (as :func:`kept_text`
+    gives them), from its header line on, comments included."""
+    blocks: dict[str, list[str]] = {}
+    fusion = None
+    for line in lines[1:]:
+        if line.startswith("  ") and line[2:3].isalnum():
+            fusion = line.split(":", 1)[0].strip()
+            blocks[fusion] = []
+        if fusion is not None:
+            blocks[fusion].append(line)
+    return blocks
+
+
 def _reloaded_ops(config_file: runtime.TuneConfigFile, block: list[str]):
     try:
         text = "\n".join(["schema: 1", "device: check", "ops:", *block]) + "\n"

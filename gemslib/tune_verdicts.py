@@ -362,13 +362,18 @@ def main(out: Path, quick: bool, progress=print, fusions=None) -> int:
     verdicts, notes, failed = {}, {}, 0
     in_use = runtime.active_configs()[0]
     in_use_text, kept = in_use.path.read_text(), dict(in_use.verdicts)
+    kept_lines = tune_search.verdict_blocks(tune_search.kept_text(in_use)[1])
     chosen = set(fusions or FUSIONS)
 
     def write(fusion, buckets, timings):
-        # after each fusion, so a run cut short keeps what it finished
+        # after each fusion, so a run cut short keeps what it finished; the verdicts kept
+        # keep their lines (their timings' comments)
         verdicts[fusion], notes[fusion] = buckets, timings
-        out.write_text(with_verdicts(in_use_text,
-                                     tune_search.render_verdicts({**kept, **verdicts}, notes)))
+        lines = ["verdicts:"]
+        for name in {**kept, **verdicts}:
+            lines += (tune_search.render_verdicts({name: verdicts[name]}, notes)[1:]
+                      if name in verdicts else kept_lines[name])
+        out.write_text(with_verdicts(in_use_text, lines))
         runtime.load_tune_config(out)  # what was written must load
 
     for fusion, (_, _, kind) in FORMS.items():

@@ -129,6 +129,7 @@ def test_a_run_of_some_fusions_keeps_the_others_verdicts(config_file, tmp_path, 
         ops: {}
         verdicts:
           rms_norm:
+            # gemslib / inductor us at cols x rows: 64x4 2.0/1.0
             - max: {rows: 4}
               use: inductor
             - use: gemslib
@@ -151,6 +152,7 @@ def test_a_run_of_some_fusions_keeps_the_others_verdicts(config_file, tmp_path, 
     assert set(verdicts) == {"rms_norm", "decode_gemv", "attention"}
     assert all(use == "inductor" for _, use in verdicts["decode_gemv"])
     assert verdicts["attention"] == ((None, "gemslib"),)
+    assert "# gemslib / inductor us at cols x rows: 64x4 2.0/1.0" in out.read_text()
 
 
 def test_decode_gemv_is_measured_on_a_stack_of_layers_with_every_site_folded(config_file):
