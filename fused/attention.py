@@ -810,11 +810,18 @@ def _prefill_problem(batch: int, heads: int, seq: int, dim: int, dtype: torch.dt
 
 
 def _prefill_buckets(backward: bool):
+    # the forward's 16-bit calls of head dims 129-256 (Gemma's 256) get a bucket of their own:
+    # under the last one they ran fp32's small tiles, without wgmma (4.3x SDPA's time at D256
+    # S8192 on the H100)
+    wide = () if backward else (
+        TuneBucket({"head_dim": 256, "elem_bytes": 2}, "B1 H16 S4096 D256 bf16",
+                   _prefill_problem(1, 16, 4096, 256, torch.bfloat16, backward)),)
     return (TuneBucket({"head_dim": 64, "elem_bytes": 2} if not backward else {"head_dim": 64},
                        "B2 H16 S4096 D64 bf16",
                        _prefill_problem(2, 16, 4096, 64, torch.bfloat16, backward)),
             TuneBucket({"head_dim": 128, "elem_bytes": 2}, "B4 H32 S2048 D128 bf16",
                        _prefill_problem(4, 32, 2048, 128, torch.bfloat16, backward)),
+            *wide,
             # the backward's first bucket takes every D64 call, fp32 too
             TuneBucket(None, "B1 H8 S1024 D128 fp32",
                        _prefill_problem(1, 8, 1024, 128, torch.float32, backward)))
@@ -825,12 +832,14 @@ def _prefill_buckets(backward: bool):
 # tiles, 128-row dQ tiles on 4 warps (they spill).
 TUNING = (
     # 128-row blocks spill with 4 warps (ptxas, D128 bf16), 128-key blocks at 4 stages exceed
-    # the shared memory; the small tiles are for fp32 inputs
+    # the shared memory; the small tiles are for fp32 inputs; 8 warps on 32-64 keys, 2-3
+    # stages, are D256's tiles that use wgmma without spilling (ptxas, sm_90)
     TuneSpace(ATTENTION_FWD,
               tuple({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": tma, "LAZY": 0, "num_warps": w,
                      "num_stages": st}
                     for m, n, w, stages in ((64, 64, 4, (2, 3)), (64, 128, 4, (2, 3)),
-                                            (128, 64, 8, (3, 4)), (128, 128, 8, (3,)))
+                                            (128, 64, 8, (2, 3, 4)), (128, 128, 8, (3,)),
+                                            (64, 64, 8, (2,)), (128, 32, 8, (2, 3)))
                     for tma in (0, 1) for st in stages)
               + tuple({"BLOCK_M": m, "BLOCK_N": n, "USE_TMA": 0, "LAZY": 0, "num_warps": 4,
                        "num_stages": st} for m, n in ((32, 32), (32, 64), (64, 32)) for st in (1, 2)),

@@ -402,3 +402,20 @@ def test_the_graph_timer_times_its_calls_in_one_replay_and_divides(monkeypatch):
 
     monkeypatch.setattr(runtime, "captured", refuse)
     assert tune_search.do_bench_ms(True, calls=4)(lambda: None) == 8.0
+
+
+def test_every_model_s_head_dim_is_tuned_on_a_16_bit_problem():
+    """A 16-bit prefill at each head dim of gemslib.models falls in an attention-forward
+    bucket of 16-bit problems, not in the last one (fp32's small tiles, which at D256 ran
+    without wgmma at 4.3x SDPA's time)."""
+    from gemslib.fused import attention as attention_ops
+    from gemslib.models import MODELS
+
+    space = next(s for s in attention_ops.TUNING if s.kernel is attention_ops.ATTENTION_FWD)
+    for spec in MODELS.values():
+        shape = {"head_dim": spec.head_dim, "causal": 1, "elem_bytes": 2, "seq_q": 4096,
+                 "seq_kv": 4096}
+        bucket = next(b for b in space.buckets if b.matches(shape))
+        assert bucket.max is not None and bucket.max.get("elem_bytes") == 2, \
+            (spec.title, bucket.label)
+        assert bucket.max["head_dim"] >= spec.head_dim
