@@ -359,7 +359,8 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
     the decode kernel for one query row); the grouped K/V before repeat_kv. Dropout, any other
     mask, a use of the log-sum-exp, or a tune-config verdict that measured SDPA faster at the
     site's head dim and prompt length (``python -m gemslib.tune --verdicts``) leaves the site
-    to inductor. A static cache's decode step is not under those verdicts."""
+    to inductor. One query row (the decode kernel's, timed apart) and a static cache's decode
+    step are not under those verdicts."""
     sites, bands, extents = [], {}, {}  # every layer's SDPA reads the one mask: read it once
     for target, mask_arg in _SDPA_MASK_ARG.items():
         for node in graph.find_nodes(op="call_function", target=target):
@@ -390,7 +391,8 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     continue
                 causal, window = form
             scale = _sdpa_scale(args, q_val)
-            if scale is None or not verdict_allows_at("attention", _attention_shape(q_val)):
+            if scale is None or (not same_size(seq_q, 1) and not verdict_allows_at(
+                    "attention", _attention_shape(q_val))):
                 continue
             k, v = _unrepeated(k, q_val.shape[1]), _unrepeated(v, q_val.shape[1])
             with graph.inserting_before(node):

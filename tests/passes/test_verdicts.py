@@ -111,7 +111,8 @@ verdicts:
 
 def test_sdpa_is_left_to_inductor_at_the_head_dims_and_lengths_its_verdict_says(config_file):
     """Keyed on the head dim and the prompt length; a dynamic prompt length skips the buckets
-    bounding the length (the one measured at the longest prompts decides)."""
+    bounding the length (the one measured at the longest prompts decides); one query row is
+    not under them."""
     from gemslib import tune_verdicts
 
     config_file(_ATTENTION_VERDICTS)
@@ -132,3 +133,4 @@ def test_sdpa_is_left_to_inductor_at_the_head_dims_and_lengths_its_verdict_says(
     assert attention(16, 48) == 1
     assert attention(16, 32, dynamic=True) == 1  # rows unknown: the {cols: 16} bucket
     assert attention(32, 48) == 0 and attention(64, 16) == 1
+    assert attention(32, 1) == 1  # one row runs the decode kernel: not what was timed
