@@ -32,6 +32,23 @@ FAMILIES = {
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                   moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
     "falcon": dict(head_dim=None, new_decoder_architecture=True, num_kv_heads=2),
+    "olmo3": {}, "cohere2": {}, "nemotron": {}, "persimmon": dict(head_dim=None), "bitnet": {},
+    "vaultgemma": {},
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                     moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2),
+    # multi-head latent attention: rotary over qk_rope_head_dim (head_dim), one KV head a head
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4),
 }
 
 
