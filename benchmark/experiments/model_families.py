@@ -1,13 +1,17 @@
 """Experiment: every transformers decoder family through ``backend="gemslib"``, tiny configs.
 
-    python -m benchmark.experiments.model_families [--fp16] [family ...]
+    python -m benchmark.experiments.model_families [--fp16 | --decode] [family ...]
 
 Builds each family's causal LM from a tiny config (random weights, norms' weights away from 1,
 biases away from 0), compiles it with ``backend="gemslib", fullgraph=True`` and prints the
 largest logit error against eager relative to the largest logit, whether the eager model still
 gives exactly what it gave before the compile (the merged parameters are views), and the
 fusion report. With ``--fp16`` the model runs in fp16 and both eager's and the backend's logits
-are set against the fp32 model's (relative error of the norms). On a machine without a GPU, in
+are set against the fp32 model's (relative error of the norms). With ``--decode``, greedy
+``generate()`` on a static cache with its decode step compiled by the backend
+(``CompileConfig``), a left-padded sequence in the batch, against eager's: whether the tokens
+are the same, the largest logit error of any step, and the fusions (decode_gemv's default
+applies: ``GEMSLIB_DECODE_GEMV=1`` forces it on). On a machine without a GPU, in
 the Triton interpreter. Results and the open question: docs/notes/graph-passes.md.
 """
 
@@ -54,23 +58,11 @@ FAMILIES = {
 
 def run_family(family: str, fp16: bool = False) -> str:
     import torch
-    import transformers
 
     import gemslib
 
-    settings = {**TINY, **FAMILIES.get(family, {})}
-    settings = {key: value for key, value in settings.items() if value is not None}
-    config = transformers.AutoConfig.for_model(family, **settings)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    for name, parameter in model.named_parameters():
-        if "norm" in name:
-            parameter.data.uniform_(0.5, 1.5)
-        elif name.endswith("bias"):
-            parameter.data.uniform_(-0.5, 0.5)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device)
-    ids = torch.randint(3, 96, (2, 11), device=device)
+    model = build(family)
+    ids = torch.randint(3, 96, (2, 11), device=model.device)
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
     with torch.no_grad():
@@ -91,11 +83,56 @@ def run_family(family: str, fp16: bool = False) -> str:
     return f"error {error:.1e}  eager unchanged {unchanged}  {fusions}"
 
 
+def build(family: str):
+    import torch
+    import transformers
+
+    settings = {**TINY, **FAMILIES.get(family, {})}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    config = transformers.AutoConfig.for_model(family, **settings)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    for name, parameter in model.named_parameters():
+        if "norm" in name:
+            parameter.data.uniform_(0.5, 1.5)
+        elif name.endswith("bias"):
+            parameter.data.uniform_(-0.5, 0.5)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_decode(family: str) -> str:
+    import torch
+    import transformers
+
+    import gemslib
+
+    model = build(family)
+    ids = torch.randint(3, 96, (2, 7), device=model.device)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0  # the second sequence padded on the left
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False,
+                  cache_implementation="static", pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True)
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        config = transformers.CompileConfig(backend="gemslib", fullgraph=True)
+        config._compile_all_devices = True  # transformers compiles on GPUs only by default
+        model.generation_config.compile_config = config
+        got = model.generate(ids, **kwargs)
+    error = max(((g - e).abs().max() / e.abs().max()).item()
+                for g, e in zip(got.logits, expected.logits))
+    same = torch.equal(got.sequences, expected.sequences)
+    return (f"decode: tokens eager's {same}  logit error {error:.1e}  "
+            f"{dict(sorted(gemslib.fusion_report().items()))}")
+
+
 def main(families: list[str]) -> None:
-    fp16 = "--fp16" in families
-    for family in [f for f in families if f != "--fp16"] or list(FAMILIES):
+    fp16, decode = "--fp16" in families, "--decode" in families
+    for family in [f for f in families if f not in ("--fp16", "--decode")] or list(FAMILIES):
         try:
-            result = run_family(family, fp16)
+            result = run_decode(family) if decode else run_family(family, fp16)
         except Exception as err:  # a family this transformers lacks, or a failure to show
             result = f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         print(f"{family:18s} {result}", flush=True)
