@@ -125,23 +125,11 @@ def measure_attention(heads: int, kv_heads: int, head_dim: int, seq: int,
     """(gemslib's ms, inductor's ms) for a causal prefill's attention of one ``seq``-long
     sequence at these heads, each compiled by its backend (inductor's: SDPA, the vendor
     kernel torch picks); the gemslib compile must have fused it (else a RuntimeError)."""
-    import gemslib
-
     q = torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, seq, head_dim, device=device, dtype=dtype)
             for _ in range(2))
-    times = {}
-    with torch.no_grad(), runtime.ignoring_verdicts():
-        for backend in ("gemslib", "inductor"):
-            torch._dynamo.reset()
-            gemslib.reset_fusion_report()
-            compiled = torch.compile(_causal_attention, backend=backend, dynamic=False)
-            times[backend] = timer(lambda: compiled(q, k, v))
-            if backend == "gemslib" and gemslib.fusion_report().get(ATTENTION_FUSION) != 1:
-                raise RuntimeError(f"attention at {heads}/{kv_heads} heads of {head_dim}, "
-                                   f"{seq} rows: the gemslib compile made "
-                                   f"{gemslib.fusion_report()}, not one attention")
-    return times["gemslib"], times["inductor"]
+    return _timed_by_both(_causal_attention, (q, k, v), ATTENTION_FUSION, timer,
+                          f"attention at {heads}/{kv_heads} heads of {head_dim}, {seq} rows")
 
 
 def attention_verdict_buckets(timings: Mapping[tuple[int, int, int, int], tuple[float, float]]
@@ -282,10 +270,18 @@ def measure(fusion: str, rows: int, cols: int, timer: Callable[[Callable], float
             device, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
     """(gemslib's ms, inductor's ms) for ``fusion``'s form at ``rows`` x ``cols``; the gemslib
     compile must have made the fusion (else a RuntimeError)."""
-    import gemslib
-
     form, make_inputs, _ = FORMS[fusion]
     inputs = make_inputs(rows, cols, device=device, dtype=dtype)
+    return _timed_by_both(form, inputs, fusion, timer, f"{fusion} at {rows}x{cols}")
+
+
+def _timed_by_both(form: Callable, inputs, fusion: str, timer: Callable[[Callable], float],
+                   what: str) -> tuple[float, float]:
+    """(gemslib's ms, inductor's ms) for ``form(*inputs)`` compiled by each backend, the
+    file's verdicts set aside; the gemslib compile must have made one ``fusion`` (else a
+    RuntimeError naming ``what``)."""
+    import gemslib
+
     times = {}
     with torch.no_grad(), runtime.ignoring_verdicts():
         for backend in ("gemslib", "inductor"):
@@ -294,7 +290,7 @@ def measure(fusion: str, rows: int, cols: int, timer: Callable[[Callable], float
             compiled = torch.compile(form, backend=backend, dynamic=False)
             times[backend] = timer(lambda: compiled(*inputs))
             if backend == "gemslib" and gemslib.fusion_report().get(fusion) != 1:
-                raise RuntimeError(f"{fusion} at {rows}x{cols}: the gemslib compile made "
+                raise RuntimeError(f"{what}: the gemslib compile made "
                                    f"{gemslib.fusion_report()}, not one {fusion}")
     return times["gemslib"], times["inductor"]
 
