@@ -1,6 +1,6 @@
 """Experiment: every transformers decoder family through ``backend="gemslib"``, tiny configs.
 
-    python -m benchmark.experiments.model_families [--fp16 | --decode] [family ...]
+    python -m benchmark.experiments.model_families [--fp16 | --decode | --enable] [family ...]
 
 Builds each family's causal LM from a tiny config (random weights, norms' weights away from 1,
 biases away from 0), compiles it with ``backend="gemslib", fullgraph=True`` and prints the
@@ -11,8 +11,10 @@ are set against the fp32 model's (relative error of the norms). With ``--decode`
 ``generate()`` on a static cache with its decode step compiled by the backend
 (``CompileConfig``), a left-padded sequence in the batch, against eager's: whether the tokens
 are the same, the largest logit error of any step, and the fusions (decode_gemv's default
-applies: ``GEMSLIB_DECODE_GEMV=1`` forces it on). On a machine without a GPU, in
-the Triton interpreter. Results and the open question: docs/notes/graph-passes.md.
+applies: ``GEMSLIB_DECODE_GEMV=1`` forces it on). With ``--enable``, eager under
+``gemslib.enable()`` (the aten overrides) against eager, a prefill and greedy ``generate()`` on
+the dynamic cache: the largest logit error and whether the tokens are the same. On a machine
+without a GPU, in the Triton interpreter. Results and the open question: docs/notes/graph-passes.md.
 """
 
 from __future__ import annotations
@@ -128,11 +130,36 @@ def run_decode(family: str) -> str:
             f"{dict(sorted(gemslib.fusion_report().items()))}")
 
 
+def run_enable(family: str) -> str:
+    import torch
+
+    import gemslib
+
+    model = build(family)
+    ids = torch.randint(3, 96, (2, 11), device=model.device)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        expected = model(ids).logits
+        tokens = model.generate(ids, **kwargs)
+        with gemslib.enable():
+            logits = model(ids).logits
+            got = model.generate(ids, **kwargs)
+    error = max([((logits - expected).abs().max() / expected.abs().max()).item()] +
+                [((g - e).abs().max() / e.abs().max()).item()
+                 for g, e in zip(got.logits, tokens.logits)])
+    return (f"enable: logit error {error:.1e}  tokens eager's "
+            f"{torch.equal(got.sequences, tokens.sequences)}")
+
+
 def main(families: list[str]) -> None:
-    fp16, decode = "--fp16" in families, "--decode" in families
-    for family in [f for f in families if f not in ("--fp16", "--decode")] or list(FAMILIES):
+    modes = {"--fp16", "--decode", "--enable"}
+    fp16, decode, enable = ("--fp16" in families, "--decode" in families,
+                            "--enable" in families)
+    for family in [f for f in families if f not in modes] or list(FAMILIES):
         try:
-            result = run_decode(family) if decode else run_family(family, fp16)
+            result = (run_decode(family) if decode else run_enable(family) if enable else
+                      run_family(family, fp16))
         except Exception as err:  # a family this transformers lacks, or a failure to show
             result = f"FAILED {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         print(f"{family:18s} {result}", flush=True)
