@@ -67,11 +67,14 @@ def band_arguments(name: str, window, softcap) -> tuple[int, float]:
     return int(window or 0), float(softcap or 0.0)
 
 
+MAX_HEAD_DIM = 256  # the widest head the kernels' tiles hold; wider ones run torch's math
+
+
 def _kernels_take(q, k, v, *others) -> bool:
-    """The attention kernels take these (else torch): head dims 1 to 256, kernel dtypes on the
-    kernel device (and not bf16 under the interpreter)."""
+    """The attention kernels take these (else torch): head dims 1 to MAX_HEAD_DIM, kernel
+    dtypes on the kernel device (and not bf16 under the interpreter)."""
     return runtime.dot_kernel_runs(q, k, v, *others) and 0 < min(q.shape[-1], v.shape[-1]) \
-        and max(q.shape[-1], v.shape[-1]) <= 256
+        and max(q.shape[-1], v.shape[-1]) <= MAX_HEAD_DIM
 
 
 def attention_reference(q, k, v, causal=False, scale=None, window=0, softcap=0.0):

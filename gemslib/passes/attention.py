@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from gemslib import runtime
 from gemslib.fused import attention as _attention_ops  # noqa: F401  (torch.ops.gemslib.attention)
 from gemslib.fused import decode_attention as _decode_ops  # noqa: F401  (... .decode_attention)
-from gemslib.fused._attention_common import default_scale
+from gemslib.fused._attention_common import MAX_HEAD_DIM, default_scale
 from gemslib.passes.base import GraphRewrite, verdict_allows_at
 from gemslib.passes.forms import arguments, call_node, live_users, same_size
 
@@ -342,6 +342,13 @@ def _mask_form(mask, seq_q, seq_kv, bands: dict):
     return None
 
 
+def _heads_taken(q_val, v_val) -> bool:
+    """Whether the kernels' tiles hold these heads (at most MAX_HEAD_DIM features, or a size
+    not known until run time): a wider head would run torch's math inside the op, slower
+    than SDPA."""
+    return not any(statically_known_true(t.shape[-1] > MAX_HEAD_DIM) for t in (q_val, v_val))
+
+
 def _attention_shape(q_val) -> dict[str, int] | None:
     """What the attention verdicts are keyed on: ``cols`` the head dim, ``rows`` the query
     rows of a sequence (left out where symbolic: a dynamic prompt length takes the verdict
@@ -372,7 +379,8 @@ def _fuse_sdpa(graph: torch.fx.Graph, real_value) -> list[str]:
                     for user in node.users):
                 continue
             q_val, k_val = q.meta["val"], k.meta["val"]
-            if q_val.dim() != 4 or q_val.dtype not in runtime.KERNEL_DTYPES:
+            if q_val.dim() != 4 or q_val.dtype not in runtime.KERNEL_DTYPES or \
+                    not _heads_taken(q_val, v.meta["val"]):
                 continue
             seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
             window = 0
@@ -597,7 +605,7 @@ def _fuse_eager(graph: torch.fx.Graph, real_value) -> list[str]:
         if q_val.dtype not in runtime.KERNEL_DTYPES or not (
                 q_val.dtype == k_val.dtype == v_val.dtype) or not all(
                 same_size(a, b) for a, b in zip(q_val.shape[:2], k_val.shape[:2])) or \
-                not same_size(k_val.shape[2], v_val.shape[2]):
+                not same_size(k_val.shape[2], v_val.shape[2]) or not _heads_taken(q_val, v_val):
             continue
         seq_q, seq_kv = q_val.shape[2], k_val.shape[2]
         form = (False, 0) if mask is None else _mask_form(mask, seq_q, seq_kv, bands)

@@ -147,6 +147,28 @@ def test_one_query_row_under_a_boolean_key_mask_runs_decode_attention(mask_shape
     assert torch.allclose(got, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim, fused", [(256, True), (288, False)])
+def test_heads_wider_than_the_kernels_take_are_left_to_sdpa(head_dim, fused):
+    """Past MAX_HEAD_DIM features the op would run torch's math (the scores whole): SDPA
+    keeps such a site, eager or SDPA form, and the result is right either way."""
+    def eager(q, k, v):
+        weights = torch.softmax((q @ k.transpose(-1, -2)) * 0.1, dim=-1, dtype=torch.float32)
+        return weights.to(q.dtype) @ v
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (random_tensor((1, 2, 5, head_dim), torch.float32, scale=1.0) for _ in range(3))
+    for form in (sdpa, eager):
+        torch._dynamo.reset()
+        gemslib.reset_fusion_report()
+        with torch.no_grad():
+            got = torch.compile(form, backend="gemslib", fullgraph=True)(q, k, v)
+        assert gemslib.fusion_report().get("attention", 0) == fused, (form.__name__,
+                                                                      gemslib.fusion_report())
+        assert torch.allclose(got, form(q, k, v), atol=1e-5)
+
+
 def test_sdpa_with_dropout_or_a_float_mask_is_left_alone():
     torch._dynamo.reset()
     gemslib.reset_fusion_report()
