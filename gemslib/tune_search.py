@@ -284,23 +284,20 @@ def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]]
     read back as the loaded file's (a layout gemslib does not write) are rendered from the
     loaded entries instead, without comments."""
     lines = config_file.path.read_text().splitlines()
-    blocks: dict[str, list[str]] = {}
+    ops_lines: list[str] = []
     verdicts: list[str] = []
-    section, op = None, None
+    section = None
     for line in lines:
         if line and not line[0].isspace() and not line.startswith("#"):
-            section, op = line.split(":", 1)[0], None
+            section = line.split(":", 1)[0]
             if section == "verdicts":
                 verdicts.append(line)
             continue
         if section == "verdicts":
             verdicts.append(line)
         elif section == "ops":
-            if line.startswith("  ") and line[2:3].isalnum():
-                op = line.split(":", 1)[0].strip()
-                blocks[op] = []
-            if op is not None:
-                blocks[op].append(line)
+            ops_lines.append(line)
+    blocks = _named_blocks(ops_lines)
     for op, kernels in config_file.ops.items():
         block = blocks.get(op)
         if block is None or _reloaded_ops(config_file, block) != {op: kernels}:
@@ -316,14 +313,20 @@ def kept_text(config_file: runtime.TuneConfigFile) -> tuple[dict[str, list[str]]
 def verdict_blocks(lines: list[str]) -> dict[str, list[str]]:
     """Per fusion, its lines of a ``verdicts:`` section's ``lines`` (as :func:`kept_text`
     gives them), from its header line on, comments included."""
+    return _named_blocks(lines[1:])
+
+
+def _named_blocks(lines: list[str]) -> dict[str, list[str]]:
+    """A section's lines (without its header) per entry: from an entry's header line (two
+    spaces, then its name) to the next's; lines before the first belong to none."""
     blocks: dict[str, list[str]] = {}
-    fusion = None
-    for line in lines[1:]:
+    name = None
+    for line in lines:
         if line.startswith("  ") and line[2:3].isalnum():
-            fusion = line.split(":", 1)[0].strip()
-            blocks[fusion] = []
-        if fusion is not None:
-            blocks[fusion].append(line)
+            name = line.split(":", 1)[0].strip()
+            blocks[name] = []
+        if name is not None:
+            blocks[name].append(line)
     return blocks
 
 
