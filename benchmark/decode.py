@@ -130,12 +130,11 @@ def static_compile_arguments(way: str, module_guards: bool = True) -> dict:
 def gemslib_settings() -> str:
     """What decides a gemslib step besides the code, for its row: the tune-config file in use
     and the defaults the environment gives the decode fusions and the step graphs."""
-    import os
-
     from gemslib import runtime
     from gemslib.passes import manager
+    from gemslib.passes.backend import step_graphs_default
 
-    step_graphs = "on" if os.environ.get("GEMSLIB_STEP_GRAPHS") == "1" else "off"
+    step_graphs = {True: "on", False: "off", "auto": "auto"}[step_graphs_default()]
     return (f"tune config {runtime.config_path().name}; decode_gemv "
             f"{manager.fusion_default('decode_gemv')}; step graphs {step_graphs}")
 

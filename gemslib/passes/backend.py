@@ -8,9 +8,11 @@ post-grad passes.
 
 Options named ``gemslib.<fusion>`` switch a fusion (see ``fusion_options``); the rest
 go to inductor as its config patches, as ``backend="inductor"`` takes them. With CUDA graphs
-on (``mode="reduce-overhead"`` or ``triton.cudagraphs``), ``gemslib.step_graphs`` (default
-``GEMSLIB_STEP_GRAPHS=1``, else off) replays an inference graph from a CUDA graph of gemslib's
-own instead of inductor's trees (``gemslib.passes.step_graph``: less host time a call).
+on (``mode="reduce-overhead"`` or ``triton.cudagraphs``), ``gemslib.step_graphs`` replays an
+inference graph on the GPU from a CUDA graph of gemslib's own instead of inductor's trees
+(``gemslib.passes.step_graph``: less host time a call, a copy of each output): True always,
+False never, ``"auto"`` (the default; ``GEMSLIB_STEP_GRAPHS=1`` / ``0`` gives True / False)
+only where the graph's outputs have static sizes totalling at most ``AUTO_OUTPUT_BYTES``.
 
 A warm compile (one inductor's FX graph cache or AOTAutograd's cache serves) skips the
 passes. What the passes did besides editing the graph is therefore written beside inductor's
@@ -59,10 +61,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     from torch._inductor.compile_fx import compile_fx
 
     options = dict(options or {})
-    step_graphs = options.pop(STEP_GRAPHS_OPTION, os.environ.get("GEMSLIB_STEP_GRAPHS") == "1")
-    if not isinstance(step_graphs, bool):
-        raise ValueError(f"gemslib backend: option {STEP_GRAPHS_OPTION!r} must be True or "
-                         f"False, got {step_graphs!r}")
+    step_graphs = options.pop(STEP_GRAPHS_OPTION) if STEP_GRAPHS_OPTION in options else \
+        step_graphs_default()
+    if not (isinstance(step_graphs, bool) or step_graphs == "auto"):
+        raise ValueError(f"gemslib backend: option {STEP_GRAPHS_OPTION!r} must be True, False "
+                         f"or 'auto', got {step_graphs!r}")
     ours = {key: options.pop(key) for key in list(options)
             if key.startswith(OPTION_PREFIX)}
     if mode is not None and options:
@@ -87,9 +90,13 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
     patches.setdefault("size_asserts", False)
 
     # gemslib's own CUDA graph for an inference graph on the GPU; training and CPU graphs
-    # keep inductor's path
-    own_graph = step_graphs and bool(patches.get("triton.cudagraphs")) and \
+    # keep inductor's path, and under "auto" so does a graph whose outputs are large or of
+    # sizes unknown here (a step graph copies every output on every replay)
+    own_graph = step_graphs is not False and bool(patches.get("triton.cudagraphs")) and \
         not _trains(example_inputs) and _on_cuda(example_inputs)
+    if own_graph and step_graphs == "auto":
+        size = _outputs_bytes(gm)
+        own_graph = size is not None and size <= AUTO_OUTPUT_BYTES
     if own_graph:
         patches["triton.cudagraphs"] = False
 
@@ -115,6 +122,42 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
 
 
 STEP_GRAPHS_OPTION = "gemslib.step_graphs"
+STEP_GRAPHS_ENV = "GEMSLIB_STEP_GRAPHS"
+# "auto"'s bound: output copies cost ~2 x bytes / copy bandwidth (~11 us) vs ~0.1 ms host saved
+AUTO_OUTPUT_BYTES = 16 << 20
+
+
+def step_graphs_default() -> bool | str:
+    """The default of ``gemslib.step_graphs``, from ``GEMSLIB_STEP_GRAPHS``: "1" -> True,
+    "0" -> False, unset or empty -> "auto"."""
+    value = os.environ.get(STEP_GRAPHS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"gemslib: {STEP_GRAPHS_ENV} must be 1, 0 or unset, got {value!r}")
+    return {"": "auto", "0": False, "1": True}[value]
+
+
+def _outputs_bytes(gm: torch.fx.GraphModule) -> int | None:
+    """The bytes of ``gm``'s outputs, sum of numel x element size over its tensor outputs
+    (other outputs 0), read from the fake values dynamo keeps in each output node's meta;
+    None where that is not known at compile time (a symbolic size, a node without a value)."""
+    nodes: list[torch.fx.Node] = []
+    for output in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(output.args, nodes.append)
+    total = 0
+    for node in nodes:
+        if "example_value" in node.meta:
+            value = node.meta["example_value"]
+        elif "val" in node.meta:
+            value = node.meta["val"]
+        else:
+            return None
+        for leaf in torch.utils._pytree.tree_leaves(value):
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if not all(isinstance(size, int) for size in leaf.shape):
+                return None
+            total += leaf.numel() * leaf.element_size()
+    return total
 
 
 def _trains(example_inputs) -> bool:

@@ -1,6 +1,8 @@
 """A compiled step replayed from a CUDA graph of its own: the backend's lean alternative to
 inductor's CUDA-graph trees for a graph called over and over with one signature (a decode
-step), behind the backend option ``gemslib.step_graphs`` (``GEMSLIB_STEP_GRAPHS=1``).
+step), behind the backend option ``gemslib.step_graphs``: by default (``"auto"``) taken for a
+graph whose outputs are small (``backend.AUTO_OUTPUT_BYTES``), since each replay copies them;
+``GEMSLIB_STEP_GRAPHS=1`` / ``0`` takes it always / never.
 
 Per call the trees run a few hundred microseconds of Python (docs/notes/decode.md, the
 step's host part); a :class:`StepGraph` runs one pointer check, one copy of the inputs that

@@ -62,8 +62,17 @@ def test_a_tiny_decode_runs_each_way_in_its_own_process_with_the_gemslib_fusions
     from gemslib import runtime
 
     assert f"- static-gemslib: tune config {runtime.config_path().name}; decode_gemv " \
-        in markdown and "step graphs off" in markdown, markdown
+        in markdown and f"- static-gemslib: {decode.gemslib_settings()}" in markdown, markdown
     assert markdown.count("\n| static-gemslib | ") == 1
+
+
+@pytest.mark.parametrize("value, said", [("1", "on"), ("0", "off"), (None, "auto")])
+def test_the_gemslib_row_says_the_step_graphs_default(value, said, monkeypatch):
+    if value is None:
+        monkeypatch.delenv("GEMSLIB_STEP_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", value)
+    assert decode.gemslib_settings().endswith(f"; step graphs {said}")
 
 
 def test_static_ways_without_module_guards_compute_what_the_guarded_ones_do():

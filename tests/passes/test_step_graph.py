@@ -3,6 +3,7 @@ backend option gemslib.step_graphs). On the CPU the graph is a stand-in that rer
 on the captured inputs and rewrites the captured outputs, as a replay does; the GPU test
 compiles a module with the option and checks it against eager."""
 
+import importlib
 import logging
 
 import pytest
@@ -218,8 +219,8 @@ def test_a_symbolic_size_or_a_tensor_off_the_gpu_is_refused_before_any_capture(g
 def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(made):
     """With gemslib.step_graphs and CUDA graphs on, a GPU inference graph runs in a StepGraph
     (captured after its warm-up calls, then replayed) and gives eager's answers call after
-    call; a CPU graph keeps inductor's path (no StepGraph); a value that is not a bool is
-    refused, naming the option."""
+    call; a CPU graph keeps inductor's path (no StepGraph); a value that is not True, False
+    or "auto" is refused, naming the option."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU()).to(DEVICE)
     options = {"gemslib.step_graphs": True, "triton.cudagraphs": True}
     torch._dynamo.reset()
@@ -241,6 +242,77 @@ def test_the_backend_replays_an_inference_graph_from_its_own_cuda_graph(made):
     with pytest.raises(Exception, match="gemslib.step_graphs"):
         torch.compile(model, backend="gemslib",
                       options={"gemslib.step_graphs": "yes", "triton.cudagraphs": True})(x)
+    torch._dynamo.reset()
+
+
+def _backend_module():
+    return importlib.import_module("gemslib.passes.backend")  # the package's name is the function's
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("", "auto"),
+                                             (None, "auto")])
+def test_the_environment_gives_the_step_graphs_default(value, expected, monkeypatch):
+    """GEMSLIB_STEP_GRAPHS: "1" -> True, "0" -> False, unset or empty -> "auto"; any other
+    value is refused, naming the variable."""
+    backend = _backend_module()
+    if value is None:
+        monkeypatch.delenv("GEMSLIB_STEP_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", value)
+    default = backend.step_graphs_default()
+    assert type(default) is type(expected) and default == expected
+    monkeypatch.setenv("GEMSLIB_STEP_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="GEMSLIB_STEP_GRAPHS"):
+        backend.step_graphs_default()
+
+
+@pytest.mark.parametrize("value", ["on", 1, None])
+def test_the_step_graphs_option_takes_true_false_or_auto_only(value):
+    backend = _backend_module()
+    gm = torch.fx.symbolic_trace(torch.nn.SiLU())
+    with pytest.raises(ValueError, match="gemslib.step_graphs.*'auto'"):
+        backend.backend(gm, [torch.randn(2)], options={"gemslib.step_graphs": value})
+
+
+def test_the_outputs_bytes_are_read_from_the_output_nodes_values():
+    """Sum of numel x element size over the tensor outputs; None where a tensor output has
+    no value (a graph not traced by dynamo) or a symbolic size."""
+    backend = _backend_module()
+    gm = torch.fx.symbolic_trace(lambda x: (x + 1, x.sum()))
+    assert backend._outputs_bytes(gm) is None
+    first, second = gm.graph.find_nodes(op="output")[0].args[0]
+    first.meta["example_value"] = torch.empty(3, 4, dtype=torch.bfloat16)
+    second.meta["val"] = 7  # not a tensor: no bytes
+    assert backend._outputs_bytes(gm) == 3 * 4 * 2
+    size = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
+    second.meta["val"] = torch.empty(size, device="meta")
+    assert backend._outputs_bytes(gm) is None
+
+
+@pytest.mark.parametrize("case", ["small", "large", "dynamic"])
+def test_auto_gives_a_step_graph_to_small_outputs_of_static_sizes_only(case, graphs, made,
+                                                                       monkeypatch):
+    """With the option at its default ("auto"), CUDA graphs on and the graph taken as on the
+    GPU: outputs of static sizes totalling at most AUTO_OUTPUT_BYTES (here 16 x 64 fp32, 4096
+    bytes, the bound set to that) get a StepGraph; one byte over the bound, or sizes
+    symbolic at compile time (dynamic=True), keep inductor's path. Each call eager's."""
+    backend = _backend_module()
+    monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.delenv("GEMSLIB_STEP_GRAPHS", raising=False)
+    monkeypatch.setattr(backend, "AUTO_OUTPUT_BYTES", 16 * 64 * 4 - (case == "large"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="gemslib", dynamic=case == "dynamic",
+                             options={"triton.cudagraphs": True})
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(16, 64)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    if case == "small":
+        assert len(made) == 1 and made[0].unsafe is None
+        assert len(graphs) == 1 and graphs[0].replays == 4 - step_graph.WARMUP_CALLS
+    else:
+        assert not made and not graphs
     torch._dynamo.reset()
 
 
