@@ -28,7 +28,14 @@ def test_device_names_normalize(name, expected):
     assert runtime.normalize_device_name(name) == expected
 
 
-@pytest.mark.parametrize("filename", ["default.yaml", "nvidia_h200.yaml"])
+SHIPPED_FILES = sorted(p.name for p in runtime.shipped_configs_dir().glob("*.yaml"))
+
+
+def test_the_shipped_files_are_the_defaults_and_the_tuned_gpus():
+    assert {"default.yaml", "nvidia_h100_80gb_hbm3.yaml", "nvidia_h200.yaml"} <= set(SHIPPED_FILES)
+
+
+@pytest.mark.parametrize("filename", SHIPPED_FILES)
 def test_shipped_configs_cover_every_kernel_with_matching_tunables(filename):
     path = runtime.shipped_configs_dir() / filename
     config = runtime.load_tune_config(path)
@@ -44,6 +51,20 @@ def test_shipped_configs_cover_every_kernel_with_matching_tunables(filename):
             # a shipped file fixes one config per bucket: no operator times candidates on its
             # first call
             assert not bucket.autotune, f"{bucket.where} autotunes"
+
+
+@pytest.mark.parametrize("filename", SHIPPED_FILES)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_every_shipped_file_runs_16_bit_attention_on_16_bit_tiles(filename, head_dim):
+    """A 16-bit prefill at each model head dim reaches an attention-forward bucket bounded to
+    16-bit inputs, never the catch-all of fp32's small tiles (at D256 those compile without
+    wgmma and ran at 4.3x SDPA's time on the H100)."""
+    config = runtime.load_tune_config(runtime.shipped_configs_dir() / filename)
+    shape = {"head_dim": head_dim, "causal": 1, "elem_bytes": 2, "seq_q": 4096, "seq_kv": 4096}
+    bucket = next(b for b in config.ops["attention"]["attention_fwd"] if b.matches(shape))
+    assert bucket.max is not None and head_dim <= bucket.max["head_dim"], bucket.where
+    if filename != "default.yaml":  # default.yaml's D64/D128 rows serve any dtype
+        assert bucket.max.get("elem_bytes") == 2, bucket.where
 
 
 def test_config_file_follows_the_device_name():
