@@ -12,7 +12,8 @@ on (``mode="reduce-overhead"`` or ``triton.cudagraphs``), ``gemslib.step_graphs`
 inference graph on the GPU from a CUDA graph of gemslib's own instead of inductor's trees
 (``gemslib.passes.step_graph``: less host time a call, a copy of each output): True always,
 False never, ``"auto"`` (the default; ``GEMSLIB_STEP_GRAPHS=1`` / ``0`` gives True / False)
-only where the graph's outputs have static sizes totalling at most ``AUTO_OUTPUT_BYTES``.
+only where the graph's outputs have static sizes totalling at most ``AUTO_OUTPUT_BYTES`` and
+none of them is a view of an input.
 
 A warm compile (one inductor's FX graph cache or AOTAutograd's cache serves) skips the
 passes. What the passes did besides editing the graph is therefore written beside inductor's
@@ -96,7 +97,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None,
         not _trains(example_inputs) and _on_cuda(example_inputs)
     if own_graph and step_graphs == "auto":
         size = _outputs_bytes(gm)
-        own_graph = size is not None and size <= AUTO_OUTPUT_BYTES
+        own_graph = size is not None and size <= AUTO_OUTPUT_BYTES and \
+            not _outputs_alias_inputs(gm)
     if own_graph:
         patches["triton.cudagraphs"] = False
 
@@ -158,6 +160,24 @@ def _outputs_bytes(gm: torch.fx.GraphModule) -> int | None:
                 return None
             total += leaf.numel() * leaf.element_size()
     return total
+
+
+def _outputs_alias_inputs(gm: torch.fx.GraphModule) -> bool:
+    """Whether an output of ``gm`` shares its storage with an input (a view of a parameter,
+    a buffer or an argument), read from dynamo's fake values: a step graph refuses such an
+    output at its capture and then runs without a CUDA graph, where the trees handle it."""
+    def storages(nodes):
+        for node in nodes:
+            value = node.meta.get("example_value", node.meta.get("val"))
+            for leaf in torch.utils._pytree.tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    yield leaf.untyped_storage()._cdata
+
+    outputs: list[torch.fx.Node] = []
+    for output in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(output.args, outputs.append)
+    inputs = set(storages(gm.graph.find_nodes(op="placeholder")))
+    return any(storage in inputs for storage in storages(outputs))
 
 
 def _trains(example_inputs) -> bool:

@@ -289,18 +289,30 @@ def test_the_outputs_bytes_are_read_from_the_output_nodes_values():
     assert backend._outputs_bytes(gm) is None
 
 
-@pytest.mark.parametrize("case", ["small", "large", "dynamic"])
+class _LinearAndItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.linear(x)), x[:1]
+
+
+@pytest.mark.parametrize("case", ["small", "large", "dynamic", "alias"])
 def test_auto_gives_a_step_graph_to_small_outputs_of_static_sizes_only(case, graphs, made,
                                                                        monkeypatch):
     """With the option at its default ("auto"), CUDA graphs on and the graph taken as on the
     GPU: outputs of static sizes totalling at most AUTO_OUTPUT_BYTES (here 16 x 64 fp32, 4096
-    bytes, the bound set to that) get a StepGraph; one byte over the bound, or sizes
-    symbolic at compile time (dynamic=True), keep inductor's path. Each call eager's."""
+    bytes, the bound set to that) get a StepGraph; one byte over the bound, sizes symbolic
+    at compile time (dynamic=True), or an output that is a view of an input (which a step
+    graph refuses at its capture) keep inductor's path. Each call eager's."""
     backend = _backend_module()
     monkeypatch.setattr(backend, "_on_cuda", lambda example_inputs: True)
     monkeypatch.delenv("GEMSLIB_STEP_GRAPHS", raising=False)
-    monkeypatch.setattr(backend, "AUTO_OUTPUT_BYTES", 16 * 64 * 4 - (case == "large"))
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU())
+    monkeypatch.setattr(backend, "AUTO_OUTPUT_BYTES",
+                        17 * 64 * 4 if case == "alias" else 16 * 64 * 4 - (case == "large"))
+    model = _LinearAndItsInput() if case == "alias" else \
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.SiLU())
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="gemslib", dynamic=case == "dynamic",
                              options={"triton.cudagraphs": True})
