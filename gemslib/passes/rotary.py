@@ -388,6 +388,82 @@ def _normed_heads(node):
     return x, weight, eps, offset, [*chain, node, norm]
 
 
-# the cache write first: a decode step's rotary keeps its write, its norms then join it
-GRAPH_REWRITES = (GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),
+def _partial_heads(node, rot_dim: int):
+    """X when ``node`` is ``permute(X[..., :rot_dim], [0, 2, 1, 3])`` of a 4-d X (B, H, S, D)
+    with D > rot_dim, that permute read by nothing else; else None."""
+    aten = torch.ops.aten
+    if node is None or node.target is not aten.permute.default or \
+            list(node.args[1]) != [0, 2, 1, 3] or len(live_users(node)) != 1:
+        return None
+    rotated = node.args[0]
+    if not isinstance(rotated, torch.fx.Node) or rotated.target is not aten.slice.Tensor:
+        return None
+    heads = rotated.args[0]
+    value = heads.meta.get("val") if isinstance(heads, torch.fx.Node) else None
+    if value is None or value.dim() != 4 or not isinstance(value.shape[3], int) or \
+            value.shape[3] <= rot_dim or slice_bounds(rotated) != (3, 0, rot_dim, 1):
+        return None
+    return heads
+
+
+def _rejoined(rotated, heads, rot_dim: int):
+    """The ``cat`` when ``rotated`` (one output of a rotary, (B, S, H, rot_dim)) is read only
+    by its transpose back, read only by ``cat([that, heads[..., rot_dim:]], -1)``; else None."""
+    aten = torch.ops.aten
+    back = only_live_user(rotated) if rotated is not None else None
+    if back is None or back.target is not aten.permute.default or \
+            list(back.args[1]) != [0, 2, 1, 3]:
+        return None
+    cat = only_live_user(back)
+    if cat is None or cat.target is not aten.cat.default or len(cat.args[0]) != 2 or \
+            cat.args[0][0] is not back:
+        return None
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    rest = cat.args[0][1]
+    if dim not in (-1, 3) or not isinstance(rest, torch.fx.Node) or \
+            rest.target is not aten.slice.Tensor or rest.args[0] is not heads:
+        return None
+    size = heads.meta["val"].shape[3]
+    return cat if slice_bounds(rest) == (3, rot_dim, size, 1) else None
+
+
+def _fuse_partial_rotary(graph: torch.fx.Graph, real_value) -> list[str]:
+    """A partial rotary as transformers writes it (StableLM, GPT-NeoX, Phi, Persimmon,
+    Nemotron): ``q_rot, k_rot = rotary(q[..., :R], k[..., :R])`` then
+    ``cat((q_rot, q[..., R:]), -1)`` and k's alike, R the table's rot_dim < D -> gemslib's
+    rotary over the whole heads, which rotates the first R features and passes the rest
+    through: the two concatenations (a copy of q and of k) are gone, and a decode step's
+    rotated k is then the cache's update as it is for a full rotary (``rotary_into_cache``)."""
+    aten, sites = torch.ops.aten, []
+    for rotary in graph.find_nodes(op="call_function", target=torch.ops.gemslib.rotary.default):
+        first, second, cos, sin, positions, interleaved, inverse = rotary.args
+        table = cos.meta["val"]
+        rot_dim = table.shape[-1] if table.dim() == 3 else 2 * table.shape[-1]
+        if not isinstance(rot_dim, int):
+            continue
+        heads = [_partial_heads(node, rot_dim) for node in (first, second)]
+        if None in heads:
+            continue
+        outputs = {user.args[1]: user for user in rotary.users
+                   if user.target is operator.getitem and live_users(user)}
+        cats = [_rejoined(outputs.get(which), heads[which], rot_dim) for which in (0, 1)]
+        if None in cats:
+            continue
+        with graph.inserting_before(rotary):
+            whole = [call_node(graph, aten.permute.default, x, [0, 2, 1, 3]) for x in heads]
+            fused = call_node(graph, torch.ops.gemslib.rotary.default, *whole, cos, sin,
+                              positions, interleaved, inverse)
+            for which, cat in enumerate(cats):
+                rotated = call_node(graph, operator.getitem, fused, which)
+                cat.replace_all_uses_with(
+                    call_node(graph, aten.permute.default, rotated, [0, 2, 1, 3]))
+        sites.append(f"{rotary.name}: rot_dim {rot_dim} of {heads[0].meta['val'].shape[3]}")
+    return sites
+
+
+# a partial rotary over whole heads first (its rotated k then goes into the cache like a full
+# one's); the cache write next: a decode step's rotary keeps its write, its norms then join it
+GRAPH_REWRITES = (GraphRewrite("rotary_partial", _fuse_partial_rotary, after_patterns=True,
+                               stage=-1),
+                  GraphRewrite("rotary_into_cache", _fuse_cache_writes, after_patterns=True),
                   GraphRewrite("rotary_qk_norm", _fuse_qk_norms, after_patterns=True))

@@ -392,13 +392,17 @@ def test_the_rotary_is_matched_before_the_norms_after_it():
 # interleaved partial rotary, chunked gate/up), Cohere (LayerNorm, a parallel block: one
 # projection for q, k, v, gate and up; the interleaved rotary), Gemma (its (1 + w) norm
 # computed in fp32, fused with weight_offset 1, and its GELU MLP), OLMo-2 (norms after each
-# sublayer, q and k normed whole), Gemma-3 (Gemma-2's norms and per-head q/k norms)
+# sublayer, q and k normed whole), Gemma-3 (Gemma-2's norms and per-head q/k norms),
+# StableLM and GPT-NeoX (a quarter of each head rotated, the rest concatenated back)
 _OTHER_FAMILIES = {
+    "stablelm": {"merged_linear": 4, "rotary": 2, "rotary_partial": 2, "attention": 2,
+                 "silu_and_mul": 2},
+    "gpt_neox": {"rotary": 2, "rotary_partial": 2, "attention": 2},
     "phi3": {"rms_norm": 1, "add_rms_norm": 4, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "qwen3": {**_decoder_fusions(2), "rms_norm": 5, "rotary_qk_norm": 2},
     "hunyuan_v1_dense": {**_decoder_fusions(2), "rms_norm": 5},
-    "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2, "attention": 2,
-            "silu_and_mul": 2},
+    "glm": {"rms_norm": 1, "add_rms_norm": 4, "merged_linear": 2, "rotary": 2,
+            "rotary_partial": 2, "attention": 2, "silu_and_mul": 2},
     "cohere": {"merged_linear": 2, "rotary": 2, "attention": 2, "silu_and_mul": 2},
     "gemma": {"merged_linear": 4, "rotary": 2, "attention": 2, "add_rms_norm": 4, "rms_norm": 1,
               "gelu_and_mul": 2},

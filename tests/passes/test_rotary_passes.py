@@ -109,7 +109,8 @@ def test_look_alike_rotaries_are_left_alone_or_computed_exactly():
         expected = _look_alikes(q, k, cos, sin, wide_cos, wide_sin)
         results = torch.compile(_look_alikes, backend="gemslib", fullgraph=True)(
             q, k, cos, sin, wide_cos, wide_sin)
-    assert gemslib.fusion_report() == {"rotary": 2}, gemslib.fusion_report()
+    # the partial rotary's concatenations are gone too: the op rotates whole heads
+    assert gemslib.fusion_report() == {"rotary": 2, "rotary_partial": 1}, gemslib.fusion_report()
     for name, want in expected.items():
         for got, wanted in zip(results[name], want):
             assert got.dtype == wanted.dtype and got.shape == wanted.shape, name
@@ -190,12 +191,62 @@ def test_the_check_alone_refuses_every_other_computation():
 # --------------------------------------------------------------------------------------------
 
 
+def _partial_rotaries(q, k, cos, sin):
+    """A rotary over the first 8 of each head's 16 features, the rest concatenated back, as
+    models write it, and look-alikes of that concatenation that are other computations (or
+    keep the rotated half for another reader)."""
+    q_half, k_half = _rope(q[..., :8], k[..., :8], cos[..., :8], sin[..., :8])
+    return {
+        "partial rotary": (torch.cat((q_half, q[..., 8:]), -1), torch.cat((k_half, k[..., 8:]), -1)),
+        "the rest of another tensor": (torch.cat((q_half, (q + 1)[..., 8:]), -1),
+                                       torch.cat((k_half, (k + 1)[..., 8:]), -1)),
+        "the rest from further on": (torch.cat((q_half, q[..., 10:]), -1),
+                                     torch.cat((k_half, k[..., 10:]), -1)),
+        "the rest first": (torch.cat((q[..., 8:], q_half), -1), torch.cat((k[..., 8:], k_half), -1)),
+        "the rotated half read again": (torch.cat((q_half, q[..., 8:]), -1),
+                                        torch.cat((k_half, k[..., 8:]), -1), q_half.sum()),
+    }
+
+
+@pytest.mark.parametrize("form", ["partial rotary", "the rest of another tensor",
+                                  "the rest from further on", "the rest first",
+                                  "the rotated half read again"])
+def test_a_partial_rotary_becomes_one_rotary_over_whole_heads_only_in_its_own_form(form):
+    """``cat((rotary(q[..., :R]), q[..., R:]), -1)`` and k's alike (StableLM, GPT-NeoX, Phi,
+    Persimmon, Nemotron) -> one rotary over the whole heads, which passes features past R
+    through; a concatenation of anything else, or a rotated half another op reads, stays as
+    it is. Every form gives eager's result."""
+    torch._dynamo.reset()
+    gemslib.reset_fusion_report()
+    q = random_tensor((2, 4, 5, 16), torch.float32, scale=1.0)
+    k = random_tensor((2, 2, 5, 16), torch.float32, scale=1.0)
+    angles = torch.rand(2, 5, 16, device=DEVICE) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+
+    def step(q, k, cos, sin):
+        return _partial_rotaries(q, k, cos, sin)[form]
+
+    with torch.no_grad():
+        expected = step(q, k, cos, sin)
+        got = torch.compile(step, backend="gemslib", fullgraph=True)(q, k, cos, sin)
+    assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    assert gemslib.fusion_report().get("rotary_partial", 0) == (form == "partial rotary"), \
+        gemslib.fusion_report()
+    for got_tensor, want in zip(got, expected):
+        torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
+
+
 def _cache_step(q, k, v, cos, sin, k_cache, v_cache, positions, mask, form="static cache"):
     """A decode step as transformers' static cache writes it: q, k (B, H, S, D) rotated by a
     per-token table (B, S, D), k and v written into (B, H, L, D) caches at rows ``positions``
     (in place: graph inputs copied back), and attention over the caches under a mask.
     ``form``: the step itself, or a look-alike the rewrite must leave alone."""
-    q_rot, k_rot = _rope(q, k, cos, sin)
+    if form == "partial rotary":  # the first half of each head rotated, the rest passed on
+        half = q.shape[-1] // 2
+        q_half, k_half = _rope(q[..., :half], k[..., :half], cos[..., :half], sin[..., :half])
+        q_rot, k_rot = torch.cat((q_half, q[..., half:]), -1), torch.cat((k_half, k[..., half:]), -1)
+    else:
+        q_rot, k_rot = _rope(q, k, cos, sin)
     k_cache[:, :, positions] = k_rot
     v_cache[:, :, positions if form != "v at other rows" else positions.flip(0)] = v
     if form == "k written with accumulation":
@@ -220,8 +271,8 @@ def _cache_step_inputs():
             torch.tensor([4, 2, 7], device=DEVICE), mask)
 
 
-_CACHE_STEP_FORMS = {"static cache": 1, "v at other rows": 0, "rotated k read again": 0,
-                     "k written with accumulation": 0}
+_CACHE_STEP_FORMS = {"static cache": 1, "partial rotary": 1, "v at other rows": 0,
+                     "rotated k read again": 0, "k written with accumulation": 0}
 
 
 @pytest.mark.parametrize("form", sorted(_CACHE_STEP_FORMS))
@@ -246,6 +297,7 @@ def test_a_static_cache_update_goes_into_the_rotary_launch(form):
     fused = _CACHE_STEP_FORMS[form]
     assert gemslib.fusion_report().get("rotary_into_cache", 0) == fused, gemslib.fusion_report()
     assert gemslib.fusion_report().get("rotary") == 1, gemslib.fusion_report()
+    assert gemslib.fusion_report().get("rotary_partial", 0) == (form == "partial rotary")
     for got_tensor, want in zip(torch.utils._pytree.tree_leaves(got),
                                 torch.utils._pytree.tree_leaves(expected)):
         torch.testing.assert_close(got_tensor, want, rtol=1e-5, atol=1e-5)
