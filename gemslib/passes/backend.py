@@ -138,27 +138,36 @@ def step_graphs_default() -> bool | str:
     return {"": "auto", "0": False, "1": True}[value]
 
 
+def _output_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    nodes: list[torch.fx.Node] = []
+    for output in gm.graph.find_nodes(op="output"):
+        torch.fx.node.map_arg(output.args, nodes.append)
+    return nodes
+
+
+_UNKNOWN = object()
+
+
+def _tensor_values(node: torch.fx.Node):
+    """The fake tensors dynamo keeps in ``node``'s meta (its value's tensor leaves), or
+    ``[_UNKNOWN]`` where the node has no value."""
+    value = node.meta.get("example_value", node.meta.get("val", _UNKNOWN))
+    if value is _UNKNOWN:
+        return [_UNKNOWN]
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(value)
+            if isinstance(leaf, torch.Tensor)]
+
+
 def _outputs_bytes(gm: torch.fx.GraphModule) -> int | None:
     """The bytes of ``gm``'s outputs, sum of numel x element size over its tensor outputs
     (other outputs 0), read from the fake values dynamo keeps in each output node's meta;
     None where that is not known at compile time (a symbolic size, a node without a value)."""
-    nodes: list[torch.fx.Node] = []
-    for output in gm.graph.find_nodes(op="output"):
-        torch.fx.node.map_arg(output.args, nodes.append)
     total = 0
-    for node in nodes:
-        if "example_value" in node.meta:
-            value = node.meta["example_value"]
-        elif "val" in node.meta:
-            value = node.meta["val"]
-        else:
-            return None
-        for leaf in torch.utils._pytree.tree_leaves(value):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if not all(isinstance(size, int) for size in leaf.shape):
+    for node in _output_nodes(gm):
+        for value in _tensor_values(node):
+            if value is _UNKNOWN or not all(isinstance(size, int) for size in value.shape):
                 return None
-            total += leaf.numel() * leaf.element_size()
+            total += value.numel() * value.element_size()
     return total
 
 
@@ -167,17 +176,10 @@ def _outputs_alias_inputs(gm: torch.fx.GraphModule) -> bool:
     a buffer or an argument), read from dynamo's fake values: a step graph refuses such an
     output at its capture and then runs without a CUDA graph, where the trees handle it."""
     def storages(nodes):
-        for node in nodes:
-            value = node.meta.get("example_value", node.meta.get("val"))
-            for leaf in torch.utils._pytree.tree_leaves(value):
-                if isinstance(leaf, torch.Tensor):
-                    yield leaf.untyped_storage()._cdata
+        return {value.untyped_storage()._cdata for node in nodes
+                for value in _tensor_values(node) if value is not _UNKNOWN}
 
-    outputs: list[torch.fx.Node] = []
-    for output in gm.graph.find_nodes(op="output"):
-        torch.fx.node.map_arg(output.args, outputs.append)
-    inputs = set(storages(gm.graph.find_nodes(op="placeholder")))
-    return any(storage in inputs for storage in storages(outputs))
+    return bool(storages(_output_nodes(gm)) & storages(gm.graph.find_nodes(op="placeholder")))
 
 
 def _trains(example_inputs) -> bool:
