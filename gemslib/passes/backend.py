@@ -228,12 +228,23 @@ def _record_path(gm, example_inputs, passes: GemslibPasses, patches) -> Path:
 
     digest = hashlib.sha256()
     for part in (gm.code, _inputs_metadata(example_inputs), passes.uuid(), torch.__version__,
-                 repr(torch.is_grad_enabled()),
-                 repr(sorted((k, repr(v)) for k, v in patches.items()
-                             if k != "post_grad_custom_post_pass"))):
+                 repr(torch.is_grad_enabled()), repr(_settings_changed(patches))):
         digest.update(str(part).encode())
         digest.update(b"\0")
     return Path(cache_dir()) / "gemslib" / f"{digest.hexdigest()}.json"
+
+
+def _settings_changed(patches) -> list[tuple[str, str]]:
+    """The inductor settings ``patches`` change from those in force, sorted: inductor's own key
+    reads the settings a compile runs with, so a patch that restates one (the step graph's
+    ``triton.cudagraphs=False`` in a process whose default is False) must name the same
+    compile, or a compile inductor's cache serves finds no record to replay."""
+    import torch._inductor.config as inductor_config
+
+    in_force = inductor_config.get_config_copy()
+    missing = object()
+    return sorted((key, repr(value)) for key, value in patches.items()
+                  if key != "post_grad_custom_post_pass" and in_force.get(key, missing) != value)
 
 
 def _inputs_metadata(example_inputs) -> list[str]:

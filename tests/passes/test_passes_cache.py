@@ -142,3 +142,45 @@ def test_an_option_switches_its_fusion_and_reaches_only_the_passes(on):
         gemslib.fusion_report()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_record_is_named_by_the_settings_a_compile_changes_not_by_those_it_restates():
+    """Inductor's key reads the settings a compile runs with; the record's name must too, or a
+    compile that restated a default (the step graph's ``triton.cudagraphs=False``) leaves a
+    record that a later compile, served from that entry, cannot find."""
+    import torch._inductor.config as inductor_config
+    from gemslib.passes.backend import _record_path
+
+    graph = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    inputs = [torch.randn(2, 4)]
+    passes = passes_for({})
+    in_force = inductor_config.get_config_copy()
+    named = _record_path(graph, inputs, passes, {"shape_padding": False})
+    assert named == _record_path(graph, inputs, passes, {
+        "shape_padding": False, "triton.cudagraphs": in_force["triton.cudagraphs"],
+        "post_grad_custom_post_pass": passes})
+    assert named != _record_path(graph, inputs, passes, {
+        "shape_padding": False, "triton.cudagraphs": not in_force["triton.cudagraphs"]})
+    assert named != _record_path(graph, inputs, passes, {})
+
+
+def test_a_compile_served_from_a_cache_entry_another_compile_restating_a_default_made():
+    """The second compile of the same graph, with the first's options restating inductor's
+    defaults, is served by inductor's cache and still reports the fusions the passes made."""
+    from torch._dynamo.utils import counters
+
+    module = _TwoProjections().eval()
+    x = torch.randn(4, 16, device=DEVICE)
+    restating = {"triton.cudagraphs": False, "shape_padding": False, "size_asserts": False}
+    reports = []
+    counters.clear()
+    with torch.no_grad():
+        for options in (restating, {"shape_padding": False}):
+            torch._dynamo.reset()
+            gemslib.reset_fusion_report()
+            torch.compile(module, backend="gemslib", fullgraph=True, options=options)(x)
+            reports.append(gemslib.fusion_report())
+    served = counters["inductor"]["fxgraph_cache_hit"] + \
+        counters["aot_autograd"]["autograd_cache_hit"]
+    assert served > 0, dict(counters)
+    assert reports == [{"merged_linear": 1}] * 2, reports
