@@ -50,14 +50,15 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel serves
 
 
 @triton.jit
-def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s,
-                   k_desc, v_desc, i_b, i_hkv,
+def _attend_blocks(b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
+                   stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b, i_hkv,
                    o_m, key_start, key_end, seq_kv, head_dim, head_dim_v, scale_log2,
                    window, cap_log2,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
                    TMA: tl.constexpr, LAZY: tl.constexpr, WINDOW: tl.constexpr,
                    SOFTCAP: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_DT: tl.constexpr):
     """Fold keys [key_start, key_end) into the running (b_acc, b_row_max, b_row_sum) of the
     query rows o_m; b_row_max is in log2 units. p_k / p_v point at the KV head's K and V.
     MASKED blocks check key bounds (and causality, the sliding window's left edge with
@@ -65,9 +66,13 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
     cap_log2 = cap * log2(e)); the others need no mask. With LAZY,
     unmasked blocks rescale only when a row's maximum has grown by more than 2^8.
     With TMA, K and V blocks come through tensor descriptors at batch i_b and KV head i_hkv
-    (Hopper's bulk copies; rows and features past the tensor's end read as zeros)."""
+    (Hopper's bulk copies; rows and features past the tensor's end read as zeros).
+    With SPLIT (D == Dv), features [BLOCK_D, BLOCK_D + BLOCK_DT) are a second column tile:
+    b_q_t and b_acc_t hold them, K's and V's come through ``*_tail_desc`` or pointers, and
+    the scores sum both tiles' products; without it b_q_t and b_acc_t are unused."""
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
+    o_t = BLOCK_D + tl.arange(0, BLOCK_DT)
     for i_n in range(key_start, key_end, BLOCK_N):
         o_n = i_n + tl.arange(0, BLOCK_N)
         m_n = (o_n[None, :] < seq_kv) if MASKED else (o_n[None, :] >= 0)
@@ -80,6 +85,17 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
             b_qk = tl.dot(b_q, b_k, input_precision="ieee")
         else:
             b_qk = tl.dot(b_q, b_k)
+        if SPLIT:
+            if TMA:
+                b_k_t = tl.trans(k_tail_desc.load([i_b, i_hkv, i_n, BLOCK_D])
+                                 .reshape(BLOCK_N, BLOCK_DT))
+            else:
+                b_k_t = tl.load(p_k + o_n[None, :] * stride_k_s + o_t[:, None],
+                                mask=m_n & (o_t[:, None] < head_dim), other=0.0)
+            if IEEE:
+                b_qk = tl.dot(b_q_t, b_k_t, b_qk, input_precision="ieee")
+            else:
+                b_qk = tl.dot(b_q_t, b_k_t, b_qk)
         if MASKED:
             m_visible = m_n
             if CAUSAL:
@@ -104,6 +120,8 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
                 b_new_max = tl.maximum(b_row_max, b_block_max)
                 b_rescale = tl.exp2(b_row_max - b_new_max)
                 b_acc = b_acc * b_rescale[:, None]
+                if SPLIT:
+                    b_acc_t = b_acc_t * b_rescale[:, None]
                 b_row_sum = b_row_sum * b_rescale
                 b_row_max = b_new_max
             b_new_max = b_row_max
@@ -120,12 +138,23 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
         else:
             b_v = tl.load(p_v + o_n[:, None] * stride_v_s + o_dv[None, :],
                           mask=(o_n[:, None] < seq_kv) & (o_dv[None, :] < head_dim_v), other=0.0)
+        if SPLIT:
+            if TMA:
+                b_v_t = v_tail_desc.load([i_b, i_hkv, i_n, BLOCK_D]).reshape(BLOCK_N, BLOCK_DT)
+            else:
+                b_v_t = tl.load(p_v + o_n[:, None] * stride_v_s + o_t[None, :],
+                                mask=(o_n[:, None] < seq_kv) & (o_t[None, :] < head_dim_v),
+                                other=0.0)
         if LAZY and not MASKED:  # acc and row_sum are already on row_max's scale
             b_row_sum = b_row_sum + tl.sum(b_p, axis=1)
             if IEEE:
                 b_acc = tl.dot(b_p, b_v, b_acc, input_precision="ieee")
+                if SPLIT:
+                    b_acc_t = tl.dot(b_p, b_v_t, b_acc_t, input_precision="ieee")
             else:
                 b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc)
+                if SPLIT:
+                    b_acc_t = tl.dot(b_p.to(b_v.dtype), b_v_t, b_acc_t)
         else:
             # without a window every row sees key 0 in the first block it folds, so new_max is
             # finite from then on; with one, ref_max stands in for a row's -inf
@@ -133,10 +162,15 @@ def _attend_blocks(b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, strid
             b_row_sum = b_row_sum * b_rescale + tl.sum(b_p, axis=1)
             if IEEE:
                 b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p, b_v, input_precision="ieee")
+                if SPLIT:
+                    b_acc_t = b_acc_t * b_rescale[:, None] + tl.dot(b_p, b_v_t,
+                                                                    input_precision="ieee")
             else:
                 b_acc = b_acc * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+                if SPLIT:
+                    b_acc_t = b_acc_t * b_rescale[:, None] + tl.dot(b_p.to(b_v.dtype), b_v_t)
         b_row_max = b_new_max
-    return b_acc, b_row_max, b_row_sum
+    return b_acc, b_acc_t, b_row_max, b_row_sum
 
 
 @triton.jit
@@ -156,11 +190,12 @@ def _query_block(seq_q, n_q_heads, group_size, CAUSAL: tl.constexpr, BLOCK_M: tl
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
-    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2, window, cap_log2,
+    q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2, window, cap_log2,
     stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
     stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, stride_o_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
 ):
     """Grid (B * Hq * query blocks,) in layout.head_and_block's order. o (B, Hq, Sq, Dv) in
@@ -169,11 +204,16 @@ def _attention_fwd_kernel(
     key block goes through the masked path.
     TMA (the launcher's decision: the config asks for it with USE_TMA and the tensors' strides
     allow it): q, K, V and o move through the 4-d tensor descriptors ``*_desc``, whose blocks
-    are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used."""
+    are [1, 1, rows, BLOCK_D or BLOCK_DV]; otherwise they are None and pointers are used.
+    SPLIT (D == Dv, the launcher's choice for a head dim like 96): the features are two column
+    tiles, [0, BLOCK_D) and [BLOCK_D, BLOCK_D + BLOCK_DT) (64 + 32 for D96), rather than one
+    padded to a power of two; ``*_tail_desc`` address the second ([1, 1, rows, BLOCK_DT]) with
+    TMA."""
     i_bh, i_b, i_h, i_hkv, i_m = _query_block(seq_q, n_q_heads, group_size, CAUSAL, BLOCK_M)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
+    o_t = BLOCK_D + tl.arange(0, BLOCK_DT)
     p_q = q_ptr + i_b * stride_q_b + i_h * stride_q_h
     p_k = k_ptr + i_b * stride_k_b + i_hkv * stride_k_h
     p_v = v_ptr + i_b * stride_v_b + i_hkv * stride_v_h
@@ -184,8 +224,18 @@ def _attention_fwd_kernel(
         i_b32, i_h32, i_hkv32 = i_b, i_h, i_hkv  # unused
         b_q = tl.load(p_q + o_m[:, None] * stride_q_s + o_d[None, :],
                       mask=(o_m[:, None] < seq_q) & (o_d[None, :] < head_dim), other=0.0)
+    if SPLIT:
+        if TMA:
+            b_q_t = q_tail_desc.load([i_b32, i_h32, i_m * BLOCK_M, BLOCK_D]).reshape(
+                BLOCK_M, BLOCK_DT)
+        else:
+            b_q_t = tl.load(p_q + o_m[:, None] * stride_q_s + o_t[None, :],
+                            mask=(o_m[:, None] < seq_q) & (o_t[None, :] < head_dim), other=0.0)
+    else:
+        b_q_t = b_q  # unused
 
     b_acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    b_acc_t = tl.zeros([BLOCK_M, BLOCK_DT], dtype=tl.float32)  # unused without SPLIT
     b_row_max = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
     b_row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if CAUSAL:
@@ -200,30 +250,38 @@ def _attention_fwd_kernel(
         key_start = 0
         if WINDOW:
             key_start = (tl.maximum(i_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
-        b_acc, b_row_max, b_row_sum = _attend_blocks(
-            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
-            v_desc, i_b32, i_hkv32, o_m, key_start, key_end, seq_kv, head_dim, head_dim_v,
+        b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, key_start, key_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV)
+            BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
     else:
-        b_acc, b_row_max, b_row_sum = _attend_blocks(
-            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
-            v_desc, i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v,
+        b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, False, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV)
-        b_acc, b_row_max, b_row_sum = _attend_blocks(
-            b_acc, b_row_max, b_row_sum, b_q, p_k, p_v, stride_k_s, stride_v_s, k_desc,
-            v_desc, i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
+            BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
+        b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
+            b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
-            BLOCK_N, BLOCK_D, BLOCK_DV)
+            BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
 
     b_o = (b_acc / b_row_sum[:, None]).to(o_ptr.dtype.element_ty)
+    p_o = o_ptr + i_b * stride_o_b + i_h * stride_o_h
     if TMA:  # rows and features past o's end are not written
         o_desc.store([i_b32, i_h32, i_m * BLOCK_M, 0], b_o.reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
-        p_o = o_ptr + i_b * stride_o_b + i_h * stride_o_h
         tl.store(p_o + o_m[:, None] * stride_o_s + o_dv[None, :], b_o,
                  mask=(o_m[:, None] < seq_q) & (o_dv[None, :] < head_dim_v))
+    if SPLIT:
+        b_o_t = (b_acc_t / b_row_sum[:, None]).to(o_ptr.dtype.element_ty)
+        if TMA:
+            o_tail_desc.store([i_b32, i_h32, i_m * BLOCK_M, BLOCK_D],
+                              b_o_t.reshape(1, 1, BLOCK_M, BLOCK_DT))
+        else:
+            tl.store(p_o + o_m[:, None] * stride_o_s + o_t[None, :], b_o_t,
+                     mask=(o_m[:, None] < seq_q) & (o_t[None, :] < head_dim_v))
     b_lse = (b_row_max + tl.log2(b_row_sum)) * LN2
     tl.store(lse_ptr + i_bh.to(tl.int64) * seq_q + o_m, b_lse, mask=o_m < seq_q)
 
@@ -439,6 +497,10 @@ HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_
 # HOPPER_BACKWARD applies to a call without a causal mask (with one it does not pay: see
 # docs/notes/attention.md); switched off, dQ comes from the Triton kernel
 HOPPER_FUSED_DQ = runtime.KernelPath("attention", "dQ from the Gluon dK/dV kernel on sm_90")
+# the Triton forward's head dims between powers of two (96, 80, 40, 192) as two column tiles
+# rather than one padded tile (``column_tiles``)
+SPLIT_HEAD_DIM = runtime.KernelPath("attention", "head dims like 96 as two column tiles, "
+                                    "64 + 32, in the Triton forward")
 
 
 def heads_interleaved(batch: int, n_heads: int, seq: int, width: int, dtype: torch.dtype,
@@ -488,17 +550,22 @@ def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | Non
         return out.zero_(), lse.fill_(-float("inf"))
     # elem_bytes: fp32 inputs need smaller tiles than the 16-bit ones (shared memory)
     shape = (head_dim, int(causal), q.element_size(), seq_q, seq_kv)
-    block_d = max(16, runtime.next_power_of_2(head_dim))
-    block_dv = max(16, runtime.next_power_of_2(head_dim_v))
+    block_d, block_dt = column_tiles(head_dim, head_dim_v)
+    split = bool(block_dt)
+    block_dt = block_dt or 16  # a shape for the unused tail accumulator
+    block_dv = block_d if split else max(16, runtime.next_power_of_2(head_dim_v))
     config = ATTENTION_FWD.planned_config(shape)
     meta = config.meta_dict
     tma = bool(meta["USE_TMA"]) and _tma_ready(q, k, v, out)
     if tma:  # the descriptors' blocks follow the config, so the launch must use this one
-        descriptors = [TensorDescriptor.from_tensor(t, [1, 1, rows, cols]) for t, rows, cols in
-                       ((q, meta["BLOCK_M"], block_d), (k, meta["BLOCK_N"], block_d),
-                        (v, meta["BLOCK_N"], block_dv), (out, meta["BLOCK_M"], block_dv))]
+        blocks = [(q, meta["BLOCK_M"], block_d), (k, meta["BLOCK_N"], block_d),
+                  (v, meta["BLOCK_N"], block_dv), (out, meta["BLOCK_M"], block_dv)]
+        descriptors = [TensorDescriptor.from_tensor(t, [1, 1, rows, cols])
+                       for t, rows, cols in blocks]
+        descriptors += [TensorDescriptor.from_tensor(t, [1, 1, rows, block_dt]) if split
+                        else None for t, rows, _ in blocks]
     else:
-        descriptors, config = [None] * 4, None
+        descriptors, config = [None] * 8, None
     scale_log2 = scale * LOG2E.value
     # positional (TunedKernel.launch forwards them so), in the kernel's order: tensors and
     # descriptors; sizes and scale; strides; flags and blocks
@@ -509,8 +576,21 @@ def _launch_forward(q, k, v, causal: bool, scale: float, out: torch.Tensor | Non
         int(window), float(softcap) * LOG2E.value,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         causal, q.dtype == torch.float32, tma, bool(window), bool(softcap), block_d, block_dv,
-        shape=shape, config=config)
+        split, block_dt, shape=shape, config=config)
     return out, lse
+
+
+def column_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The forward's feature tiles (BLOCK_D, BLOCK_DT): one of the next power of two (tail 0),
+    or, with SPLIT_HEAD_DIM on and D == Dv, a power of two and a tail of at most half of it
+    where that pads less (D96: 64 + 32, not 128, a quarter less matmul work; D80: 64 + 16;
+    D40: 32 + 16; D192: 128 + 64)."""
+    padded = max(16, runtime.next_power_of_2(head_dim))
+    if not SPLIT_HEAD_DIM.on or head_dim != head_dim_v or head_dim <= 32 or padded == head_dim:
+        return padded, 0
+    block_d = padded // 2
+    block_dt = max(16, runtime.next_power_of_2(head_dim - block_d))
+    return (block_d, block_dt) if block_dt <= block_d // 2 else (padded, 0)
 
 
 def _launch_backward(grad_out, q, k, v, out, lse, grad_lse, causal: bool, scale: float,

@@ -6,7 +6,8 @@ take before the tuner has run on a card, and how far from SDPA the best one is.
     python -m benchmark.experiments.attention_tiles                      # D256, 16 heads
     python -m benchmark.experiments.attention_tiles --head-dim 96 --heads 32
 
-Causal, B1, bf16, at each ``--seqs``; each tile's output checked against SDPA's in fp32
+A head dim between powers of two (96) runs each tile as two column tiles (64 + 32) and as one
+padded tile (128), ``--split on|off|both`` (both by default). Causal, B1, bf16, at each ``--seqs``; each tile's output checked against SDPA's in fp32
 (max abs error printed), then timed (``triton.testing.do_bench``, median). A tile that does
 not compile or fit is printed as failed. Measured: docs/notes/attention.md.
 """
@@ -14,6 +15,7 @@ not compile or fit is printed as failed. Measured: docs/notes/attention.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--split", choices=("on", "off", "both"), default="both",
+                        help="the head dim as two column tiles, one padded tile, or each")
     args = parser.parse_args(argv)
+    splits = {"on": [True], "off": [False], "both": [True, False]}[args.split]
+    if not attention_ops.column_tiles(args.head_dim, args.head_dim)[1]:
+        splits = [True]  # a power of two (or too wide a tail): one way only
     if not torch.cuda.is_available():
         print("attention_tiles: needs a CUDA GPU")
         return 1
@@ -59,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         shipped_ms = triton.testing.do_bench(lambda: gemslib.attention(q, k, v, causal=True))
         print(f"S{seq}: SDPA {sdpa_ms * 1e3:.1f} us; gemslib with the shipped file "
               f"{shipped_ms * 1e3:.1f} us ({sdpa_ms / shipped_ms:.2f}x SDPA)", flush=True)
-        for tile in tiles():
+        for tile, split in ((tile, split) for tile in tiles() for split in splits):
             name = " ".join(f"{key}={value}" for key, value in tile.items())
+            if len(splits) > 1:
+                name += " " + ("split" if split else "padded")
+            way = contextlib.nullcontext() if split else \
+                attention_ops.SPLIT_HEAD_DIM.switched_off()
             try:
-                with attention_ops.ATTENTION_FWD.forced(_launch_config(tile)):
+                with attention_ops.ATTENTION_FWD.forced(_launch_config(tile)), way:
                     error = (gemslib.attention(q, k, v, causal=True).float()
                              - reference).abs().max().item()
                     ms = triton.testing.do_bench(

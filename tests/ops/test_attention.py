@@ -130,6 +130,69 @@ def test_both_load_paths_match_reference(use_tma, causal, dtype, lazy):
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
 
 
+def test_head_dims_between_powers_of_two_split_into_two_column_tiles():
+    """D96 as 64 + 32 (a quarter less matmul work than 128), D80 as 64 + 16; not where D != Dv, a power of two,
+    a tail wider than half the head tile or the switch off."""
+    tiles = attention_ops.column_tiles
+    assert [tiles(d, d) for d in (96, 80, 65, 40, 33, 192, 160)] == [
+        (64, 32), (64, 16), (64, 16), (32, 16), (32, 16), (128, 64), (128, 32)]
+    assert [tiles(d, d) for d in (64, 128, 112, 200, 24, 32, 8)] == [
+        (64, 0), (128, 0), (128, 0), (256, 0), (32, 0), (32, 0), (16, 0)]
+    assert tiles(96, 64) == (128, 0)
+    with attention_ops.SPLIT_HEAD_DIM.switched_off():
+        assert tiles(96, 96) == (128, 0)
+
+
+@pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("dim", [40, 80, 96])
+def test_split_head_dims_match_reference_on_both_load_paths(dim, dtype, causal, use_tma, lazy):
+    """The two column tiles (a tail that ends inside its tile at D40 and D80) give o and lse
+    of the float64 reference, and the same o as one padded tile, through pointers and
+    descriptors, ragged query and key blocks, GQA."""
+    q = random_tensor((2, 37, 4, dim), dtype, scale=1.0).transpose(1, 2)
+    k = random_tensor((2, 53, 2, dim), dtype, scale=1.0).transpose(1, 2)
+    v = random_tensor((2, 53, 2, dim), dtype, scale=1.0).transpose(1, 2)
+    assert attention_ops.column_tiles(dim, dim)[1] > 0 and attention_ops._tma_ready(q, k, v)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma),
+                                   ("LAZY", lazy)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, lse = attention_ops._launch_forward(q, k, v, causal, 0.2)
+        with attention_ops.SPLIT_HEAD_DIM.switched_off():
+            padded, _ = attention_ops._launch_forward(q, k, v, causal, 0.2)
+    expected, expected_lse = attention_ops.attention_reference(q.double(), k.double(), v.double(),
+                                                                causal, 0.2)
+    rtol = tolerance(dtype)["rtol"]
+    for got in (out, padded):
+        torch.testing.assert_close(got.double(), expected, rtol=rtol,
+                                   atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
+
+
+@pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", [(70, 70, 17, None), (70, 70, None, 2.0)], ids=str)
+def test_split_head_dims_with_a_window_or_a_cap_match_reference(case, use_tma):
+    """The masked path (every block) on two column tiles: D96 with a sliding window or a cap,
+    fp16."""
+    seq_q, seq_kv, window, softcap = case
+    q = random_tensor((1, seq_q, 4, 96), torch.float16, scale=1.0).transpose(1, 2)
+    k = random_tensor((1, seq_kv, 2, 96), torch.float16, scale=1.0).transpose(1, 2)
+    v = random_tensor((1, seq_kv, 2, 96), torch.float16, scale=1.0).transpose(1, 2)
+    config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", use_tma),
+                                   ("LAZY", 0)), 4, 1)
+    with attention_ops.ATTENTION_FWD.forced(config):
+        out, lse = attention_ops._attention_impl(q, k, v, True, 0.5, window or 0,
+                                                 softcap or 0.0)
+    expected, expected_lse = attention_ops.attention_reference(
+        q.double(), k.double(), v.double(), True, 0.5, window or 0, softcap or 0.0)
+    rtol = tolerance(torch.float16)["rtol"]
+    torch.testing.assert_close(out.double(), expected, rtol=rtol,
+                               atol=rtol * v.abs().max().item())
+    assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=seq_kv)
+
+
 # sliding windows and soft-capping (Sq, Skv, window, softcap): a window inside one key block,
 # across several, of 1 (each row its own key), wider than the sequence (no-op), more queries
 # than keys
@@ -219,14 +282,16 @@ def test_banded_calls_are_checked():
                                    expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [32, 96], ids=["one_tile", "two_tiles"])
 @pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
-def test_scores_that_grow_along_the_keys(lazy):
+def test_scores_that_grow_along_the_keys(lazy, dim):
     """Keys scaled up along the sequence: each block's maxima pass the running ones, by less
-    than 2^8 in some blocks (kept stale by the lazy form) and by more in others (rescaled)."""
-    q = random_tensor((1, 2, 40, 32), torch.float32, scale=1.0)
+    than 2^8 in some blocks (kept stale by the lazy form) and by more in others (rescaled),
+    both column tiles' accumulators with them at D96."""
+    q = random_tensor((1, 2, 40, dim), torch.float32, scale=1.0)
     growth = torch.linspace(0.0, 12.0, 160, device=q.device)[None, None, :, None]
-    k = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0) * growth
-    v = random_tensor((1, 2, 160, 32), torch.float32, scale=1.0)
+    k = random_tensor((1, 2, 160, dim), torch.float32, scale=1.0) * growth
+    v = random_tensor((1, 2, 160, dim), torch.float32, scale=1.0)
     config = runtime.LaunchConfig((("BLOCK_M", 16), ("BLOCK_N", 16), ("USE_TMA", 0),
                                    ("LAZY", lazy)), 4, 1)
     for causal in (False, True):
