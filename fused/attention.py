@@ -498,9 +498,11 @@ HOPPER_BACKWARD = runtime.KernelPath("attention", "the Gluon dK/dV kernel on sm_
 # docs/notes/attention.md); switched off, dQ comes from the Triton kernel
 HOPPER_FUSED_DQ = runtime.KernelPath("attention", "dQ from the Gluon dK/dV kernel on sm_90")
 # the Triton forward's head dims between powers of two (96, 80, 40, 192) as two column tiles
-# rather than one padded tile (``column_tiles``)
+# rather than one padded tile (``column_tiles``). Opt-in (GEMSLIB_SPLIT_HEAD_DIM=1) until
+# timed against the padded tile on a GPU (docs/notes/attention.md)
 SPLIT_HEAD_DIM = runtime.KernelPath("attention", "head dims like 96 as two column tiles, "
-                                    "64 + 32, in the Triton forward")
+                                    "64 + 32, in the Triton forward",
+                                    environment="GEMSLIB_SPLIT_HEAD_DIM", default=False)
 
 
 def heads_interleaved(batch: int, n_heads: int, seq: int, width: int, dtype: torch.dtype,

@@ -6,8 +6,9 @@ take before the tuner has run on a card, and how far from SDPA the best one is.
     python -m benchmark.experiments.attention_tiles                      # D256, 16 heads
     python -m benchmark.experiments.attention_tiles --head-dim 96 --heads 32
 
-A head dim between powers of two (96) runs each tile as two column tiles (64 + 32) and as one
-padded tile (128), ``--split on|off|both`` (both by default). Causal, B1, bf16, at each ``--seqs``; each tile's output checked against SDPA's in fp32
+A head dim between powers of two (96) runs each tile as two column tiles (64 + 32, the opt-in
+GEMSLIB_SPLIT_HEAD_DIM=1 path) and as one padded tile (128), ``--split on|off|both`` (both by
+default); "shipped" is whichever the environment gives. Causal, B1, bf16, at each ``--seqs``; each tile's output checked against SDPA's in fp32
 (max abs error printed), then timed (``triton.testing.do_bench``, median). A tile that does
 not compile or fit is printed as failed. Measured: docs/notes/attention.md.
 """
@@ -15,7 +16,6 @@ not compile or fit is printed as failed. Measured: docs/notes/attention.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the head dim as two column tiles, one padded tile, or each")
     args = parser.parse_args(argv)
     splits = {"on": [True], "off": [False], "both": [True, False]}[args.split]
-    if not attention_ops.column_tiles(args.head_dim, args.head_dim)[1]:
-        splits = [True]  # a power of two (or too wide a tail): one way only
+    with attention_ops.SPLIT_HEAD_DIM.switched_on():
+        if not attention_ops.column_tiles(args.head_dim, args.head_dim)[1]:
+            splits = [False]  # a power of two (or too wide a tail): one way only
     if not torch.cuda.is_available():
         print("attention_tiles: needs a CUDA GPU")
         return 1
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             name = " ".join(f"{key}={value}" for key, value in tile.items())
             if len(splits) > 1:
                 name += " " + ("split" if split else "padded")
-            way = contextlib.nullcontext() if split else \
+            way = attention_ops.SPLIT_HEAD_DIM.switched_on() if split else \
                 attention_ops.SPLIT_HEAD_DIM.switched_off()
             try:
                 with attention_ops.ATTENTION_FWD.forced(_launch_config(tile)), way:

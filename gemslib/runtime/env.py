@@ -68,9 +68,13 @@ class KernelPath:
     thread runs them (autograd's backward runs in its own), on the operator's Triton kernel: how
     tuning problems and benchmarks pick a path, instead of flipping a module flag."""
 
-    def __init__(self, op: str, description: str):
+    def __init__(self, op: str, description: str, environment: str | None = None,
+                 default: bool = True):
         self.op, self.description = op, description
-        self._switched_off = 0  # nesting depth of switched_off() blocks
+        # nesting depth of switched_off() blocks; 1 outside any for a path the environment
+        # variable ``environment`` (else ``default``) leaves off
+        self._switched_off = int(not (env_flag(environment, default) if environment
+                                      else default))
 
     @property
     def on(self) -> bool:
@@ -84,6 +88,16 @@ class KernelPath:
         finally:
             self._switched_off -= 1
 
+    @contextlib.contextmanager
+    def switched_on(self):
+        """The path on inside the block, whatever its default: how tests and benchmarks reach
+        an opt-in path."""
+        saved, self._switched_off = self._switched_off, 0
+        try:
+            yield
+        finally:
+            self._switched_off = saved
+
     def __repr__(self) -> str:
         return f"<gemslib kernel path {self.op}: {self.description}, {'on' if self.on else 'off'}>"
 
@@ -93,8 +107,8 @@ DIRECT_LAUNCH = KernelPath("every operator", "launches of a repeated call straig
 NATIVE_REPLAY = KernelPath("every operator", "planned calls replayed in C++ "
                            "(gemslib.runtime.native), not by their generated Python")
 GRAPH_OVERLOADS = KernelPath("every operator", "compiled graphs call the operators' graph "
-                             "overloads (no autograd, planned), not their default ones")
-GRAPH_OVERLOADS._switched_off = int(not env_flag("GEMSLIB_GRAPH_OVERLOADS", default=True))
+                             "overloads (no autograd, planned), not their default ones",
+                             environment="GEMSLIB_GRAPH_OVERLOADS")
 # Programmatic dependent launch (sm_90 and later): a kernel built for it (TunedKernel's
 # ``dependent_launch``) starts its blocks while the kernel before it on the stream finishes,
 # and waits in griddepcontrol.wait before touching memory, which hides the gap between small

@@ -130,7 +130,14 @@ def test_both_load_paths_match_reference(use_tma, causal, dtype, lazy):
     assert_close_to_reference(lse, expected_lse, torch.float32, reduction_len=53)
 
 
-def test_head_dims_between_powers_of_two_split_into_two_column_tiles():
+@pytest.fixture
+def split_head_dim():
+    """The forward's two column tiles (opt-in, GEMSLIB_SPLIT_HEAD_DIM=1) on for the test."""
+    with attention_ops.SPLIT_HEAD_DIM.switched_on():
+        yield
+
+
+def test_head_dims_between_powers_of_two_split_into_two_column_tiles(split_head_dim):
     """D96 as 64 + 32 (a quarter less matmul work than 128), D80 as 64 + 16; not where D != Dv, a power of two,
     a tail wider than half the head tile or the switch off."""
     tiles = attention_ops.column_tiles
@@ -148,7 +155,8 @@ def test_head_dims_between_powers_of_two_split_into_two_column_tiles():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("dim", [40, 80, 96])
-def test_split_head_dims_match_reference_on_both_load_paths(dim, dtype, causal, use_tma, lazy):
+def test_split_head_dims_match_reference_on_both_load_paths(dim, dtype, causal, use_tma, lazy,
+                                                            split_head_dim):
     """The two column tiles (a tail that ends inside its tile at D40 and D80) give o and lse
     of the float64 reference, and the same o as one padded tile, through pointers and
     descriptors, ragged query and key blocks, GQA."""
@@ -173,7 +181,7 @@ def test_split_head_dims_match_reference_on_both_load_paths(dim, dtype, causal, 
 
 @pytest.mark.parametrize("use_tma", [0, 1], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("case", [(70, 70, 17, None), (70, 70, None, 2.0)], ids=str)
-def test_split_head_dims_with_a_window_or_a_cap_match_reference(case, use_tma):
+def test_split_head_dims_with_a_window_or_a_cap_match_reference(case, use_tma, split_head_dim):
     """The masked path (every block) on two column tiles: D96 with a sliding window or a cap,
     fp16."""
     seq_q, seq_kv, window, softcap = case
@@ -284,10 +292,11 @@ def test_banded_calls_are_checked():
 
 @pytest.mark.parametrize("dim", [32, 96], ids=["one_tile", "two_tiles"])
 @pytest.mark.parametrize("lazy", [0, 1], ids=["rescaled", "lazy"])
-def test_scores_that_grow_along_the_keys(lazy, dim):
+def test_scores_that_grow_along_the_keys(lazy, dim, split_head_dim):
     """Keys scaled up along the sequence: each block's maxima pass the running ones, by less
     than 2^8 in some blocks (kept stale by the lazy form) and by more in others (rescaled),
     both column tiles' accumulators with them at D96."""
+    assert attention_ops.column_tiles(dim, dim)[1] == (32 if dim == 96 else 0)
     q = random_tensor((1, 2, 40, dim), torch.float32, scale=1.0)
     growth = torch.linspace(0.0, 12.0, 160, device=q.device)[None, None, :, None]
     k = random_tensor((1, 2, 160, dim), torch.float32, scale=1.0) * growth

@@ -773,6 +773,24 @@ def test_a_kernel_path_is_switched_off_only_inside_its_block():
     assert path.on
 
 
+@pytest.mark.parametrize("value,on", [(None, False), ("1", True), ("0", False)])
+def test_an_opt_in_path_follows_its_variable_and_switches_on_inside_its_block(monkeypatch,
+                                                                               value, on):
+    """A path off by default is on where its environment variable says so at construction,
+    and on inside switched_on() (nested in switched_off() too), back as it was after."""
+    if value is None:
+        monkeypatch.delenv("GEMSLIB_TEST_PATH", raising=False)
+    else:
+        monkeypatch.setenv("GEMSLIB_TEST_PATH", value)
+    path = runtime.KernelPath("op", "a path", environment="GEMSLIB_TEST_PATH", default=False)
+    assert path.on is on
+    with path.switched_off(), path.switched_on():
+        assert path.on
+    with pytest.raises(ZeroDivisionError), path.switched_on():
+        1 / 0
+    assert path.on is on
+
+
 class _FakeDescriptorJit(triton.runtime.KernelInterface):
     """Stands for a Gluon kernel (x_desc, out_ptr, n, BLOCK): records the launches Triton binds
     and those straight to its compiled kernel (the descriptor as the launcher gets it)."""
