@@ -165,18 +165,19 @@ def test_a_record_is_named_by_the_settings_a_compile_changes_not_by_those_it_res
 
 
 def test_a_compile_served_from_a_cache_entry_another_compile_restating_a_default_made():
-    """The second compile of the same graph, with the first's options restating inductor's
-    defaults, is served by inductor's cache and still reports the fusions the passes made."""
+    """The second compile of the same graph (a fresh module: merged parameters would name
+    another compile), the first's options restating inductor's defaults, is served by
+    inductor's cache and still reports the fusions the passes made."""
     from torch._dynamo.utils import counters
 
-    module = _TwoProjections().eval()
     x = torch.randn(4, 16, device=DEVICE)
     restating = {"triton.cudagraphs": False, "shape_padding": False, "size_asserts": False}
     reports = []
-    counters.clear()
     with torch.no_grad():
         for options in (restating, {"shape_padding": False}):
+            module = _TwoProjections().eval()
             torch._dynamo.reset()
+            counters.clear()
             gemslib.reset_fusion_report()
             torch.compile(module, backend="gemslib", fullgraph=True, options=options)(x)
             reports.append(gemslib.fusion_report())
