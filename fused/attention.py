@@ -190,7 +190,8 @@ def _query_block(seq_q, n_q_heads, group_size, CAUSAL: tl.constexpr, BLOCK_M: tl
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_desc, k_desc, v_desc, o_desc,
-    q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc, seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2, window, cap_log2,
+    q_tail_desc, k_tail_desc, v_tail_desc, o_tail_desc,
+    seq_q, seq_kv, n_q_heads, group_size, head_dim, head_dim_v, scale_log2, window, cap_log2,
     stride_q_b, stride_q_h, stride_q_s, stride_k_b, stride_k_h, stride_k_s,
     stride_v_b, stride_v_h, stride_v_s, stride_o_b, stride_o_h, stride_o_s,
     CAUSAL: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, WINDOW: tl.constexpr,
@@ -252,18 +253,21 @@ def _attention_fwd_kernel(
             key_start = (tl.maximum(i_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
         b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
             b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
-            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, key_start, key_end, seq_kv, head_dim, head_dim_v,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m,
+            key_start, key_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
             BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
     else:
         b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
             b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
-            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, 0, full_end, seq_kv, head_dim, head_dim_v,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m,
+            0, full_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, False, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
             BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
         b_acc, b_acc_t, b_row_max, b_row_sum = _attend_blocks(
             b_acc, b_acc_t, b_row_max, b_row_sum, b_q, b_q_t, p_k, p_v, stride_k_s,
-            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m, full_end, key_end, seq_kv, head_dim, head_dim_v,
+            stride_v_s, k_desc, v_desc, k_tail_desc, v_tail_desc, i_b32, i_hkv32, o_m,
+            full_end, key_end, seq_kv, head_dim, head_dim_v,
             scale_log2, window, cap_log2, True, CAUSAL, IEEE, TMA, LAZY, WINDOW, SOFTCAP,
             BLOCK_N, BLOCK_D, BLOCK_DV, SPLIT, BLOCK_DT)
 

@@ -8,9 +8,10 @@ take before the tuner has run on a card, and how far from SDPA the best one is.
 
 A head dim between powers of two (96) runs each tile as two column tiles (64 + 32, the opt-in
 GEMSLIB_SPLIT_HEAD_DIM=1 path) and as one padded tile (128), ``--split on|off|both`` (both by
-default); "shipped" is whichever the environment gives. Causal, B1, bf16, at each ``--seqs``; each tile's output checked against SDPA's in fp32
-(max abs error printed), then timed (``triton.testing.do_bench``, median). A tile that does
-not compile or fit is printed as failed. Measured: docs/notes/attention.md.
+default); "shipped" is whichever the environment gives; ``--tiles shipped`` times only the
+shipped file's tile. Causal, B1, bf16, at each ``--seqs``; each tile's output checked against
+SDPA's in fp32 (max abs error printed), then timed (``triton.testing.do_bench``, median). A
+tile that does not compile or fit is printed as failed. Measured: docs/notes/attention.md.
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ def split_head_dim():
 
 
 def test_head_dims_between_powers_of_two_split_into_two_column_tiles(split_head_dim):
-    """D96 as 64 + 32 (a quarter less matmul work than 128), D80 as 64 + 16; not where D != Dv, a power of two,
-    a tail wider than half the head tile or the switch off."""
+    """D96 as 64 + 32 (a quarter less matmul work than 128), D80 as 64 + 16; not where
+    D != Dv, at a power of two, with a tail wider than half the head tile, or switched off."""
     tiles = attention_ops.column_tiles
     assert [tiles(d, d) for d in (96, 80, 65, 40, 33, 192, 160)] == [
         (64, 32), (64, 16), (64, 16), (32, 16), (32, 16), (128, 64), (128, 32)]
